@@ -1,0 +1,1 @@
+"""Dataset preparation (prepare.py) and length-bucketed batching (loader.py) for nanogen."""

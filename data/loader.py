@@ -1,0 +1,91 @@
+"""Reading prepared sequences (data/prepare.py) and batching them by length.
+
+A sequence s = (x_1..x_10, y_1..y_T) with y_T = eos.  The model reads s[:-1] and predicts
+s[1:]; position i (0-based) predicts s[i+1], so the continuation targets y_1..y_T sit at
+positions CONTEXT_LEN-1 .. len-2, and position i predicts continuation step
+t = i - (CONTEXT_LEN - 2): t = 1 at y_1 (NMST eq. 10), t <= 0 on the context.  Only those targets enter the loss (NMST paper eq. 3);
+context targets and padding never do.
+
+Batches are length-bucketed: sequences sorted by length (ties in a random order), cut into
+batches of `batch_size` sequences (RNN/LSTM; paper: 32) or of at most `max_tokens` padded
+tokens (GPT; paper: 1024), and the batch order shuffled.  The order is a pure function of
+(seed, epoch), so a resumed run replays it exactly without storing any RNG state.
+"""
+import os
+
+import numpy as np
+import torch
+
+from data.prepare import CONTEXT_LEN, load_meta, prepare
+
+
+class CompletionSplit:
+    """One split of a prepared dataset as memmaps: tokens (flat) and offsets (N + 1)."""
+
+    def __init__(self, folder, split):
+        self.meta = load_meta(folder)
+        self.tokens = np.memmap(os.path.join(folder, f"{split}.bin"), dtype=self.meta["dtype"], mode="r")
+        self.offsets = np.fromfile(os.path.join(folder, f"{split}.idx"), dtype=np.int64)
+        self.lengths = np.diff(self.offsets)  # (N,) tokens incl. eos
+        self.split = split
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
+
+
+def load(dataset, data_dir=None, verbose=True):
+    """-> (meta, {split: CompletionSplit}) after preparing the dataset if needed."""
+    folder = prepare(dataset, data_dir, verbose=verbose)
+    splits = {s: CompletionSplit(folder, s) for s in ("train", "valid", "test")}
+    return splits["train"].meta, splits
+
+
+def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, epoch=0, limit=None):
+    """Length-bucketed batches: a list of index arrays into `lengths`.
+    Exactly one of batch_size (sequences per batch) / max_tokens (B * longest <= max_tokens;
+    a longer sequence gets a batch of its own).  limit: use only the first `limit` sequences."""
+    if (batch_size is None) == (max_tokens is None):
+        raise ValueError("give exactly one of batch_size / max_tokens")
+    lengths = np.asarray(lengths)[:limit]
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
+    order = order[np.argsort(lengths[order] - 1, kind="stable")]  # by model-input length, ties random
+    out = []
+    if batch_size is not None:
+        out = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    else:
+        start = 0
+        for i in range(len(order)):
+            # lengths ascend, so the longest input of order[start:i+1] is the last one
+            if i > start and (i + 1 - start) * (lengths[order[i]] - 1) > max_tokens:
+                out.append(order[start:i])
+                start = i
+        if start < len(order):
+            out.append(order[start:])
+    if shuffle:
+        out = [out[j] for j in rng.permutation(len(out))]
+    return out
+
+
+def collate(split, index, device="cpu", pad_id=0):
+    """index -> dict(tokens (B, Lmax) long, lengths (B,) long) for the sequences, right-padded."""
+    seqs = [split[i] for i in index]
+    L = max(len(s) for s in seqs)
+    tokens = np.full((len(seqs), L), pad_id, dtype=np.int64)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = s
+    return dict(tokens=torch.from_numpy(tokens).to(device),
+                lengths=torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device))
+
+
+def loss_mask(lengths, T, context_len=CONTEXT_LEN):
+    """(B, T) bool over model positions: True where the target is a continuation token
+    (positions context_len-1 .. len-2).  T = Lmax - 1 model positions."""
+    pos = torch.arange(T, device=lengths.device)
+    return (pos >= context_len - 1) & (pos < (lengths - 1).unsqueeze(1))
+
+
+FIRST_STEP = 2 - CONTEXT_LEN  # continuation step t of model position 0 (position CONTEXT_LEN-1 has t = 1)

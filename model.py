@@ -1,0 +1,235 @@
+"""Backbones: RNN (tanh), LSTM and GPT-2, under one contract, plus the LanguageModel that joins a
+backbone to an output head (heads.py).
+
+Papers: the survey (../shared/papers/survey-text-generation-with-neural-networks.txt) for the
+RNN / LSTM / Transformer language models; NMST paper appendix D for the sizes (RNN 2x256,
+LSTM 2x512, tied input/output embeddings, dropout 0.3 / 0.5; GPT-2 124M, dropout 0.1);
+GPT-2 (Radford et al. 2019) for the architecture: learned absolute positions, pre-LayerNorm
+blocks, GELU MLP, causal self-attention, weight tying.
+
+The contract every backbone follows (every head and every decoder relies on it):
+
+    h, state = backbone(idx, state=None, lengths=None)
+        idx      (B, T) token ids, right-padded when `lengths` is given
+        state    None (start of sequence) or what the previous call returned
+        lengths  (B,) number of real tokens of each row of idx (None: all T are real)
+        h        (B, T, D) final hidden states (rows past `lengths` are garbage)
+        state    the incremental state after the last *real* token of each row:
+                   RNN  h_n (layers, B, D)           LSTM (h_n, c_n)
+                   GPT  (kv, key_valid, next_pos): per-layer (k, v) caches (B, H, Tc, hd),
+                        key_valid (B, Tc) bool (False on padded slots), next_pos (B,) long
+    state = backbone.reorder_state(state, index)   # select / repeat batch rows (beam search)
+
+Feeding a sequence token by token through `state` gives the same h as one full pass
+(tests/test_model.py checks this in float64).
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from heads import Head
+
+MODELS = ("rnn", "lstm", "gpt")
+
+
+# ---------------------------------------------------------------------------------------------
+# RNN / LSTM
+# ---------------------------------------------------------------------------------------------
+class Recurrent(nn.Module):
+    """Embedding -> dropout -> n_layer nn.RNN(tanh) / nn.LSTM (dropout between layers) -> dropout.
+    d_model is both the embedding and the hidden size, so the output layer can be tied."""
+
+    def __init__(self, cell, vocab_size, d_model=512, n_layer=2, dropout=0.5):
+        super().__init__()
+        assert cell in ("rnn", "lstm")
+        self.cell, self.d_model = cell, d_model
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        rnn_cls = nn.LSTM if cell == "lstm" else nn.RNN
+        kw = {} if cell == "lstm" else {"nonlinearity": "tanh"}
+        self.rnn = rnn_cls(d_model, d_model, num_layers=n_layer, dropout=dropout if n_layer > 1 else 0.0,
+                           batch_first=True, **kw)
+        nn.init.uniform_(self.wte.weight, -0.1, 0.1)
+
+    def forward(self, idx, state=None, lengths=None):
+        x = self.drop(self.wte(idx))  # (B, T, D)
+        if lengths is None:
+            out, state = self.rnn(x, state)
+        else:  # packed, so that the returned state is the one after each row's last real token
+            packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            out, state = self.rnn(packed, state)
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=idx.size(1))
+        return self.drop(out), state
+
+    @staticmethod
+    def reorder_state(state, index):
+        if isinstance(state, tuple):  # LSTM (h, c), each (layers, B, D)
+            return tuple(s.index_select(1, index) for s in state)
+        return state.index_select(1, index)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2
+# ---------------------------------------------------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head, dropout, bias):
+        super().__init__()
+        assert n_embd % n_head == 0, "n_embd must be divisible by n_head"
+        self.n_head, self.dropout = n_head, dropout
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x, past=None, attn_mask=None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, H, T, hd)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        p = self.dropout if self.training else 0.0
+        if attn_mask is None:  # plain causal attention over a fresh sequence (training path)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd, dropout, bias):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, n_embd, n_head, dropout, bias):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+
+    def forward(self, x, past=None, attn_mask=None):
+        a, kv = self.attn(self.ln_1(x), past, attn_mask)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), kv
+
+
+class GPT(nn.Module):
+    """GPT-2: token + learned position embeddings, n_layer pre-LN blocks, final LayerNorm.
+    Module names follow GPT-2's checkpoints (wte, wpe, h.i.attn.c_attn, ...)."""
+
+    def __init__(self, vocab_size, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1, bias=True):
+        super().__init__()
+        self.block_size, self.d_model, self.n_layer = block_size, n_embd, n_layer
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList([Block(n_embd, n_head, dropout, bias) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 n_layer)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, state=None, lengths=None):
+        B, T = idx.shape
+        dev = idx.device
+        new_valid = torch.ones(B, T, dtype=torch.bool, device=dev) if lengths is None else \
+            torch.arange(T, device=dev) < lengths.to(dev).unsqueeze(1)  # (B, T)
+        if state is None:
+            kv, key_valid, pos0 = [None] * self.n_layer, new_valid[:, :0], torch.zeros(B, dtype=torch.long, device=dev)
+        else:
+            kv, key_valid, pos0 = state
+        pos = pos0.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T) absolute positions
+        if int(pos.max()) >= self.block_size:
+            raise ValueError(f"sequence of {int(pos.max()) + 1} tokens exceeds the GPT context window "
+                             f"(block_size={self.block_size})")
+        Tc = key_valid.size(1)
+        key_valid = torch.cat([key_valid, new_valid], dim=1)  # (B, Tc + T)
+        attn_mask = None
+        if state is not None or lengths is not None:  # cache or padding: an explicit boolean mask
+            causal = torch.arange(Tc + T, device=dev) <= (Tc + torch.arange(T, device=dev)).unsqueeze(1)  # (T, Tc+T)
+            attn_mask = (causal.unsqueeze(0) & key_valid.unsqueeze(1)).unsqueeze(1)  # (B, 1, T, Tc+T)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        new_kv = []
+        for block, past in zip(self.h, kv):
+            x, layer_kv = block(x, past, attn_mask)
+            new_kv.append(layer_kv)
+        n_real = new_valid.sum(1) if lengths is not None else torch.full((B,), T, device=dev)
+        return self.ln_f(x), (new_kv, key_valid, pos0 + n_real)
+
+    @staticmethod
+    def reorder_state(state, index):
+        kv, key_valid, pos = state
+        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv]
+        return kv, key_valid.index_select(0, index), pos.index_select(0, index)
+
+
+# ---------------------------------------------------------------------------------------------
+# backbone + head
+# ---------------------------------------------------------------------------------------------
+def model_config(args, vocab_size, eos_id):
+    """The architecture part of the train.py arguments, as a plain dict stored in checkpoints."""
+    cfg = dict(model=args.model, head=args.head, epsilon=args.epsilon, vocab_size=vocab_size, eos_id=eos_id,
+               n_layer=args.n_layer, d_model=args.d_model, dropout=args.dropout, tie=not args.no_tie)
+    if args.model == "gpt":
+        cfg.update(n_head=args.n_head, block_size=args.block_size, bias=not args.no_bias)
+    return cfg
+
+
+class LanguageModel(nn.Module):
+    """p(y_t | y_<t, x) = head(backbone(tokens)).  Built from a plain config dict (model_config)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg["model"] not in MODELS:
+            raise ValueError(f"unknown model '{cfg['model']}' (choose from {', '.join(MODELS)})")
+        self.cfg = dict(cfg)
+        V, D = cfg["vocab_size"], cfg["d_model"]
+        if cfg["model"] == "gpt":
+            self.backbone = GPT(V, cfg["block_size"], cfg["n_layer"], cfg["n_head"], D, cfg["dropout"], cfg["bias"])
+        else:
+            self.backbone = Recurrent(cfg["model"], V, D, cfg["n_layer"], cfg["dropout"])
+        self.head = Head(cfg["head"], D, V, cfg["eos_id"], cfg["epsilon"])
+        if cfg["tie"]:  # weight tying (NMST paper appendix D; GPT-2)
+            self.head.proj.weight = self.backbone.wte.weight
+
+    @property
+    def eos_id(self):
+        return self.head.eos_id
+
+    def forward(self, idx, t, state=None, lengths=None):
+        """idx (B, T); t: continuation step of the first position (int / (B,)) or of every
+        position ((B, T)); state = (backbone_state, head_state) or None.
+        -> log_probs (B, T, V), new state."""
+        bstate, hstate = (None, None) if state is None else state
+        h, bstate = self.backbone(idx, bstate, lengths)
+        log_probs, hstate = self.head(h, t, hstate)
+        return log_probs, (bstate, hstate)
+
+    def reorder_state(self, state, index):
+        bstate, hstate = state
+        return self.backbone.reorder_state(bstate, index), (None if hstate is None else hstate.index_select(0, index))
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
