@@ -54,25 +54,6 @@ def _check_epsilon(epsilon):
         raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
 
 
-def _step_index(t, like):
-    """t (int or tensor broadcastable to like.shape[:-1]) -> float tensor of steps, clamped to >= 1."""
-    t = torch.as_tensor(t, device=like.device)
-    return torch.clamp(t, min=1).to(like.dtype).expand(like.shape[:-1])
-
-
-def _assemble(logits, eos_id, log_alpha, log_one_minus_alpha):
-    """Shared by eq. 9 and eq. 10: put p(eos) = alpha_t at eos_id and spread (1 - alpha_t) over
-    the other tokens with a softmax that excludes eos:
-        p(v) = (1 - alpha_t) * exp(z_v) / sum_{v' != eos} exp(z_v'),   v != eos.
-    logits (..., V); log_alpha, log_one_minus_alpha (...)  ->  log_probs (..., V)."""
-    V = logits.size(-1)
-    is_eos = torch.arange(V, device=logits.device) == eos_id  # (V,)
-    z_rest = logits.masked_fill(is_eos, float("-inf"))
-    log_softmax_rest = z_rest - torch.logsumexp(z_rest, dim=-1, keepdim=True)  # -inf at eos
-    out = log_one_minus_alpha.unsqueeze(-1) + log_softmax_rest
-    return torch.where(is_eos, log_alpha.unsqueeze(-1), out)
-
-
 # ---------------------------------------------------------------------------------------------
 # the three parametrizations (pure functions)
 # ---------------------------------------------------------------------------------------------
@@ -82,53 +63,76 @@ def softmax_log_probs(logits):
     return F.log_softmax(logits, dim=-1)
 
 
-def nmst_log_probs(logits, t, eos_id, epsilon):
+def nmst_log_alpha(z_eos, t, epsilon):
     """NMST, NMST paper eq. 10:
         alpha_t = (1 - sigma(z_eos)) * (1 - (1 - eps)^t) + sigma(z_eos)
     i.e. a convex combination, with weight sigma(z_eos), of the lower bound 1 - (1 - eps)^t and 1.
     In log space:
         log(1 - alpha_t) = logsigmoid(-z_eos) + t * log1p(-eps)
         log(alpha_t)     = logaddexp(logsigmoid(z_eos), logsigmoid(-z_eos) + log1mexp(t*log1p(-eps)))
-    logits (..., V); t int or tensor broadcastable to (...) (t <= 0: scored as t = 1)
-    -> log_probs (..., V)."""
+    z_eos (...); t int or tensor broadcastable to (...) (t <= 0: scored as t = 1)
+    -> (log_alpha, log_one_minus_alpha), each (...)."""
     _check_epsilon(epsilon)
-    t = _step_index(t, logits)
-    z_eos = logits[..., eos_id]
-    log_lower_keep = t * math.log1p(-epsilon)  # log (1 - eps)^t, (...)
+    t = torch.clamp(torch.as_tensor(t, device=z_eos.device), min=1).to(z_eos.dtype)
+    log_lower_keep = t * math.log1p(-epsilon)  # log (1 - eps)^t
     log_one_minus_alpha = F.logsigmoid(-z_eos) + log_lower_keep
     log_alpha = torch.logaddexp(F.logsigmoid(z_eos), F.logsigmoid(-z_eos) + log1mexp(log_lower_keep))
-    return _assemble(logits, eos_id, log_alpha, log_one_minus_alpha)
+    return log_alpha, log_one_minus_alpha
 
 
-def st_log_probs(logits, t, eos_id, epsilon, log_keep=None):
+def st_log_alpha(z_eos, t, epsilon, log_keep=None):
     """ST, NMST paper eq. 9 (Welleck et al. 2020):
         alpha_t = 1 - prod_{t'=1}^{t} (1 - eps) * sigma(z_eos,t')
     so log(1 - alpha_t) = log_keep_t = sum_{t'<=t} [log1p(-eps) + logsigmoid(z_eos,t')] and
     log(alpha_t) = log1mexp(log_keep_t).
 
-    logits (B, T, V) (or (..., T, V)) over *consecutive* steps; t is the step index of each
-    position: an int (step of the first position, later positions t+1, t+2, ...), a (...,)
-    tensor of first-position steps per sequence, or a (..., T) tensor giving every position's
-    step.  log_keep (...,) is the running sum *before* the first position (None = empty product).
-    Positions with t <= 0 (context) are scored with a fresh one-term product and do not enter
-    the running sum.
-    -> (log_probs (..., T, V), log_keep (...,) after the last position)."""
+    z_eos (..., T) over *consecutive* steps; t is the step index of each position: an int
+    (step of the first position; later ones t+1, t+2, ...), a (...,) tensor of first-position
+    steps per sequence, or a (..., T) tensor giving every position's step.  log_keep (...,)
+    is the running sum *before* the first position (None = empty product).  Positions with
+    t <= 0 (context) get a fresh one-term product and do not enter the running sum.
+    -> (log_alpha (..., T), log_one_minus_alpha (..., T), log_keep (...,) after the last position)."""
     _check_epsilon(epsilon)
-    T = logits.size(-2)
-    t = torch.as_tensor(t, device=logits.device)
-    if t.dim() == 0 or t.dim() < logits.dim() - 1 or t.size(-1) != T:
-        # a first-position step (scalar or per-sequence): positions are t, t+1, ..., t+T-1
-        t = t.unsqueeze(-1) + torch.arange(T, device=logits.device)
-    t = t.expand(logits.shape[:-1])
-    z_eos = logits[..., eos_id]  # (..., T)
-    term = math.log1p(-epsilon) + F.logsigmoid(z_eos)  # log((1-eps) sigma(z_eos,t')), (..., T)
+    T = z_eos.size(-1)
+    t = torch.as_tensor(t, device=z_eos.device)
+    if t.dim() == 0 or t.dim() < z_eos.dim() or t.size(-1) != T:
+        t = t.unsqueeze(-1) + torch.arange(T, device=z_eos.device)  # first-position step -> every position
+    t = t.expand(z_eos.shape)
+    term = math.log1p(-epsilon) + F.logsigmoid(z_eos)  # log((1 - eps) sigma(z_eos,t'))
     in_continuation = t >= 1
     if log_keep is None:
-        log_keep = torch.zeros(logits.shape[:-2], dtype=logits.dtype, device=logits.device)
+        log_keep = torch.zeros(z_eos.shape[:-1], dtype=z_eos.dtype, device=z_eos.device)
     running = log_keep.unsqueeze(-1) + torch.cumsum(torch.where(in_continuation, term, 0.0), dim=-1)
     log_one_minus_alpha = torch.where(in_continuation, running, term)
-    log_alpha = log1mexp(log_one_minus_alpha)
-    return _assemble(logits, eos_id, log_alpha, log_one_minus_alpha), running[..., -1]
+    return log1mexp(log_one_minus_alpha), log_one_minus_alpha, running[..., -1]
+
+
+def _log_softmax_without_eos(logits, eos_id):
+    """log( exp(z_v) / sum_{v' != eos} exp(z_v') ) for every v (-inf at eos): the shared
+    non-eos factor of eq. 9 and eq. 10.  logits (..., V) -> (..., V)."""
+    is_eos = torch.arange(logits.size(-1), device=logits.device) == eos_id
+    z_rest = logits.masked_fill(is_eos, float("-inf"))
+    return z_rest - torch.logsumexp(z_rest, dim=-1, keepdim=True), is_eos
+
+
+def _assemble(logits, eos_id, log_alpha, log_one_minus_alpha):
+    """p(eos) = alpha_t at eos_id and, for v != eos (eq. 9 / 10, second line),
+        p(v) = (1 - alpha_t) * exp(z_v) / sum_{v' != eos} exp(z_v').
+    logits (..., V); log_alpha, log_one_minus_alpha (...)  ->  log_probs (..., V)."""
+    log_rest, is_eos = _log_softmax_without_eos(logits, eos_id)
+    return torch.where(is_eos, log_alpha.unsqueeze(-1), log_one_minus_alpha.unsqueeze(-1) + log_rest)
+
+
+def nmst_log_probs(logits, t, eos_id, epsilon):
+    """NMST (eq. 10) log-probabilities.  logits (..., V), t as in nmst_log_alpha -> (..., V)."""
+    return _assemble(logits, eos_id, *nmst_log_alpha(logits[..., eos_id], t, epsilon))
+
+
+def st_log_probs(logits, t, eos_id, epsilon, log_keep=None):
+    """ST (eq. 9) log-probabilities.  logits (..., T, V), t / log_keep as in st_log_alpha
+    -> (log_probs (..., T, V), log_keep (...,) after the last position)."""
+    log_alpha, log_one_minus_alpha, log_keep = st_log_alpha(logits[..., eos_id], t, epsilon, log_keep)
+    return _assemble(logits, eos_id, log_alpha, log_one_minus_alpha), log_keep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,16 +155,48 @@ class Head(nn.Module):
         self.proj = nn.Linear(d_model, vocab_size, bias=bias)
 
     def forward(self, h, t=1, head_state=None):
+        """h (B, T, D) -> (log_probs (B, T, V), head_state)."""
         logits = self.proj(h)  # (B, T, V)
         if self.kind == "softmax":
             return softmax_log_probs(logits), None
         if self.kind == "nmst":
-            t = torch.as_tensor(t, device=h.device)
-            if t.dim() < 2:  # first-position step -> every position's step, (B, T)
-                t = t.reshape(-1, 1) + torch.arange(h.size(1), device=h.device)
-            return nmst_log_probs(logits, t, self.eos_id, self.epsilon), None
+            return nmst_log_probs(logits, every_step(t, h), self.eos_id, self.epsilon), None
         return st_log_probs(logits, t, self.eos_id, self.epsilon, head_state)
+
+    def target_log_probs(self, h, targets, t=1, head_state=None):
+        """log p(targets) only: the training / evaluation path.  Tests check it equals
+        forward(...).gather(targets).  h (B, T, D), targets (B, T) -> (log_p (B, T), head_state).
+
+        It never builds the (B, T, V) log-probabilities: on CPU every extra pass over them costs
+        as much as the matrix product.  For ST / NMST the eos row of U is projected on its own
+        (z_eos, (B, T)) and the other V-1 rows feed one fused cross entropy, which *is* the
+        non-eos factor  exp(z_v) / sum_{v' != eos} exp(z_v')  of eq. 9 / 10; the eos part
+        reuses nmst_log_alpha / st_log_alpha.  So ST / NMST cost the same as softmax."""
+        B, T = targets.shape
+        if self.kind == "softmax":
+            return -F.cross_entropy(self.proj(h).flatten(0, 1), targets.flatten(), reduction="none").view(B, T), None
+        e, W, bias = self.eos_id, self.proj.weight, self.proj.bias
+        z_eos = h @ W[e] + (bias[e] if bias is not None else 0.0)  # (B, T)
+        logits_rest = F.linear(h, torch.cat([W[:e], W[e + 1:]]),
+                               None if bias is None else torch.cat([bias[:e], bias[e + 1:]]))  # (B, T, V-1)
+        is_eos = targets == e
+        rest_targets = torch.where(targets > e, targets - 1, targets).masked_fill(is_eos, 0)
+        log_rest = -F.cross_entropy(logits_rest.flatten(0, 1), rest_targets.flatten(), reduction="none").view(B, T)
+        if self.kind == "nmst":
+            log_alpha, log_one_minus_alpha = nmst_log_alpha(z_eos, every_step(t, h), self.epsilon)
+        else:
+            log_alpha, log_one_minus_alpha, head_state = st_log_alpha(z_eos, t, self.epsilon, head_state)
+        return torch.where(is_eos, log_alpha, log_one_minus_alpha + log_rest), head_state
 
     def extra_repr(self):
         eps = "" if self.kind == "softmax" else f", epsilon={self.epsilon:g}"
         return f"kind={self.kind}, eos_id={self.eos_id}{eps}"
+
+
+def every_step(t, h):
+    """t as a first-position step (int / (B,)) or per position ((B, T)) -> (B, T) (or (1, T))
+    for h (B, T, ...)."""
+    t = torch.as_tensor(t, device=h.device)
+    if t.dim() < 2:
+        t = t.reshape(-1, 1) + torch.arange(h.size(1), device=h.device)
+    return t

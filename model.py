@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from heads import Head
+from heads import Head, every_step
 
 MODELS = ("rnn", "lstm", "gpt")
 
@@ -224,8 +224,17 @@ class LanguageModel(nn.Module):
         -> log_probs (B, T, V), new state."""
         bstate, hstate = (None, None) if state is None else state
         h, bstate = self.backbone(idx, bstate, lengths)
+        if lengths is not None:  # padded positions are no continuation step: ST must not count them
+            t = every_step(t, h)
+            t = torch.where(torch.arange(h.size(1), device=h.device) < lengths.to(h.device).unsqueeze(1), t, 0)
         log_probs, hstate = self.head(h, t, hstate)
         return log_probs, (bstate, hstate)
+
+    def target_log_probs(self, idx, targets, t, lengths=None):
+        """log p(targets (B, T) | prefix) from a fresh start, without the full (B, T, V)
+        log-probabilities (training / perplexity path).  -> (B, T)."""
+        h, _ = self.backbone(idx, None, lengths)
+        return self.head.target_log_probs(h, targets, t)[0]
 
     def reorder_state(self, state, index):
         bstate, hstate = state
@@ -233,3 +242,56 @@ class LanguageModel(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: written atomically, read with weights_only=True
+# ---------------------------------------------------------------------------------------------
+CKPT_FORMAT = "nanogen-checkpoint-1"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the CLIs print it as one line."""
+
+
+def save_checkpoint(obj, path):
+    """torch.save to a temporary file in the same folder, fsync, then an atomic rename:
+    a crash leaves either the old file or the new one, never half of one."""
+    import os
+    import tempfile
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(obj, format=CKPT_FORMAT), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """torch.load(weights_only=True): tensors and plain containers only, never pickled code."""
+    import os
+    import pickle
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
+        raise CheckpointError(f"{path} was refused by safe (weights_only) loading: {first[:200]}") from None
+    except Exception as e:  # truncated / not a torch file
+        raise CheckpointError(f"{path} is not a readable nanogen checkpoint ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else 'unreadable'})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise CheckpointError(f"{path} is not a nanogen checkpoint (no '{CKPT_FORMAT}' marker)")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt):
+    lm = LanguageModel(ckpt["config"])
+    lm.load_state_dict(ckpt["model"])
+    return lm

@@ -43,15 +43,18 @@ def load(dataset, data_dir=None, verbose=True):
     return splits["train"].meta, splits
 
 
-def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, epoch=0, limit=None):
+def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, epoch=0, limit=None, max_len=None):
     """Length-bucketed batches: a list of index arrays into `lengths`.
-    Exactly one of batch_size (sequences per batch) / max_tokens (B * longest <= max_tokens;
-    a longer sequence gets a batch of its own).  limit: use only the first `limit` sequences."""
+    Exactly one of batch_size (sequences per batch) / max_tokens (B * longest input <= max_tokens;
+    a longer sequence gets a batch of its own).  limit: use only the first `limit` sequences;
+    max_len: leave out sequences whose model input (length - 1) is longer (a GPT's window)."""
     if (batch_size is None) == (max_tokens is None):
         raise ValueError("give exactly one of batch_size / max_tokens")
     lengths = np.asarray(lengths)[:limit]
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
+    if max_len is not None:
+        order = order[lengths[order] - 1 <= max_len]
     order = order[np.argsort(lengths[order] - 1, kind="stable")]  # by model-input length, ties random
     out = []
     if batch_size is not None:

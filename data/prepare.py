@@ -10,7 +10,7 @@ Datasets
 
 Sources.  Each dataset has its official public archive / files with a sha256.  With no local
 copy they are downloaded (tqdm progress bar) into the cache and verified before use.  A local
-folder (--data_dir DIR, or env NANOGEN_DATA) may hold:
+folder (--data_dir DIR, or env NANOGEN_DATA) may hold (NANOGEN_OFFLINE=1 forbids downloads):
   * the official file under its official name  -> its sha256 must match, else a clear error;
   * for the WikiText zips, another zip with the official member layout (e.g. the
     WikiText-103 *subset* in ../shared/data), or the extracted folder  -> accepted, with a
@@ -137,6 +137,9 @@ def _fetch(urls, name, sha256):
     if os.path.exists(dest):
         _check_sha256(dest, sha256)
         return dest
+    if os.environ.get("NANOGEN_OFFLINE"):
+        raise DataError(f"{name} is not in the cache ({os.path.dirname(dest)}) and NANOGEN_OFFLINE is set: "
+                        f"pass --data_dir DIR (or set NANOGEN_DATA) to a folder that holds it")
     errors = []
     for url in urls:
         try:

@@ -1,0 +1,182 @@
+"""heads.py against NMST paper eq. 2 / 9 / 10 computed directly in float64."""
+import math
+
+import pytest
+import torch
+
+from heads import Head, log1mexp, nmst_log_probs, softmax_log_probs, st_log_probs
+
+torch.manual_seed(0)
+
+
+def direct_nmst(z, t, eos, eps):
+    """eq. 10 as written, float64: alpha_t and (1 - alpha_t) * softmax over the non-eos tokens."""
+    sig = 1.0 / (1.0 + torch.exp(-z[..., eos]))
+    alpha = (1 - sig) * (1 - (1 - eps) ** t) + sig
+    return _spread(z, eos, alpha)
+
+
+def direct_st(z, t0, eos, eps):
+    """eq. 9 as written, float64, z (B, T, V) at steps t0, t0+1, ...: alpha_t = 1 - prod (1-eps) sig."""
+    sig = 1.0 / (1.0 + torch.exp(-z[..., eos]))
+    alpha = 1 - torch.cumprod((1 - eps) * sig, dim=-1)
+    assert t0 == 1
+    return _spread(z, eos, alpha)
+
+
+def _spread(z, eos, alpha):
+    rest = z.clone()
+    rest[..., eos] = -float("inf")
+    p = torch.softmax(rest, dim=-1) * (1 - alpha).unsqueeze(-1)
+    p[..., eos] = alpha
+    return p
+
+
+@pytest.mark.parametrize("scale", [1.0, 10.0, 100.0])
+@pytest.mark.parametrize("eos", [0, 5, 11])
+def test_nmst_matches_eq10_float64(scale, eos):
+    z = torch.randn(3, 7, 12, dtype=torch.float64) * scale
+    for eps in (1e-5, 1e-2, 0.3):
+        t = torch.arange(1, 8, dtype=torch.float64).expand(3, 7)
+        p = nmst_log_probs(z, t, eos, eps).exp()
+        torch.testing.assert_close(p, direct_nmst(z, t, eos, eps), atol=1e-12, rtol=1e-9)
+
+
+@pytest.mark.parametrize("scale", [1.0, 10.0, 100.0])
+@pytest.mark.parametrize("eos", [0, 5, 11])
+def test_st_matches_eq9_float64(scale, eos):
+    z = torch.randn(3, 9, 12, dtype=torch.float64) * scale
+    for eps in (1e-5, 1e-2, 0.3):
+        p, _ = st_log_probs(z, 1, eos, eps)
+        torch.testing.assert_close(p.exp(), direct_st(z, 1, eos, eps), atol=1e-12, rtol=1e-9)
+
+
+def test_softmax_matches_eq2():
+    z = torch.randn(4, 6, 10, dtype=torch.float64) * 30
+    torch.testing.assert_close(softmax_log_probs(z).exp(), torch.exp(z) / torch.exp(z).sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("eps", [1e-8, 1e-5, 1e-2, 0.5])
+@pytest.mark.parametrize("t", [1, 7, 1000, 10 ** 6])
+def test_float32_finite_and_normalised_extremes(eps, t):
+    """float32, logits up to +-100, eps down to 1e-8, t up to 1e6: finite, rows sum to 1."""
+    z = torch.tensor([[[100.0, -100.0, 0.0, 50.0, -100.0]], [[-100.0, 100.0, 3.0, -50.0, 100.0]],
+                      [[0.0, 0.0, 0.0, 0.0, 0.0]]])  # (3, 1, 5)
+    for eos in (0, 1, 4):
+        for lp in (nmst_log_probs(z, t, eos, eps), st_log_probs(z, t, eos, eps)[0],
+                   st_log_probs(z.expand(3, 50, 5).contiguous(), t, eos, eps)[0]):
+            assert lp.dtype == torch.float32
+            assert not torch.isnan(lp).any()
+            assert torch.isfinite(lp[..., eos]).all(), "p(eos) must never be 0"
+            assert torch.allclose(torch.logsumexp(lp, -1), torch.zeros(()), atol=1e-5)
+
+
+def test_float32_agrees_with_float64_at_tiny_eps():
+    """The reference code's 1-(1-eps)^t is 0 in float32 at eps=1e-8; log space keeps it."""
+    z = torch.randn(2, 5, 8, dtype=torch.float64) * 5
+    z[..., 3] = -30.0  # sigma(z_eos) ~ 1e-13: p(eos) is dominated by the lower bound
+    for t in (1, 10, 10 ** 4):
+        lp64 = nmst_log_probs(z, t, 3, 1e-8)
+        lp32 = nmst_log_probs(z.float(), t, 3, 1e-8)
+        torch.testing.assert_close(lp32.double(), lp64, atol=1e-4, rtol=1e-5)
+        assert abs(lp64[0, 0, 3].exp().item() / (1 - (1 - 1e-8) ** t) - 1) < 1e-3
+
+
+def test_nmst_lower_bound():
+    z = torch.randn(64, 30, 9, dtype=torch.float64) * 8
+    for eps in (1e-4, 0.05):
+        t = torch.arange(1, 31, dtype=torch.float64)
+        p_eos = nmst_log_probs(z, t, 2, eps)[..., 2].exp()
+        assert (p_eos >= 1 - (1 - eps) ** t - 1e-12).all()
+
+
+def test_st_p_eos_non_decreasing():
+    z = torch.randn(64, 40, 9, dtype=torch.float64) * 8
+    p_eos = st_log_probs(z, 1, 2, 1e-3)[0][..., 2].exp()
+    assert (p_eos[:, 1:] >= p_eos[:, :-1] - 1e-15).all()
+
+
+def test_nmst_can_decrease():
+    """Remark 1: a sequence may 'almost end' and continue: NMST lets p(eos) go down, ST cannot."""
+    z = torch.zeros(1, 2, 4, dtype=torch.float64)
+    z[0, 0, 0], z[0, 1, 0] = 5.0, -5.0  # eos logit high at t=1, low at t=2
+    p_nmst = nmst_log_probs(z, 1 + torch.arange(2), 0, 1e-3)[..., 0].exp()[0]
+    p_st = st_log_probs(z, 1, 0, 1e-3)[0][..., 0].exp()[0]
+    assert p_nmst[1] < p_nmst[0] - 0.9
+    assert p_st[1] >= p_st[0]
+
+
+def test_st_incremental_equals_full():
+    z = torch.randn(3, 25, 11, dtype=torch.float64) * 4
+    full, keep_full = st_log_probs(z, -4, 6, 1e-2)  # 5 context positions, then t = 1..20
+    parts, keep = [], None
+    for lo, hi in [(0, 3), (3, 5), (5, 6), (6, 17), (17, 25)]:
+        lp, keep = st_log_probs(z[:, lo:hi], -4 + lo, 6, 1e-2, keep)
+        parts.append(lp)
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-12, rtol=0)
+    torch.testing.assert_close(keep, keep_full)
+    # per-position t tensor gives the same
+    t = (-4 + torch.arange(25)).expand(3, 25)
+    torch.testing.assert_close(st_log_probs(z, t, 6, 1e-2)[0], full)
+
+
+def test_context_positions_convention():
+    """t <= 0 is scored as a fresh t = 1 step, finite, not carried into ST's running product."""
+    z = torch.randn(2, 4, 6, dtype=torch.float64)
+    ctx = nmst_log_probs(z, 0, 1, 0.1)
+    torch.testing.assert_close(ctx, nmst_log_probs(z, 1, 1, 0.1))
+    lp, keep = st_log_probs(z, -10, 1, 0.1)
+    for j in range(4):
+        torch.testing.assert_close(lp[:, j], st_log_probs(z[:, j:j + 1], 1, 1, 0.1)[0][:, 0])
+    torch.testing.assert_close(keep, torch.zeros(2, dtype=torch.float64))
+    assert torch.isfinite(lp).all() and torch.isfinite(ctx).all()
+
+
+def test_log1mexp():
+    a = -torch.logspace(-20, 3, 200, dtype=torch.float64)
+    torch.testing.assert_close(log1mexp(a), torch.log(-torch.expm1(a)))
+    a32 = a.float()
+    assert torch.isfinite(log1mexp(a32)).all()
+
+
+def test_gradients_finite_at_extremes():
+    z = (torch.randn(2, 6, 7) * 100).requires_grad_()
+    for f in (lambda z: nmst_log_probs(z, 3, 0, 1e-8), lambda z: st_log_probs(z, 1, 0, 1e-8)[0]):
+        z.grad = None
+        f(z).gather(-1, torch.randint(0, 7, (2, 6, 1))).sum().backward()
+        assert torch.isfinite(z.grad).all()
+
+
+def test_head_target_log_probs_equal_gather():
+    torch.manual_seed(1)
+    h = torch.randn(3, 12, 16, dtype=torch.float64)
+    for kind in ("softmax", "st", "nmst"):
+        for eos in (0, 9, 29):
+            head = Head(kind, 16, 30, eos, 1e-3, bias=True).double()
+            y = torch.randint(0, 30, (3, 12))
+            y[:, 4] = eos
+            full, k1 = head(h, -3)
+            part, k2 = head.target_log_probs(h, y, -3)
+            torch.testing.assert_close(part, full.gather(-1, y.unsqueeze(-1)).squeeze(-1))
+            assert (k1 is None and k2 is None) or torch.allclose(k1, k2)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1.0, -0.1, 1.5])
+def test_epsilon_outside_open_interval_rejected(eps):
+    with pytest.raises(ValueError, match="epsilon"):
+        Head("nmst", 4, 10, 0, eps)
+    with pytest.raises(ValueError, match="epsilon"):
+        nmst_log_probs(torch.zeros(1, 3), 1, 0, eps)
+
+
+def test_unknown_head_rejected():
+    with pytest.raises(ValueError, match="unknown head"):
+        Head("mos", 4, 10, 0)
+
+
+def test_math_constants():
+    """the lower bound t_1/2 used in Theorem 3: 1-(1-eps)^t > 1/2 first at ceil(log 2 / -log(1-eps))."""
+    eps = 0.1
+    t_half = math.ceil(math.log(0.5) / math.log1p(-eps))
+    p = nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half, 0, eps)[0, 0].exp()
+    assert p > 0.5 and nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half - 1, 0, eps)[0, 0].exp() < 0.5

@@ -1,0 +1,96 @@
+"""model.py: one contract for every backbone; incremental == full forward (float64, 1e-6)."""
+import pytest
+import torch
+
+from model import LanguageModel
+
+V, EOS = 40, 3
+
+
+def make(model, head="softmax", **kw):
+    cfg = dict(model=model, head=head, epsilon=1e-2, vocab_size=V, eos_id=EOS, n_layer=2, d_model=24, dropout=0.0,
+               tie=True, n_head=4, block_size=48, bias=True)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return LanguageModel(cfg).double().eval()
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+@pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
+def test_incremental_equals_full(model, head):
+    lm = make(model, head)
+    idx = torch.randint(0, V, (3, 30))
+    with torch.no_grad():
+        full, _ = lm(idx, t=-8)
+        h_full, _ = lm.backbone(idx)
+        state, steps, hs = None, [], []
+        for i in range(30):
+            h, bstate = lm.backbone(idx[:, i:i + 1], None if state is None else state[0])
+            hs.append(h)
+            lp, state = lm(idx[:, i:i + 1], t=-8 + i, state=state)
+            steps.append(lp)
+        # uneven chunks through the same state
+        state, chunks = None, []
+        for lo, hi in [(0, 11), (11, 12), (12, 20), (20, 30)]:
+            lp, state = lm(idx[:, lo:hi], t=-8 + lo, state=state)
+            chunks.append(lp)
+    torch.testing.assert_close(torch.cat(hs, 1), h_full, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat(chunks, 1), full, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+def test_right_padding_lengths_and_state(model):
+    """With lengths, each row's outputs and final state equal those of the row alone."""
+    lm = make(model, "st")
+    idx = torch.randint(0, V, (3, 14))
+    lengths = torch.tensor([14, 9, 4])
+    nxt = torch.randint(0, V, (3, 1))
+    with torch.no_grad():
+        lp, state = lm(idx, -8, lengths=lengths)
+        lp_next, _ = lm(nxt, -8 + lengths, state=state)
+        for b in range(3):
+            L = int(lengths[b])
+            alone, st = lm(idx[b:b + 1, :L], -8)
+            torch.testing.assert_close(lp[b, :L], alone[0], atol=1e-9, rtol=0)
+            nxt_alone, _ = lm(nxt[b:b + 1], -8 + L, state=st)
+            torch.testing.assert_close(lp_next[b], nxt_alone[0], atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+def test_reorder_state(model):
+    lm = make(model, "st")
+    idx = torch.randint(0, V, (3, 6))
+    nxt = torch.randint(0, V, (4, 1))
+    order = torch.tensor([2, 0, 0, 1])
+    with torch.no_grad():
+        _, state = lm(idx, -2)
+        a, _ = lm(nxt, 5, state=lm.reorder_state(state, order))
+        _, state2 = lm(idx[order], -2)
+        b, _ = lm(nxt, 5, state=state2)
+    torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+@pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
+def test_target_log_probs_and_normalisation(model, head):
+    lm = make(model, head)
+    idx, y = torch.randint(0, V, (2, 15)), torch.randint(0, V, (2, 15))
+    y[:, 12] = EOS
+    with torch.no_grad():
+        lp, _ = lm(idx, -8)
+        torch.testing.assert_close(lm.target_log_probs(idx, y, -8), lp.gather(-1, y.unsqueeze(-1)).squeeze(-1))
+    torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(2, 15, dtype=torch.float64))
+
+
+def test_weight_tying_and_gpt_window():
+    lm = make("gpt")
+    assert lm.head.proj.weight is lm.backbone.wte.weight
+    assert make("lstm", tie=False).head.proj.weight is not make("lstm", tie=False).backbone.wte.weight
+    with pytest.raises(ValueError, match="context window"):
+        lm(torch.zeros(1, 49, dtype=torch.long), 1)
+
+
+def test_unknown_model_rejected():
+    with pytest.raises(ValueError, match="unknown model"):
+        make("transformer-xl")

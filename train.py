@@ -1,0 +1,302 @@
+"""Train a sequence-completion language model with a VA / ST / NMST head.
+
+    python train.py --head nmst --dataset wikitext103                 # GPT, the paper's GPT-2 recipe
+    python train.py --model lstm --head nmst --dataset wikitext2      # the paper's 2x512 LSTM recipe
+    python train.py ... --resume                                      # continue from out_dir/ckpt_last.pt
+
+Loss: NMST paper eq. 3, the negative log-likelihood of the continuation tokens y_1..y_T (eos
+included) given the 10-token context, averaged over the tokens of each batch.  Recipes (NMST
+paper section 4 and appendix D), the defaults for each --model:
+  rnn / lstm  2 layers x 256 / 512, tied embeddings, dropout 0.3 / 0.5, 32 sequences per batch,
+              AdamW lr 1e-3, betas (0.9, 0.99), weight decay 0.01, halve the lr when the
+              validation perplexity does not improve for an epoch, early stopping after 10
+              epochs without improvement, at most 70 epochs
+  gpt         GPT-2 124M shape (12 x 768, 12 heads, 1024 positions), dropout 0.1, length-
+              bucketed batches of at most 1024 tokens, AdamW lr 5e-5, betas (0.9, 0.99), weight
+              decay 0.01 (not on biases / LayerNorm), linear decay over 500k steps, 300k steps
+Gradient-norm clipping at 1.0 is nanogen's choice (the paper does not say).
+"""
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from data.loader import batches, collate, load
+from data.prepare import DATASETS
+from evaluate import CLIParser, batch_log_probs, perplexity, resolve_device, run_cli
+from heads import HEADS
+from model import (MODELS, CheckpointError, LanguageModel, load_checkpoint, model_config, save_checkpoint)
+
+# defaults that depend on --model: (rnn, lstm, gpt)
+PER_MODEL = dict(
+    n_layer=(2, 2, 12), d_model=(256, 512, 768), dropout=(0.3, 0.5, 0.1), lr=(1e-3, 1e-3, 5e-5),
+    lr_schedule=("plateau", "plateau", "linear"), batch_size=(32, 32, None), max_tokens=(None, None, 1024),
+    max_iters=(0, 0, 300_000), eval_interval=(0, 0, 2000),
+)
+ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout", "no_tie", "no_bias")
+RESUMABLE_OVERRIDES = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs", "data_dir",
+                       "patience")
+
+
+def build_parser():
+    p = CLIParser(description="Train a VA / ST / NMST sequence-completion language model (nanogen).")
+    g = p.add_argument_group("what to train")
+    g.add_argument("--model", default="gpt", choices=MODELS, help="backbone (default gpt)")
+    g.add_argument("--head", default="softmax", choices=HEADS, help="output head: softmax (VA, eq. 2), "
+                   "st (eq. 9), nmst (eq. 10) (default softmax)")
+    g.add_argument("--epsilon", type=float, default=1e-5, help="eps of ST / NMST, in (0, 1) (default 1e-5)")
+    g.add_argument("--dataset", default="wikitext103", choices=sorted(DATASETS), help="(default wikitext103)")
+    g.add_argument("--data_dir", default=None, help="folder with the dataset archives/files "
+                   "(default: $NANOGEN_DATA, else download into $NANOGEN_CACHE or ~/.cache/nanogen)")
+    g.add_argument("--out_dir", default=None, help="checkpoints and log (default out/DATASET-MODEL-HEAD)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="autocast dtype on CUDA (auto: bfloat16 when supported); CPU always runs float32")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--resume", action="store_true", help="continue from out_dir/ckpt_last.pt")
+    a = p.add_argument_group("architecture (defaults per --model: rnn 2x256, lstm 2x512, gpt 12x768)")
+    a.add_argument("--n_layer", type=int, default=None)
+    a.add_argument("--d_model", type=int, default=None, help="embedding = hidden size")
+    a.add_argument("--n_head", type=int, default=12, help="GPT attention heads")
+    a.add_argument("--block_size", type=int, default=1024, help="GPT context window")
+    a.add_argument("--dropout", type=float, default=None, help="(rnn 0.3, lstm 0.5, gpt 0.1)")
+    a.add_argument("--no_tie", action="store_true", help="do not tie input and output embeddings")
+    a.add_argument("--no_bias", action="store_true", help="GPT without biases in Linear / LayerNorm")
+    o = p.add_argument_group("optimisation (defaults per --model, see the docstring)")
+    o.add_argument("--lr", type=float, default=None, help="AdamW learning rate (rnn/lstm 1e-3, gpt 5e-5)")
+    o.add_argument("--beta1", type=float, default=0.9)
+    o.add_argument("--beta2", type=float, default=0.99)
+    o.add_argument("--weight_decay", type=float, default=0.01, help="not applied to biases / norms")
+    o.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    o.add_argument("--lr_schedule", default=None, choices=["plateau", "linear", "constant"],
+                   help="plateau: multiply by --lr_decay when validation does not improve (rnn/lstm); "
+                        "linear: decay to 0 over --decay_steps (gpt)")
+    o.add_argument("--lr_decay", type=float, default=0.5, help="plateau factor (default 0.5: halve)")
+    o.add_argument("--decay_steps", type=int, default=500_000, help="linear schedule length")
+    o.add_argument("--patience", type=int, default=10, help="early stopping: evaluations without improvement")
+    o.add_argument("--batch_size", type=int, default=None, help="sequences per batch (rnn/lstm: 32)")
+    o.add_argument("--max_tokens", type=int, default=None, help="padded tokens per batch (gpt: 1024)")
+    o.add_argument("--max_epochs", type=int, default=70)
+    o.add_argument("--max_iters", type=int, default=None, help="stop after this many steps (0: no limit; "
+                                                               "gpt default 300000)")
+    o.add_argument("--eval_interval", type=int, default=None, help="evaluate every N steps (0: every epoch; "
+                                                                   "rnn/lstm 0, gpt 2000)")
+    o.add_argument("--eval_seqs", type=int, default=0, help="validate on the first N sequences only (0: all)")
+    o.add_argument("--train_seqs", type=int, default=0, help="train on the first N sequences only (0: all)")
+    return p
+
+
+def resolve_args(args):
+    """Fill the per-model defaults and reject bad values with a clear message."""
+    col = MODELS.index(args.model)
+    for k, vals in PER_MODEL.items():
+        if getattr(args, k) is None:
+            setattr(args, k, vals[col])
+    if args.batch_size is not None and args.max_tokens is not None:
+        args.batch_size = None if args.model == "gpt" else args.batch_size
+        args.max_tokens = None if args.model != "gpt" else args.max_tokens
+    if args.head != "softmax" and not (0.0 < args.epsilon < 1.0):
+        raise ValueError(f"--epsilon must lie in (0, 1), got {args.epsilon}")
+    for k in ("n_layer", "d_model", "n_head", "block_size", "max_epochs"):
+        if getattr(args, k) < 1:
+            raise ValueError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout must lie in [0, 1), got {args.dropout}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if (args.batch_size or args.max_tokens or 0) < 1:
+        raise ValueError("--batch_size / --max_tokens must be >= 1")
+    if args.model == "gpt" and args.d_model % args.n_head:
+        raise ValueError(f"--d_model {args.d_model} must be divisible by --n_head {args.n_head}")
+    if args.out_dir is None:
+        args.out_dir = os.path.join("out", f"{args.dataset}-{args.model}-{args.head}")
+    return args
+
+
+def check_out_dir(path):
+    """Fail before training, not at the first checkpoint, when out_dir cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".write-test")
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write to --out_dir {path}: {e.strerror or e}") from None
+
+
+def configure_optimizer(lm, args, device):
+    """AdamW; weight decay on matrices (dim >= 2) only, not on biases / LayerNorm gains."""
+    params = {id(p): p for p in lm.parameters() if p.requires_grad}.values()  # tied weights once
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    fused = device.startswith("cuda")
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), fused=fused)
+
+
+def autocast_context(device, dtype):
+    if not device.startswith("cuda") or dtype == "float32":
+        return None
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return torch.autocast("cuda", dtype=getattr(torch, dtype))
+
+
+def resume_args(args, explicit, ckpt):
+    """On --resume the run's own arguments come back; a few may be changed on the command line."""
+    saved = dict(ckpt["args"])
+    clash = [k for k in ARCH_KEYS + ("dataset",) if k in explicit and explicit[k] != saved.get(k)]
+    if clash:
+        k = clash[0]
+        raise CheckpointError(f"the checkpoint in {args.out_dir} was trained with --{k} {saved.get(k)}, not "
+                              f"{explicit[k]}; use another --out_dir for a new run")
+    for k in RESUMABLE_OVERRIDES:
+        if k in explicit:
+            saved[k] = explicit[k]
+    saved["resume"] = True
+    return type(args)(**saved)
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    explicit = {k: v for k, v in vars(args).items() if v != parser.get_default(k)}
+    args = resolve_args(args)
+    ckpt = None
+    if args.resume:
+        path = os.path.join(args.out_dir, "ckpt_last.pt")
+        if not os.path.exists(path):
+            raise CheckpointError(f"--resume: no checkpoint {path}; start without --resume")
+        ckpt = load_checkpoint(path)
+        args = resume_args(args, explicit, ckpt)
+    device = resolve_device(args.device)
+    check_out_dir(args.out_dir)
+    torch.manual_seed(args.seed)
+
+    meta, splits = load(args.dataset, args.data_dir)
+    train_split, valid_split = splits["train"], splits["valid"]
+    cfg = model_config(args, meta["vocab_size"], meta["eos_id"])
+    lm = LanguageModel(cfg).to(device)
+    optimizer = configure_optimizer(lm, args, device)
+    state = dict(step=0, epoch=0, batch_in_epoch=0, best_val=math.inf, bad_evals=0, lr=args.lr, done=None)
+    if ckpt is not None:
+        if ckpt["config"] != cfg:
+            raise CheckpointError(f"{args.out_dir}/ckpt_last.pt does not match this model/vocabulary")
+        lm.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state.update(ckpt["train_state"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.startswith("cuda") and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        if state["done"]:
+            print(f"{args.out_dir}: this run already finished ({state['done']}); nothing to do")
+            return 0
+    model = lm
+    if args.compile:  # compile the training path in place (state_dict keys stay unchanged)
+        lm.target_log_probs = torch.compile(lm.target_log_probs)
+    autocast = autocast_context(device, args.dtype)
+    max_len = args.block_size if args.model == "gpt" else None
+    bkw = dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
+    log_path = os.path.join(args.out_dir, "log.jsonl")
+    print(f"{args.model} + {args.head} head on {args.dataset}: {lm.num_params():,} parameters, "
+          f"V={meta['vocab_size']:,}, device {device}" + (", resuming at step %d" % state["step"] if ckpt else ""))
+
+    def checkpoint(name):
+        rng = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if device.startswith("cuda") else None)
+        save_checkpoint(dict(config=cfg, model=lm.state_dict(), optimizer=optimizer.state_dict(), train_state=state,
+                             rng=rng, args=vars(args), data=dict(dataset=args.dataset, vocab_size=meta["vocab_size"],
+                                                                 eos_id=meta["eos_id"], source=meta["source"]["sha256"])),
+                        os.path.join(args.out_dir, name))
+
+    def evaluate_and_log(train_loss, tok_per_s):
+        val = perplexity(lm, valid_split, device, limit=args.eval_seqs or None, autocast=autocast,
+                         max_len=max_len, **bkw)
+        improved = val["nll"] < state["best_val"]
+        if improved:
+            state["best_val"], state["bad_evals"] = val["nll"], 0
+        else:
+            state["bad_evals"] += 1
+            if args.lr_schedule == "plateau":
+                state["lr"] *= args.lr_decay
+        if state["bad_evals"] >= args.patience:
+            state["done"] = f"early stop: no improvement in {args.patience} evaluations"
+        rec = dict(step=state["step"], epoch=state["epoch"], train_loss=train_loss, val_loss=val["nll"],
+                   val_ppl=val["ppl"], lr=state["lr"], tokens_per_s=tok_per_s, best=improved)
+        print(f"step {rec['step']:7d} | epoch {rec['epoch']:3d} | train loss {train_loss:.4f} | "
+              f"val loss {val['nll']:.4f} | val ppl {val['ppl']:9.2f} | lr {state['lr']:.2e} | "
+              f"{tok_per_s:8.0f} tok/s" + (" | best" if improved else ""), flush=True)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if improved:
+            checkpoint("ckpt_best.pt")
+
+    from tqdm import tqdm
+    run_loss, run_n, run_tok, t_last = 0.0, 0, 0, time.time()
+    while state["done"] is None:
+        order = batches(train_split.lengths, shuffle=True, seed=args.seed, epoch=state["epoch"],
+                        limit=args.train_seqs or None, max_len=max_len, **bkw)
+        bar = tqdm(total=len(order), initial=state["batch_in_epoch"], desc=f"epoch {state['epoch']}",
+                   disable=None, leave=False)
+        for bi in range(state["batch_in_epoch"], len(order)):
+            if args.lr_schedule == "linear":
+                state["lr"] = args.lr * max(0.0, 1.0 - state["step"] / args.decay_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = state["lr"]
+            batch = collate(train_split, order[bi], device)
+            model.train()
+            with autocast or contextlib.nullcontext():
+                log_p, mask = batch_log_probs(model, batch)
+                n = mask.sum()
+                loss = -log_p[mask].float().sum() / n
+            if not torch.isfinite(loss):
+                raise ValueError(f"non-finite training loss ({loss.item()}) at step {state['step'] + 1}; stopping. "
+                                 f"The last good checkpoint is {os.path.join(args.out_dir, 'ckpt_last.pt')}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(lm.parameters(), args.grad_clip)
+            optimizer.step()
+            state["step"] += 1
+            state["batch_in_epoch"] = bi + 1
+            run_loss += loss.item() * int(n)
+            run_n += int(n)
+            run_tok += int((batch["lengths"] - 1).sum())
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if args.max_iters and state["step"] >= args.max_iters:
+                state["done"] = f"reached --max_iters {args.max_iters}"
+            eval_now = args.eval_interval and state["step"] % args.eval_interval == 0
+            if eval_now or state["done"]:
+                evaluate_and_log(run_loss / max(run_n, 1), run_tok / max(time.time() - t_last, 1e-9))
+                checkpoint("ckpt_last.pt")
+                run_loss, run_n, run_tok, t_last = 0.0, 0, 0, time.time()
+            if state["done"]:
+                break
+        bar.close()
+        if state["done"]:
+            break
+        state["epoch"] += 1
+        state["batch_in_epoch"] = 0
+        if state["epoch"] >= args.max_epochs:
+            state["done"] = f"reached --max_epochs {args.max_epochs}"
+        if not args.eval_interval or state["done"]:
+            if run_n:
+                evaluate_and_log(run_loss / run_n, run_tok / max(time.time() - t_last, 1e-9))
+            checkpoint("ckpt_last.pt")
+            run_loss, run_n, run_tok, t_last = 0.0, 0, 0, time.time()
+    checkpoint("ckpt_last.pt")
+    print(f"done ({state['done']}) after {state['step']} steps; best val ppl {math.exp(min(state['best_val'], 700)):.2f}; "
+          f"checkpoints in {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
