@@ -196,8 +196,13 @@ def main(argv=None):
         torch.set_rng_state(ckpt["rng"]["torch"])
         if device.startswith("cuda") and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        if state["done"] and state["done"].startswith("reached"):  # a step / epoch limit: may be raised
+            state["done"] = None
+            if args.max_iters and state["step"] >= args.max_iters or state["epoch"] >= args.max_epochs:
+                state["done"] = "reached the same limit again"
         if state["done"]:
-            print(f"{args.out_dir}: this run already finished ({state['done']}); nothing to do")
+            print(f"{args.out_dir}: this run already finished ({state['done']}); nothing to do "
+                  f"(raise --max_iters / --max_epochs to go on)")
             return 0
     model = lm
     if args.compile:  # compile the training path in place (state_dict keys stay unchanged)

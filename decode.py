@@ -1,0 +1,287 @@
+"""Decoding algorithms for sequence completion: greedy, ancestral sampling (with temperature),
+top-k, nucleus (top-p) and beam search, batched over prompts and cached.
+
+Papers and equations (NMST paper, ../shared/papers/nmst-non-monotonic-self-terminating-lm.txt):
+  * greedy search                         eq. 8
+  * top-k sampling                        eq. 12-13 (Definition A.1, Fan et al. 2018)
+  * nucleus sampling                      eq. 14-15 (Definition A.2, Holtzman et al. 2020)
+  * beam search                           eq. 16-19 (Definition A.3, Welleck et al. 2020)
+  * the non-termination ratio r_nt(L)     eq. 11: r_nt(L) = q(|y| > L)
+  * "consistent" top-k / nucleus          Welleck et al. 2020: eos is always kept in V_t
+
+Every decoder works with every backbone and every head: one decoding step is one incremental
+forward through the model's state (RNN/LSTM hidden state, GPT key/value cache, ST running
+log_keep), never a re-encoding of the prefix.  Beam search re-ranks hypotheses by reordering
+*all* of that state with LanguageModel.reorder_state (the reference NMST code forgets the LSTM
+and ST state there).  Finished prompts are dropped from the batch as they finish.
+
+Continuation step t: t = 1 for the first generated token (NMST eq. 10), so the prompt's last
+position is scored with t = 1 and a prompt of length n starts at t = 2 - n.
+
+A decode returns, per prompt, the continuation tokens (eos included when it was produced) and
+whether it terminated within L tokens.  A continuation that has not produced eos after L
+tokens is cut there: |y| > L, it counts as non-terminated in r_nt(L).
+"""
+import math
+
+import torch
+
+DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
+
+
+# ---------------------------------------------------------------------------------------------
+# candidate sets V_t (eq. 13, eq. 15) as boolean masks over the vocabulary
+# ---------------------------------------------------------------------------------------------
+def topk_mask(log_probs, k):
+    """eq. 13: V_t = arg top-k p(y_t = v).  log_probs (N, V) -> bool (N, V) with exactly
+    min(k, V) True per row (ties at the boundary broken by torch.topk, any choice satisfies eq. 6)."""
+    k = min(int(k), log_probs.size(-1))
+    idx = torch.topk(log_probs, k, dim=-1).indices
+    return torch.zeros_like(log_probs, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+def nucleus_mask(log_probs, p):
+    """eq. 15: V_t = the smallest set of most probable tokens whose total probability >= p.
+    A token is kept when the mass of the tokens ranked before it is < p (up to 1e-6 of float
+    rounding), so the top token is always kept.  log_probs (N, V) -> bool (N, V)."""
+    sorted_lp, order = torch.sort(log_probs, dim=-1, descending=True)
+    cum = torch.cumsum(sorted_lp.double().exp(), dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)  # no cancellation
+    keep_sorted = mass_before < p - 1e-6  # a mass within 1e-6 of p has reached it (float rounding)
+    keep_sorted[..., 0] = True
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def filter_log_probs(log_probs, decoder, k=None, p=None, temperature=1.0, eos_id=None, consistent=False):
+    """q(y_t = v) of eq. 12 / 14 (and plain sampling): temperature, then the candidate set,
+    renormalised.  consistent=True always adds eos to V_t.  -> log q (N, V), -inf outside V_t."""
+    lp = log_probs / temperature if temperature != 1.0 else log_probs
+    lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+    if decoder == "topk":
+        mask = topk_mask(lp, k)
+    elif decoder == "nucleus":
+        mask = nucleus_mask(lp, p)
+    else:
+        return lp
+    if consistent:
+        mask[..., eos_id] = True
+    lp = lp.masked_fill(~mask, float("-inf"))
+    return lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# steppers: how the next-token distribution of every active row is obtained
+# ---------------------------------------------------------------------------------------------
+class CachedStepper:
+    """One incremental forward per step through the model's state (the real decoder)."""
+
+    def __init__(self, lm):
+        self.lm = lm
+
+    def start(self, prompts, lengths):
+        """prompts (N, P) right-padded, lengths (N,) -> log p(y_1 | x) (N, V)."""
+        lp, self.state = self.lm(prompts, 2 - lengths, lengths=lengths)
+        return lp[torch.arange(len(lengths), device=lp.device), lengths - 1]
+
+    def advance(self, tokens, t):
+        """tokens (N,) just chosen at step t-1 -> log p(y_t | ...) (N, V)."""
+        lp, self.state = self.lm(tokens.unsqueeze(1), t, state=self.state)
+        return lp[:, 0]
+
+    def reorder(self, index):
+        self.state = self.lm.reorder_state(self.state, index)
+
+
+class RecomputeStepper:
+    """Re-encodes the whole prefix at every step: slow, only the reference the tests compare to."""
+
+    def __init__(self, lm):
+        self.lm = lm
+
+    def start(self, prompts, lengths):
+        self.rows = [prompts[i, :lengths[i]] for i in range(len(lengths))]
+        self.n_prompt = lengths.clone()
+        return self._last()
+
+    def _last(self):
+        out = []
+        for row, n in zip(self.rows, self.n_prompt.tolist()):
+            lp, _ = self.lm(row.unsqueeze(0), 2 - n)
+            out.append(lp[0, -1])
+        return torch.stack(out)
+
+    def advance(self, tokens, t):
+        self.rows = [torch.cat([row, tok.view(1)]) for row, tok in zip(self.rows, tokens)]
+        return self._last()
+
+    def reorder(self, index):
+        self.rows = [self.rows[i] for i in index.tolist()]
+        self.n_prompt = self.n_prompt[index]
+
+
+# ---------------------------------------------------------------------------------------------
+# the decoders
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, temperature=1.0, consistent=False,
+           length_penalty=0.0, generator=None, stepper=None):
+    """Continue every prompt for at most L tokens.
+    prompts: list of 1-D LongTensors (different lengths allowed), or an (N, P) tensor.
+    -> dict(tokens: list of lists (eos included when produced), terminated: bool tensor (N,),
+            lengths: long tensor (N,) = len(tokens), scores: sum of log-probs (N,))."""
+    check_decoder_args(decoder, k, p, beam_size, temperature, L)
+    was_training = lm.training
+    lm.eval()
+    device = next(lm.parameters()).device
+    if torch.is_tensor(prompts) and prompts.dim() == 2:
+        prompts = list(prompts)
+    if len(prompts) == 0:
+        raise ValueError("no prompts to decode")
+    lengths = torch.tensor([len(x) for x in prompts], device=device)
+    if int(lengths.min()) < 1:
+        raise ValueError("every prompt needs at least one token")
+    window = lm.cfg.get("block_size") if lm.cfg["model"] == "gpt" else None
+    if window is not None and int(lengths.max()) + L - 1 > window:
+        raise ValueError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the GPT context window of "
+                         f"{window} tokens: use a smaller --L")
+    padded = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for i, x in enumerate(prompts):
+        padded[i, :len(x)] = torch.as_tensor(x, device=device)
+    stepper = (stepper or CachedStepper)(lm)
+    if decoder == "beam":
+        out = _beam(stepper, padded, lengths, L, beam_size, lm.eos_id, length_penalty)
+    else:
+        out = _sample(stepper, padded, lengths, L, decoder, k, p, temperature, lm.eos_id, consistent, generator)
+    lm.train(was_training)
+    return out
+
+
+def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0, L=1):
+    if decoder not in DECODERS:
+        raise ValueError(f"unknown decoder '{decoder}' (choose from {', '.join(DECODERS)})")
+    if decoder == "topk" and (k is None or int(k) < 1):
+        raise ValueError(f"top-k needs --k >= 1, got {k}")
+    if decoder == "nucleus" and (p is None or not 0.0 < float(p) <= 1.0):
+        raise ValueError(f"nucleus needs --p in (0, 1], got {p}")
+    if decoder == "beam" and (beam_size is None or int(beam_size) < 1):
+        raise ValueError(f"beam search needs --beam_size >= 1, got {beam_size}")
+    if not temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {temperature}")
+    if int(L) < 1:
+        raise ValueError(f"--L must be >= 1, got {L}")
+
+
+def _sample(stepper, prompts, lengths, L, decoder, k, p, temperature, eos_id, consistent, generator):
+    """Greedy (eq. 8) and the sampling decoders (eq. 12-15): one token per active row per step."""
+    N = len(lengths)
+    tokens = torch.full((N, L), -1, dtype=torch.long)
+    scores = torch.zeros(N, dtype=torch.float64)
+    out_len = torch.full((N,), L, dtype=torch.long)
+    terminated = torch.zeros(N, dtype=torch.bool)
+    active = torch.arange(N)  # prompt index of every row the stepper holds
+    log_probs = stepper.start(prompts, lengths)
+    for t in range(1, L + 1):
+        if decoder == "greedy":
+            choice = log_probs.argmax(-1)  # eq. 8
+        else:
+            q = filter_log_probs(log_probs.float(), decoder, k, p, temperature, eos_id, consistent)
+            choice = torch.multinomial(q.exp().cpu(), 1, generator=generator).squeeze(1).to(q.device)
+        tokens[active, t - 1] = choice.cpu()
+        scores[active] += log_probs.gather(1, choice.unsqueeze(1)).squeeze(1).double().cpu()
+        ended = (choice == eos_id).cpu()
+        out_len[active[ended]] = t
+        terminated[active[ended]] = True
+        if t == L:
+            break
+        if ended.any():  # drop finished rows from the batch (and from the model state)
+            keep = (~ended).nonzero().squeeze(1)
+            if len(keep) == 0:
+                break
+            stepper.reorder(keep.to(choice.device))
+            active, choice = active[keep], choice[keep.to(choice.device)]
+        log_probs = stepper.advance(choice, t + 1)
+    return _result(tokens, out_len, terminated, scores)
+
+
+def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):
+    """Beam search, Definition A.3: keep k prefixes P_t; expand each by its top-k tokens (eq. 16-17)
+    and keep the k best of the k x k candidates by s(rho) = sum of log-probs (eq. 18).  A prefix
+    of P_t that ends with eos goes to the final set P and is not expanded; the search for a prompt
+    ends once P holds k sequences, and returns argmax_{rho in P} s(rho) (eq. 19) (with
+    length_penalty a > 0: s / |rho|^a, off by default).  If P is not full after L steps the
+    continuation is non-terminated: the best unfinished prefix (L tokens) is returned."""
+    N, dev = len(lengths), prompts.device
+    rows = torch.arange(N, device=dev).repeat_interleave(k)  # every prompt's k beams
+    log_probs = stepper.start(prompts, lengths)[rows]  # one encoding per prompt, then k copies of its state
+    stepper.reorder(rows)
+    score = torch.full((N, k), float("-inf"), dtype=torch.float64, device=dev)
+    score[:, 0] = 0.0  # all beams start as the same empty prefix: expand only one of them
+    prefix = torch.zeros(N, k, 0, dtype=torch.long, device=dev)
+    finished = [[] for _ in range(N)]  # P: (score, tokens) per prompt
+    active = torch.arange(N, device=dev)  # prompt index of each group of k rows
+    for t in range(1, L + 1):
+        n = len(active)
+        V = log_probs.size(-1)
+        kk = min(k, V)
+        top_lp, top_tok = torch.topk(log_probs.double(), kk, dim=-1)  # eq. 17, (n*k, kk)
+        cand = (score.view(n * k, 1) + top_lp).view(n, k * kk)  # eq. 16
+        best, pos = torch.topk(cand, k, dim=-1)  # eq. 18, (n, k)
+        beam_of = pos // kk
+        tok = top_tok.view(n, k * kk).gather(1, pos)
+        prefix = torch.cat([prefix.gather(1, beam_of.unsqueeze(-1).expand(-1, -1, prefix.size(-1))),
+                            tok.unsqueeze(-1)], dim=-1)
+        ends = (tok == eos_id) & torch.isfinite(best)
+        score = best.masked_fill(ends, float("-inf"))  # finished prefixes are not expanded
+        done = torch.zeros(n, dtype=torch.bool, device=dev)
+        for g, b in ends.nonzero().tolist():
+            finished[int(active[g])].append((best[g, b].item(), prefix[g, b].tolist()))
+        for g in range(n):
+            done[g] = len(finished[int(active[g])]) >= k
+        if t == L or bool(done.all()):
+            break
+        keep_groups = (~done).nonzero().squeeze(1)
+        src_rows = (keep_groups.unsqueeze(1) * k + beam_of[keep_groups]).reshape(-1)  # rows to continue from
+        stepper.reorder(src_rows)
+        active, score, prefix, tok = active[keep_groups], score[keep_groups], prefix[keep_groups], tok[keep_groups]
+        log_probs = stepper.advance(tok.reshape(-1), t + 1)
+    tokens = torch.full((N, L), -1, dtype=torch.long)
+    out_len = torch.full((N,), L, dtype=torch.long)
+    terminated = torch.zeros(N, dtype=torch.bool)
+    scores = torch.full((N,), float("-inf"), dtype=torch.float64)
+    unfinished = {int(a): (score[g], prefix[g]) for g, a in enumerate(active.tolist())} if len(active) else {}
+    for i in range(N):
+        if len(finished[i]) >= k:  # eq. 19 over the final set P
+            s, seq = max(finished[i], key=lambda c: c[0] / (len(c[1]) ** length_penalty if length_penalty else 1))
+            tokens[i, :len(seq)] = torch.tensor(seq)
+            out_len[i], terminated[i], scores[i] = len(seq), True, s
+        else:  # not terminated within L steps: the best prefix still in the beam
+            s, pre = unfinished[i]
+            b = int(torch.argmax(torch.where(torch.isfinite(s), s, -1e300)))
+            tokens[i] = pre[b].cpu()
+            scores[i] = s[b].item()
+    return _result(tokens, out_len, terminated, scores)
+
+
+def _result(tokens, lengths, terminated, scores):
+    return dict(tokens=[row[:n].tolist() for row, n in zip(tokens, lengths.tolist())], lengths=lengths,
+                terminated=terminated, scores=scores)
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics of a set of decodes (NMST paper section 4, Table 2-4, Fig. 2, 7, 8)
+# ---------------------------------------------------------------------------------------------
+def non_termination_ratio(lengths, terminated, L):
+    """eq. 11: r_nt(L) = q(|y| > L), estimated as the share of continuations with no eos within
+    their first L tokens.  lengths / terminated from one decode run to max(L) >= L."""
+    lengths, terminated = torch.as_tensor(lengths), torch.as_tensor(terminated)
+    return float((~terminated | (lengths > L)).double().mean())
+
+
+def decode_stats(result, Ls):
+    """r_nt(L) for every L, the mean length, and the share of unique non-terminated continuations."""
+    lengths, terminated = result["lengths"], result["terminated"]
+    nonterm = [tuple(t) for t, done in zip(result["tokens"], terminated.tolist()) if not done]
+    return dict(r_nt={int(L): non_termination_ratio(lengths, terminated, L) for L in Ls},
+                mean_length=float(lengths.double().mean()), n=len(lengths),
+                n_non_terminated=len(nonterm),
+                unique_non_terminated=(len(set(nonterm)) / len(nonterm)) if nonterm else math.nan)

@@ -1,0 +1,130 @@
+"""train.py / evaluate.py end to end on real WikiText-2 (tiny models, seconds), resume, and
+bad input: one clear error line, non-zero exit, no traceback."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import evaluate
+import train
+from tests.conftest import ROOT
+
+TINY = ["--dataset", "wikitext2", "--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--train_seqs", "400",
+        "--eval_seqs", "60", "--seed", "1"]
+
+
+def tiny_args(model, head, out_dir, iters=24, every=12):
+    size = ["--max_tokens", "1200"] if model == "gpt" else ["--batch_size", "8"]
+    return TINY + size + ["--model", model, "--head", head, "--out_dir", str(out_dir), "--max_iters", str(iters),
+                          "--eval_interval", str(every)]
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+@pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
+def test_train_lowers_loss_and_evaluate_reads_checkpoint(model, head, tmp_path, wikitext2):
+    out = tmp_path / "run"
+    assert train.main(tiny_args(model, head, out)) == 0
+    log = read_log(out)
+    assert [r["step"] for r in log] == [12, 24]
+    assert log[1]["train_loss"] < log[0]["train_loss"] and log[1]["val_loss"] < log[0]["val_loss"]
+    assert {"ckpt_best.pt", "ckpt_last.pt", "log.jsonl"} <= set(os.listdir(out))
+    res_path = tmp_path / "res.json"
+    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--split", "valid", "--limit", "60",
+                          "--out", str(res_path)]) == 0
+    res = json.loads(res_path.read_text())
+    assert res["head"] == head and res["model"] == model and res["sequences"] == 60
+    assert abs(res["nll"] - log[1]["val_loss"]) < 1e-4  # the same number train.py logged for the best model
+    assert 0 < res["eos_prob_at_end"] < 1
+
+
+def test_resume_continues_and_reproduces(tmp_path, wikitext2):
+    """Stop at step 12, resume to 24: same step count, same losses and weights as one run."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train.main(tiny_args("lstm", "st", straight, iters=24, every=6)) == 0
+    assert train.main(tiny_args("lstm", "st", split, iters=12, every=6)) == 0
+    assert train.main(tiny_args("lstm", "st", split, iters=24, every=6)[:-4] + ["--max_iters", "24", "--resume"]) == 0
+    a, b = read_log(straight), read_log(split)
+    assert [r["step"] for r in b] == [6, 12, 18, 24]
+    for ra, rb in zip(a, b):
+        assert ra["train_loss"] == rb["train_loss"] and ra["val_loss"] == rb["val_loss"]
+    wa = torch.load(straight / "ckpt_last.pt", weights_only=True)
+    wb = torch.load(split / "ckpt_last.pt", weights_only=True)
+    assert wb["train_state"]["step"] == 24
+    for k in wa["model"]:
+        assert torch.equal(wa["model"][k], wb["model"][k]), k
+
+
+def run_cli(script, *args, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def assert_one_line_error(rc, stderr, pattern):
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert rc != 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    assert pattern in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--model", "transformer"], "invalid choice: 'transformer'"),
+    (["--head", "mos"], "invalid choice: 'mos'"),
+    (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
+    (["--head", "nmst", "--epsilon", "0"], "--epsilon must lie in (0, 1)"),
+    (["--head", "st", "--epsilon", "1.5"], "--epsilon must lie in (0, 1)"),
+    (["--model", "gpt", "--d_model", "30", "--n_head", "4"], "must be divisible"),
+])
+def test_train_bad_input(args, pattern, tmp_path):
+    rc, _, err = run_cli("train.py", *args, "--out_dir", str(tmp_path / "o"))
+    assert_one_line_error(rc, err, pattern)
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_missing_data_offline(tmp_path):
+    env = {"NANOGEN_DATA": "", "NANOGEN_CACHE": str(tmp_path / "cache"), "NANOGEN_OFFLINE": "1"}
+    rc, _, err = run_cli("train.py", "--model", "lstm", "--dataset", "wikitext2", "--out_dir", str(tmp_path / "o"),
+                         env_extra=env)
+    assert_one_line_error(rc, err, "NANOGEN_OFFLINE is set: pass --data_dir")
+
+
+def test_resume_without_checkpoint(tmp_path):
+    rc, _, err = run_cli("train.py", "--model", "lstm", "--dataset", "wikitext2", "--resume",
+                         "--out_dir", str(tmp_path / "none"))
+    assert_one_line_error(rc, err, "--resume: no checkpoint")
+
+
+def test_corrupt_and_foreign_checkpoints(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"this is not a checkpoint")
+    rc, _, err = run_cli("evaluate.py", "--ckpt", str(bad))
+    assert_one_line_error(rc, err, "is not a readable nanogen checkpoint")
+    plain = tmp_path / "plain.pt"
+    torch.save({"weights": torch.zeros(3)}, plain)
+    rc, _, err = run_cli("evaluate.py", "--ckpt", str(plain))
+    assert_one_line_error(rc, err, "is not a nanogen checkpoint")
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "nanogen-checkpoint-1", "payload": subprocess.Popen}, evil)  # a pickled code object
+    rc, _, err = run_cli("evaluate.py", "--ckpt", str(evil))
+    assert_one_line_error(rc, err, "refused by safe (weights_only) loading")
+    rc, _, err = run_cli("evaluate.py", "--ckpt", str(tmp_path / "missing.pt"))
+    assert_one_line_error(rc, err, "no checkpoint at")
+
+
+def test_help_lists_the_flags():
+    rc, out, _ = run_cli("train.py", "--help")
+    assert rc == 0
+    for flag in ("--model", "--head", "--epsilon", "--dataset", "--data_dir", "--out_dir", "--seed", "--device",
+                 "--dtype", "--compile", "--resume", "--lr", "--patience", "--max_epochs", "--max_iters",
+                 "--batch_size", "--max_tokens", "--grad_clip", "--eval_interval"):
+        assert flag in out

@@ -1,0 +1,183 @@
+"""data/: real WikiText-2 / WikiText-103 / PTB counts, the completion protocol, sources and
+checksums, downloads (file:// URL), zip-slip, and length-bucketed batching."""
+import hashlib
+import os
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from data import prepare as P
+from data.loader import FIRST_STEP, batches, collate, load, loss_mask
+
+
+# the counts documented in README.md (section "Data"), produced by data/prepare.py
+WT2 = dict(train=(16_560, 2_021_666), valid=(1_777, 211_177), test=(2_006, 237_772))
+PTB = dict(train=(36_011, 881_325), valid=(2_863, 69_610), test=(3_165, 77_793))
+
+
+def test_wikitext2_counts_vocab_and_protocol(wikitext2):
+    meta, splits = wikitext2
+    assert meta["vocab_size"] == 33_278 and meta["eos_id"] == 0 and meta["context_len"] == 10
+    for s, (n_seq, n_tok) in WT2.items():
+        assert (meta["counts"][s]["sequences"], meta["counts"][s]["tokens"]) == (n_seq, n_tok)
+        assert len(splits[s]) == n_seq and splits[s].lengths.sum() == n_tok
+        assert meta["counts"][s]["oov_to_unk"] == 0
+    tr = splits["train"]
+    eos_positions = np.flatnonzero(np.asarray(tr.tokens) == 0)
+    np.testing.assert_array_equal(eos_positions, tr.offsets[1:] - 1)  # eos once, at each sequence's end
+    assert tr.lengths.min() >= 12  # > 10 tokens + eos
+
+
+def test_wikitext2_sequences_are_the_lines(wikitext2):
+    """Sequence i is the i-th non-empty train line with > 10 words, word for word."""
+    meta, splits = wikitext2
+    folder = os.path.dirname(splits["train"].tokens.filename)
+    vocab = open(os.path.join(folder, "vocab.txt"), encoding="utf-8").read().split("\n")[:-1]
+    assert len(vocab) == meta["vocab_size"] and "<unk>" in vocab and vocab[0] == "<eos>"
+    src = P.locate("wikitext2")
+    with P._open_split(src, "wikitext2", "valid") as f:
+        lines = [ln.split() for ln in f if len(ln.split()) > 10]
+    va = splits["valid"]
+    assert len(lines) == len(va)
+    for i in (0, 1, 500, len(va) - 1):
+        assert [vocab[j] for j in va[i]] == lines[i] + ["<eos>"]
+    assert lines[0][:10] == [vocab[j] for j in va[0][:10]]  # the context x
+
+
+def test_ptb_counts():
+    meta, splits = load("ptb", verbose=False)
+    assert meta["vocab_size"] == 10_000
+    for s, (n_seq, n_tok) in PTB.items():
+        assert (len(splits[s]), int(splits[s].lengths.sum())) == (n_seq, n_tok)
+
+
+def test_wikitext103_bpe(tmp_path):
+    meta, splits = load("wikitext103", verbose=False)
+    assert meta["tokenizer"] == "gpt2" and meta["eos_id"] == 50256 and meta["vocab_size"] == 50257
+    enc = P.gpt2_encoding()
+    src = P.locate("wikitext103")
+    with P._open_split(src, "wikitext103", "valid") as f:
+        first = next(ln for ln in f if len(enc.encode_ordinary(ln.strip())) > 10)
+    va = splits["valid"]
+    assert enc.decode(list(va[0][:-1])) == first.strip() and va[0][-1] == 50256
+    assert va.lengths.max() <= 1024 and va.lengths.min() >= 12
+    assert meta["counts"]["valid"]["sequences"] == len(va)
+    if not meta["source"]["official"]:  # the shared subset: its checksum is recorded
+        assert meta["source"]["sha256"] == P.sha256_file(meta["source"]["path"])
+
+
+def _zip(path, members):
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in members.items():
+            z.writestr(name, text)
+
+
+LINE = " ".join(f"w{i}" for i in range(14)) + " \n"
+
+
+def test_checksum_mismatch_clear_error_no_partial_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "data"
+    bad.mkdir()
+    _zip(bad / "wikitext-2-v1.zip", {f"wikitext-2/wiki.{s}.tokens": LINE for s in P.SPLITS})
+    with pytest.raises(P.DataError, match="checksum mismatch.*wikitext-2-v1.zip"):
+        P.prepare("wikitext2", str(bad), verbose=False)
+    prepared = tmp_path / "cache" / "prepared"
+    assert not prepared.exists() or not any(prepared.iterdir())
+
+
+def test_local_folder_and_unofficial_zip_accepted(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "extracted"
+    (d / "wikitext-2").mkdir(parents=True)
+    for s in P.SPLITS:
+        (d / "wikitext-2" / f"wiki.{s}.tokens").write_text(" \n" + LINE + " short line \n" + LINE)
+    folder = P.prepare("wikitext2", str(d), verbose=False)
+    meta = P.load_meta(folder)
+    assert meta["source"]["official"] is False and meta["source"]["kind"] == "dir"
+    assert meta["counts"]["train"] == dict(lines=4, empty=1, dropped_short=1, dropped_long=0, sequences=2,
+                                           tokens=30, oov_to_unk=0)
+    z = tmp_path / "z"
+    z.mkdir()
+    _zip(z / "my-copy.zip", {f"wikitext-2/wiki.{s}.tokens": LINE for s in P.SPLITS})
+    src = P.locate("wikitext2", str(z))
+    assert src["kind"] == "zip" and not src["official"] and src["sha256"] == P.sha256_file(z / "my-copy.zip")
+
+
+def test_zip_slip_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "d"
+    d.mkdir()
+    members = {f"wikitext-2/wiki.{s}.tokens": LINE for s in P.SPLITS}
+    members["../../evil.sh"] = "rm -rf /"
+    _zip(d / "copy.zip", members)
+    with pytest.raises(P.DataError, match="zip-slip"):
+        P.prepare("wikitext2", str(d), verbose=False)
+    assert not (tmp_path / "evil.sh").exists()
+
+
+def test_download_from_file_url_verifies_sha256(tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(3_000_000))
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    dest = tmp_path / "dl" / "out.bin"
+    P.download(src.as_uri(), str(dest), sha)
+    assert dest.read_bytes() == src.read_bytes()
+    dest2 = tmp_path / "dl" / "bad.bin"
+    with pytest.raises(P.DataError, match="checksum mismatch"):
+        P.download(src.as_uri(), str(dest2), "0" * 64)
+    assert sorted(os.listdir(tmp_path / "dl")) == ["out.bin"]  # no partial file left
+
+
+def test_download_unreachable_and_offline_messages(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("NANOGEN_DATA", raising=False)
+    with pytest.raises(P.DataError, match="could not download.*--data_dir"):
+        P.download("http://127.0.0.1:9/wikitext-2-v1.zip", str(tmp_path / "x.zip"), "0" * 64)
+    monkeypatch.setenv("NANOGEN_OFFLINE", "1")
+    with pytest.raises(P.DataError, match="NANOGEN_OFFLINE.*--data_dir"):
+        P.prepare("wikitext2", verbose=False)
+
+
+def test_unknown_dataset():
+    with pytest.raises(P.DataError, match="unknown dataset"):
+        P.prepare("imagenet")
+
+
+def test_batches_cover_everything_once_and_respect_limits():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(12, 300, size=1000)
+    for kw in (dict(batch_size=32), dict(max_tokens=1024)):
+        bs = batches(lengths, shuffle=True, seed=3, epoch=1, **kw)
+        flat = np.concatenate(bs)
+        assert sorted(flat.tolist()) == list(range(1000))
+        for b in bs:
+            if "batch_size" in kw:
+                assert len(b) <= 32
+            else:
+                assert len(b) == 1 or len(b) * (lengths[b].max() - 1) <= 1024
+        again = batches(lengths, shuffle=True, seed=3, epoch=1, **kw)
+        assert all((a == b).all() for a, b in zip(bs, again))  # a pure function of (seed, epoch)
+        other = batches(lengths, shuffle=True, seed=3, epoch=2, **kw)
+        assert any(len(a) != len(b) or (a != b).any() for a, b in zip(bs, other))
+    sorted_bs = batches(lengths, batch_size=50)
+    spans = [(lengths[b].min(), lengths[b].max()) for b in sorted_bs]
+    assert all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))  # bucketed by length
+    assert np.concatenate(batches(lengths, batch_size=7, max_len=100)).size == int((lengths - 1 <= 100).sum())
+
+
+def test_collate_and_loss_mask_select_the_continuation():
+    class Split:
+        seqs = [np.arange(1, 13), np.arange(1, 16)]
+
+        def __getitem__(self, i):
+            return self.seqs[i]
+    b = collate(Split(), [0, 1])
+    assert b["tokens"].shape == (2, 15) and b["lengths"].tolist() == [12, 15]
+    m = loss_mask(b["lengths"], 14)
+    targets = b["tokens"][:, 1:]
+    assert targets[0][m[0]].tolist() == [11, 12] and targets[1][m[1]].tolist() == [11, 12, 13, 14, 15]
+    t = FIRST_STEP + torch.arange(14)
+    assert t[m[1]].tolist() == [1, 2, 3, 4, 5]  # t = 1 at the first continuation token
