@@ -80,8 +80,8 @@ class CachedStepper:
 
     def start(self, prompts, lengths):
         """prompts (N, P) right-padded, lengths (N,) -> log p(y_1 | x) (N, V)."""
-        lp, self.state = self.lm(prompts, 2 - lengths, lengths=lengths)
-        return lp[torch.arange(len(lengths), device=lp.device), lengths - 1]
+        log_probs, self.state = self.lm.prompt(prompts, lengths)
+        return log_probs
 
     def advance(self, tokens, t):
         """tokens (N,) just chosen at step t-1 -> log p(y_t | ...) (N, V)."""
@@ -218,13 +218,14 @@ def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):
     score[:, 0] = 0.0  # all beams start as the same empty prefix: expand only one of them
     prefix = torch.zeros(N, k, 0, dtype=torch.long, device=dev)
     finished = [[] for _ in range(N)]  # P: (score, tokens) per prompt
+    n_finished = torch.zeros(N, dtype=torch.long, device=dev)
     active = torch.arange(N, device=dev)  # prompt index of each group of k rows
     for t in range(1, L + 1):
         n = len(active)
         V = log_probs.size(-1)
         kk = min(k, V)
-        top_lp, top_tok = torch.topk(log_probs.double(), kk, dim=-1)  # eq. 17, (n*k, kk)
-        cand = (score.view(n * k, 1) + top_lp).view(n, k * kk)  # eq. 16
+        top_lp, top_tok = torch.topk(log_probs, kk, dim=-1)  # eq. 17, (n*k, kk)
+        cand = (score.view(n * k, 1) + top_lp.double()).view(n, k * kk)  # eq. 16
         best, pos = torch.topk(cand, k, dim=-1)  # eq. 18, (n, k)
         beam_of = pos // kk
         tok = top_tok.view(n, k * kk).gather(1, pos)
@@ -232,11 +233,11 @@ def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):
                             tok.unsqueeze(-1)], dim=-1)
         ends = (tok == eos_id) & torch.isfinite(best)
         score = best.masked_fill(ends, float("-inf"))  # finished prefixes are not expanded
-        done = torch.zeros(n, dtype=torch.bool, device=dev)
-        for g, b in ends.nonzero().tolist():
-            finished[int(active[g])].append((best[g, b].item(), prefix[g, b].tolist()))
-        for g in range(n):
-            done[g] = len(finished[int(active[g])]) >= k
+        if bool(ends.any()):
+            for g, b in ends.nonzero().tolist():
+                finished[int(active[g])].append((best[g, b].item(), prefix[g, b].tolist()))
+            n_finished.index_add_(0, active, ends.sum(1))
+        done = n_finished[active] >= k
         if t == L or bool(done.all()):
             break
         keep_groups = (~done).nonzero().squeeze(1)

@@ -1,11 +1,23 @@
-"""Evaluate a nanogen checkpoint on a data split.
+"""Evaluate a nanogen checkpoint on a data split: perplexity, and the non-termination study.
 
     python evaluate.py --ckpt out/wikitext2-lstm-nmst/ckpt_best.pt --split valid --out results.json
+    python evaluate.py --ckpt ... --decoder greedy --L 10 100 1000 --plot figs/ --out greedy.json
+    python evaluate.py --compare va.json st.json nmst.json --plot figs/   # overlay r_nt(L) curves
 
 Perplexity exactly as the NMST paper (section 4) uses it: exp of the mean negative
 log-likelihood over the continuation tokens y_1..y_T (eos included) given the 10-token
 context, i.e. exp(-sum_n sum_t log p(y_t^n | y_<t^n, x^n) / sum_n T^n).  Also reported: the
 mean probability the model puts on eos at the true end of each sequence, p(y_T = eos | y_<T, x).
+
+With --decoder (decode.py) every context x (the first 10 tokens of each sequence of the split)
+is continued once, up to max(--L) tokens, and the study reports (NMST paper section 4-5):
+  * r_nt(L) for every requested L (eq. 11), plus the whole curve r_nt(1..max L) in the JSON;
+  * the mean continuation length, the share of unique continuations among the non-terminated;
+  * examples (paper Table 3 style): context, generated continuation, ground truth;
+  * the length distribution of generated vs ground-truth continuations (paper Fig. 8);
+  * p(eos | y_<t, x) along ground-truth continuations (paper Fig. 3).
+--plot DIR writes PNGs of these (r_nt(L) on log-log axes as in Fig. 2 / 7) when matplotlib is
+installed, and says so when it is not.
 """
 import argparse
 import contextlib
@@ -19,6 +31,7 @@ import torch
 
 from data.loader import FIRST_STEP, batches, collate, load, loss_mask
 from data.prepare import DataError
+from decode import DECODERS, check_decoder_args, decode, decode_stats
 from model import CheckpointError, load_checkpoint, model_from_checkpoint
 
 
@@ -74,6 +87,129 @@ def perplexity(lm, split, device="cpu", batch_size=None, max_tokens=None, limit=
                 skipped=considered - n_seq, eos_prob_at_end=eos_p_sum / max(n_seq, 1))
 
 
+def detokenizer(meta, folder):
+    """token ids -> text: the word-level vocabulary, or GPT-2 BPE."""
+    if meta["tokenizer"] == "word":
+        with open(os.path.join(folder, "vocab.txt"), encoding="utf-8") as f:
+            vocab = f.read().split("\n")
+        return lambda ids: " ".join(vocab[i] for i in ids)
+    from data.prepare import gpt2_encoding
+    enc = gpt2_encoding()
+    return lambda ids: enc.decode([i for i in ids if i != meta["eos_id"]]) + \
+        (" <|endoftext|>" if meta["eos_id"] in ids else "")
+
+
+@torch.no_grad()
+def eos_traces(lm, split, n, context_len):
+    """p(eos | y_<t, x) at every continuation step t of the first n sequences (paper Fig. 3)."""
+    lm.eval()
+    out = []
+    for i in range(min(n, len(split))):
+        seq = torch.as_tensor(split[i], device=next(lm.parameters()).device)
+        lp, _ = lm(seq[:-1].unsqueeze(0), 2 - context_len)
+        out.append(dict(index=i, tokens=seq[context_len:].tolist(),
+                        p_eos=lp[0, context_len - 1:, lm.eos_id].exp().tolist()))
+    return out
+
+
+def decoding_study(lm, split, args, context_len, detok, device):
+    """Decode every context once up to max(L); r_nt(L), lengths, uniqueness, examples."""
+    from tqdm import tqdm
+    n = len(split) if args.limit is None else min(args.limit, len(split))
+    Lmax = max(args.L)
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens, lengths, terminated = [], [], []
+    for lo in tqdm(range(0, n, args.decode_batch), desc=f"decoding ({args.decoder})", disable=None):
+        prompts = [torch.as_tensor(split[i][:context_len]) for i in range(lo, min(n, lo + args.decode_batch))]
+        res = decode(lm, prompts, Lmax, args.decoder, k=args.k, p=args.p, beam_size=args.beam_size,
+                     temperature=args.temperature, consistent=args.consistent, generator=gen,
+                     length_penalty=args.length_penalty)
+        tokens += res["tokens"]
+        lengths.append(res["lengths"])
+        terminated.append(res["terminated"])
+    result = dict(tokens=tokens, lengths=torch.cat(lengths), terminated=torch.cat(terminated))
+    stats = decode_stats(result, args.L)
+    curve_L = sorted(set(int(round(x)) for x in torch.logspace(0, math.log10(Lmax), 60).tolist()))
+    stats["r_nt_curve"] = decode_stats(result, curve_L)["r_nt"]
+    truth = (torch.as_tensor(split.lengths[:n]) - context_len).tolist()  # ground-truth |y| incl. eos
+    stats["generated_lengths"] = [n_ if done else None for n_, done in
+                                  zip(result["lengths"].tolist(), result["terminated"].tolist())]
+    stats["ground_truth_lengths"] = truth
+    examples, seen_nt, seen_t = [], 0, 0
+    for i in range(n):
+        done = bool(result["terminated"][i])
+        if (done and seen_t < args.examples) or (not done and seen_nt < args.examples):
+            seen_t, seen_nt = seen_t + done, seen_nt + (not done)
+            examples.append(dict(index=i, terminated=done, context=detok(split[i][:context_len].tolist()),
+                                 continuation=detok(tokens[i][:200]) + (" ..." if len(tokens[i]) > 200 else ""),
+                                 ground_truth=detok(split[i][context_len:].tolist()[:200])))
+    stats["examples"] = examples
+    return stats
+
+
+def plot_study(results, out_dir):
+    """PNGs: r_nt(L) (log-log, Fig. 2 / 7), length histograms (Fig. 8), p(eos) traces (Fig. 3)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: --plot needs matplotlib (pip install matplotlib); no figures written", file=sys.stderr)
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    style = {"softmax": ("tab:red", ":"), "st": ("tab:blue", "--"), "nmst": ("tab:green", "-")}
+    runs = [r for r in results if "decoding" in r]
+    if runs:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for r in runs:
+            curve = r["decoding"]["r_nt_curve"]
+            Ls, ys = [int(L) for L in curve], list(curve.values())
+            color, ls = style.get(r["head"], ("k", "-"))
+            eps = "" if r["head"] == "softmax" else f" eps={r['epsilon']:g}"
+            ax.plot(Ls, [max(y, 1e-4) for y in ys], ls, color=color, label=f"{r['head'].upper()}+{r['model']}{eps}")
+        ax.set(xscale="log", yscale="log", xlabel="L", ylabel="r_nt(L)",
+               title=f"non-termination ratio, {runs[0]['decoding']['decoder']} ({runs[0]['dataset']})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "r_nt.png"))
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(5, 4))
+        Lmax = max(max(r["decoding"]["r_nt"], key=int) for r in runs)
+        bins = torch.linspace(0, int(Lmax) + 1, 41).tolist()
+        ax.hist([min(n, int(Lmax)) for n in runs[0]["decoding"]["ground_truth_lengths"]], bins=bins, alpha=0.4,
+                color="gray", label="ground truth")
+        for r in runs:
+            gl = [int(Lmax) if n is None else n for n in r["decoding"]["generated_lengths"]]
+            ax.hist(gl, bins=bins, histtype="step", color=style.get(r["head"], ("k", "-"))[0],
+                    label=f"{r['head'].upper()} (non-terminated at L)")
+        ax.set(xlabel="continuation length", ylabel="count", yscale="log", title="length distribution")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "lengths.png"))
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    traced = [r for r in results if r.get("eos_traces")]
+    if traced:
+        fig, axes = plt.subplots(len(traced[0]["eos_traces"][:3]), 1, figsize=(7, 6), squeeze=False)
+        for j, ax in enumerate(axes[:, 0]):
+            for r in traced:
+                tr = r["eos_traces"][j]
+                ax.plot(range(1, len(tr["p_eos"]) + 1), tr["p_eos"], style.get(r["head"], ("k", "-"))[1],
+                        color=style.get(r["head"], ("k", "-"))[0], label=r["head"].upper())
+            ax.set(yscale="log", ylabel="p(eos)", xlabel="t" if j == len(axes) - 1 else None)
+            ax.set_title(f"validation sequence {traced[0]['eos_traces'][j]['index']}", fontsize=8)
+        axes[0, 0].legend(fontsize=8)
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "p_eos.png"))
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    for w in written:
+        print(f"wrote {w}")
+    return written
+
+
 def build_parser():
     p = CLIParser(description="Evaluate a nanogen checkpoint: continuation perplexity (NMST paper section 4).")
     p.add_argument("--ckpt", required=True, help="checkpoint written by train.py (ckpt_best.pt / ckpt_last.pt)")
@@ -85,6 +221,25 @@ def build_parser():
                                                                 "checkpoint's --max_tokens)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N sequences")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--no_ppl", action="store_true", help="skip the perplexity pass")
+    d = p.add_argument_group("non-termination study (decode.py)")
+    d.add_argument("--decoder", default=None, choices=DECODERS, help="decode every context of the split")
+    d.add_argument("--L", type=int, nargs="+", default=[10, 100, 1000], help="r_nt(L) thresholds; decodes run "
+                                                                             "to max(L) (default 10 100 1000)")
+    d.add_argument("--k", type=int, default=None, help="top-k")
+    d.add_argument("--p", type=float, default=None, help="nucleus threshold mu, in (0, 1]")
+    d.add_argument("--beam_size", type=int, default=None, help="beam width")
+    d.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (sample/topk/nucleus)")
+    d.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos in V_t "
+                                                             "(Welleck et al.'s consistent variant)")
+    d.add_argument("--length_penalty", type=float, default=0.0, help="beam: final score s / |y|^a (default 0: off)")
+    d.add_argument("--seed", type=int, default=0, help="sampling seed")
+    d.add_argument("--decode_batch", type=int, default=64, help="prompts decoded together")
+    d.add_argument("--examples", type=int, default=3, help="terminated and non-terminated examples to keep")
+    d.add_argument("--traces", type=int, default=5, help="sequences with p(eos | prefix) traces (Fig. 3)")
+    d.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
+    p.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                   help="no evaluation: overlay the studies in these --out files (use with --plot)")
     return p
 
 
@@ -112,7 +267,26 @@ def resolve_device(name):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--compare" in argv and "--ckpt" not in argv:
+        argv = list(argv) + ["--ckpt", ""]
+    args = parser.parse_args(argv)
+    if args.compare:
+        results = []
+        for path in args.compare:
+            try:
+                with open(path) as f:
+                    results.append(json.load(f))
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"--compare: cannot read {path}: {e}") from None
+        print_study_table(results)
+        if args.plot:
+            plot_study(results, args.plot)
+        return 0
+    if args.decoder:
+        check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, min(args.L))
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.ckpt)
     targs = ckpt["args"]
@@ -128,18 +302,53 @@ def main(argv=None):
             args.batch_size = targs.get("batch_size") or 32
     t0 = time.time()
     max_len = ckpt["config"].get("block_size") if ckpt["config"]["model"] == "gpt" else None
-    res = perplexity(lm, splits[args.split], device, args.batch_size, args.max_tokens, args.limit, max_len=max_len)
-    res.update(ckpt=os.path.abspath(args.ckpt), split=args.split, dataset=targs["dataset"],
+    split = splits[args.split]
+    res = dict(ckpt=os.path.abspath(args.ckpt), split=args.split, dataset=targs["dataset"],
                model=ckpt["config"]["model"], head=ckpt["config"]["head"], epsilon=ckpt["config"]["epsilon"],
-               step=ckpt["train_state"]["step"], seconds=round(time.time() - t0, 2))
-    print(f"{'dataset':10s} {'split':6s} {'model':5s} {'head':8s} {'sequences':>9s} {'tokens':>9s} "
-          f"{'nll':>7s} {'ppl':>9s} {'p(eos@end)':>10s}")
-    print(f"{res['dataset']:10s} {res['split']:6s} {res['model']:5s} {res['head']:8s} {res['sequences']:9d} "
-          f"{res['tokens']:9d} {res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}")
+               step=ckpt["train_state"]["step"])
+    if not args.no_ppl:
+        res.update(perplexity(lm, split, device, args.batch_size, args.max_tokens, args.limit, max_len=max_len))
+        print(f"{'dataset':10s} {'split':6s} {'model':5s} {'head':8s} {'sequences':>9s} {'tokens':>9s} "
+              f"{'nll':>7s} {'ppl':>9s} {'p(eos@end)':>10s}")
+        print(f"{res['dataset']:10s} {res['split']:6s} {res['model']:5s} {res['head']:8s} {res['sequences']:9d} "
+              f"{res['tokens']:9d} {res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}")
+    if args.decoder:
+        folder = os.path.dirname(split.tokens.filename)
+        study = decoding_study(lm, split, args, meta["context_len"], detokenizer(meta, folder), device)
+        study.update(decoder=args.decoder, k=args.k, p=args.p, beam_size=args.beam_size,
+                     temperature=args.temperature, consistent=args.consistent, seed=args.seed)
+        res["decoding"] = study
+        res["eos_traces"] = eos_traces(lm, split, args.traces, meta["context_len"])
+        print_study_table([res])
+        for ex in study["examples"]:
+            tag = "terminated" if ex["terminated"] else "NOT terminated"
+            print(f"\n[{tag}] context: {ex['context']}\n  continuation: {ex['continuation'][:400]}")
+    res["seconds"] = round(time.time() - t0, 2)
+    if args.plot:
+        plot_study([res], args.plot)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     return 0
+
+
+def print_study_table(results):
+    """One row per decoding study: r_nt(L) for every L, mean length, unique share among non-terminated."""
+    rows = [r for r in results if "decoding" in r]
+    if not rows:
+        return
+    Ls = sorted({int(L) for r in rows for L in r["decoding"]["r_nt"]})
+    print(f"{'model':5s} {'head':8s} {'eps':>7s} {'decoder':12s} " + " ".join(f"{'r_nt(%d)' % L:>11s}" for L in Ls)
+          + f" {'mean len':>9s} {'uniq non-term':>13s} {'n':>6s}")
+    for r in rows:
+        d = r["decoding"]
+        r_nt = {int(L): v for L, v in d["r_nt"].items()}
+        dec = d["decoder"] + {"topk": f"-{d['k']}", "nucleus": f"-{d['p']}", "beam": f"-{d['beam_size']}"}.get(
+            d["decoder"], "") + ("+c" if d.get("consistent") else "")
+        eps = "-" if r["head"] == "softmax" else f"{r['epsilon']:.0e}"
+        print(f"{r['model']:5s} {r['head']:8s} {eps:>7s} {dec:12s} "
+              + " ".join(f"{r_nt.get(L, float('nan')):11.4f}" for L in Ls)
+              + f" {d['mean_length']:9.1f} {d['unique_non_terminated']:13.3f} {d['n']:6d}")
 
 
 if __name__ == "__main__":

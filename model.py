@@ -90,9 +90,9 @@ class CausalSelfAttention(nn.Module):
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         p = self.dropout if self.training else 0.0
-        if attn_mask is None:  # plain causal attention over a fresh sequence (training path)
+        if isinstance(attn_mask, str):  # "causal": a fresh sequence, no cache, no padding
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
+        else:  # None (attend to everything) or a boolean (B, 1, T, Tc+T) mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y)), (k, v)
@@ -166,8 +166,11 @@ class GPT(nn.Module):
                              f"(block_size={self.block_size})")
         Tc = key_valid.size(1)
         key_valid = torch.cat([key_valid, new_valid], dim=1)  # (B, Tc + T)
-        attn_mask = None
-        if state is not None or lengths is not None:  # cache or padding: an explicit boolean mask
+        if Tc == 0 and lengths is None:
+            attn_mask = "causal"  # a fresh, unpadded sequence: plain causal attention (training path)
+        elif T == 1 and (lengths is None or bool(key_valid.all())) and (state is None or bool(key_valid.all())):
+            attn_mask = None  # one new token, no padded keys: it attends to every cached key
+        else:  # cache and/or padding: an explicit boolean mask
             causal = torch.arange(Tc + T, device=dev) <= (Tc + torch.arange(T, device=dev)).unsqueeze(1)  # (T, Tc+T)
             attn_mask = (causal.unsqueeze(0) & key_valid.unsqueeze(1)).unsqueeze(1)  # (B, 1, T, Tc+T)
         x = self.drop(self.wte(idx) + self.wpe(pos))
@@ -229,6 +232,15 @@ class LanguageModel(nn.Module):
             t = torch.where(torch.arange(h.size(1), device=h.device) < lengths.to(h.device).unsqueeze(1), t, 0)
         log_probs, hstate = self.head(h, t, hstate)
         return log_probs, (bstate, hstate)
+
+    def prompt(self, idx, lengths):
+        """Encode right-padded prompts (B, P) and return log p(y_1 | x) (B, V) with the state after
+        each prompt: the head runs on the last prompt position only (t = 1).  Context positions
+        never enter the ST running product, so the head state starts empty."""
+        h, bstate = self.backbone(idx, None, lengths)
+        h_last = h[torch.arange(idx.size(0), device=h.device), lengths - 1].unsqueeze(1)  # (B, 1, D)
+        log_probs, hstate = self.head(h_last, 1, None)
+        return log_probs[:, 0], (bstate, hstate)
 
     def target_log_probs(self, idx, targets, t, lengths=None):
         """log p(targets (B, T) | prefix) from a fresh start, without the full (B, T, V)
@@ -295,3 +307,35 @@ def model_from_checkpoint(ckpt):
     lm = LanguageModel(ckpt["config"])
     lm.load_state_dict(ckpt["model"])
     return lm
+
+
+# ---------------------------------------------------------------------------------------------
+# HuggingFace GPT-2 checkpoints -> nanogen (used by bench.py; the --init_from loader builds on it)
+# ---------------------------------------------------------------------------------------------
+HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def gpt_state_from_hf(hf_state, lm):
+    """Map a HuggingFace GPT2LMHeadModel state_dict onto lm (a LanguageModel with a GPT backbone).
+    HF stores the four projections as Conv1D (in, out): they are transposed to nn.Linear (out, in).
+    Shapes are checked key by key; the attention's causal-mask buffers are skipped."""
+    own = lm.state_dict()
+    out = {}
+    for k, v in hf_state.items():
+        if k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
+            continue  # buffers / the tied output matrix (= wte)
+        name = k[len("transformer."):] if k.startswith("transformer.") else k
+        target = "backbone." + name
+        if target not in own:
+            raise ValueError(f"unexpected GPT-2 weight {k!r}")
+        if name.endswith(HF_CONV1D):
+            v = v.t()
+        if tuple(v.shape) != tuple(own[target].shape):
+            raise ValueError(f"GPT-2 weight {k!r} has shape {tuple(v.shape)}, the model expects "
+                             f"{tuple(own[target].shape)}: wrong --n_layer / --d_model / --n_head / vocabulary?")
+        out[target] = v
+    missing = [k for k in own if k.startswith("backbone.") and k not in out]
+    if missing:
+        raise ValueError(f"the GPT-2 checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
+    out["head.proj.weight"] = out["backbone.wte.weight"]
+    return out

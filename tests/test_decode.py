@@ -168,6 +168,10 @@ class BigramLM(nn.Module):
         lp = softmax_log_probs(logits) if self.kind == "softmax" else nmst_log_probs(logits, steps, EOS, self.eps)
         return lp, (None, None)
 
+    def prompt(self, idx, lengths):
+        lp, state = self(idx, 2 - lengths.unsqueeze(1))
+        return lp[torch.arange(len(lengths)), lengths - 1], state
+
     def reorder_state(self, state, index):
         return state
 

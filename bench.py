@@ -1,0 +1,133 @@
+"""Benchmarks that print side-by-side tables (nanoGPT style).  Not tests: figures, not asserts.
+
+    python bench.py train     # train-step tokens/s: LSTM and GPT x softmax / ST / NMST heads
+    python bench.py decode    # batched greedy and beam-4 continuation tokens/s: nanogen vs HF generate()
+
+Every figure is measured on the machine that runs it; the README lists the ones we measured,
+with the hardware and the command.
+"""
+import argparse
+import time
+
+import torch
+
+from evaluate import resolve_device
+from model import LanguageModel
+
+
+def cfg_for(model, head, V, **kw):
+    cfg = dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=2, d_model=512,
+               dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True)
+    cfg.update(kw)
+    return cfg
+
+
+def timed(fn, warmup, iters, device):
+    for _ in range(warmup):
+        fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def bench_train(args):
+    device = resolve_device(args.device)
+    setups = [("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq),  # paper's WikiText-2 LSTM
+              ("gpt", dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads), 50257, 1, 1024)]
+    print(f"train step, device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"{'model':6s} {'shape':>22s} {'V':>6s} {'tokens/step':>11s} " +
+          " ".join(f"{h + ' tok/s':>14s}" for h in ("softmax", "st", "nmst")) + f" {'st/sm':>6s} {'nmst/sm':>7s}")
+    for model, kw, V, B, T in setups:
+        if model not in args.models:
+            continue
+        rates = []
+        for head in ("softmax", "st", "nmst"):
+            torch.manual_seed(0)
+            lm = LanguageModel(cfg_for(model, head, V, **kw)).to(device).train()
+            opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+            x = torch.randint(0, V - 1, (B, T), device=device)
+            y = torch.randint(0, V, (B, T), device=device)
+
+            def step():
+                loss = -lm.target_log_probs(x, y, -8).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            dt = timed(step, 1, args.iters, device)
+            rates.append(B * T / dt)
+        shape = f"{kw['n_layer']}x{kw['d_model']}" + (f" h{kw['n_head']}" if model == "gpt" else "")
+        print(f"{model:6s} {shape:>22s} {V:6d} {B * T:11d} " + " ".join(f"{r:14.0f}" for r in rates) +
+              f" {rates[0] / rates[1]:6.2f} {rates[0] / rates[2]:7.2f}")
+    print("(st/sm, nmst/sm: time of a step relative to the softmax head's)")
+
+
+def bench_decode(args):
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        print("bench.py decode compares against HuggingFace transformers: pip install transformers")
+        return
+    from decode import decode
+    from model import gpt_state_from_hf
+    device = resolve_device(args.device)
+    V = 50257
+    torch.manual_seed(0)
+    hf_cfg = GPT2Config(vocab_size=V, n_positions=1024, n_embd=args.gpt_dim, n_layer=args.gpt_layers,
+                        n_head=args.gpt_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf = GPT2LMHeadModel(hf_cfg).to(device).eval()
+    lm = LanguageModel(cfg_for("gpt", "softmax", V, eos_id=50256, n_layer=args.gpt_layers, d_model=args.gpt_dim,
+                               n_head=args.gpt_heads)).to(device).eval()
+    lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
+    prompts = torch.randint(0, V - 1, (args.prompts, 10), device=device)
+    N = args.new_tokens
+    print(f"decode, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, V={V}, {args.prompts} prompts x 10 "
+          f"tokens, {N} new tokens, device {device}, threads {torch.get_num_threads()}")
+    print(f"{'decoder':8s} {'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} {'same tokens':>12s}")
+    for name, beams in (("greedy", 1), ("beam-4", 4)):
+        res = {}
+
+        def ours():
+            kw = dict(decoder="greedy") if beams == 1 else dict(decoder="beam", beam_size=beams)
+            res["ours"] = decode(lm, prompts, N, **kw)
+
+        def theirs():
+            with torch.no_grad():
+                res["hf"] = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=N,
+                                        min_new_tokens=N if beams == 1 else 0, do_sample=False, num_beams=beams,
+                                        pad_token_id=50256, eos_token_id=50256,
+                                        early_stopping=True if beams > 1 else False)
+        t_ours = timed(ours, 1, args.iters, device)
+        t_hf = timed(theirs, 1, args.iters, device)
+        n_ours = sum(len(t) for t in res["ours"]["tokens"])
+        n_hf = int((res["hf"][:, 10:] != -1).sum())
+        same = "-"
+        if beams == 1:
+            same = str(all(res["hf"][i, 10:10 + len(t)].tolist() == t for i, t in enumerate(res["ours"]["tokens"])))
+        print(f"{name:8s} {n_ours / t_ours:14.0f} {n_hf / t_hf:10.0f} {(n_ours / t_ours) / (n_hf / t_hf):8.2f} "
+              f"{same:>12s}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["train", "decode"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--models", nargs="+", default=["lstm", "gpt"])
+    p.add_argument("--batch", type=int, default=32, help="LSTM sequences per batch")
+    p.add_argument("--seq", type=int, default=64, help="LSTM tokens per sequence")
+    p.add_argument("--gpt_layers", type=int, default=12)
+    p.add_argument("--gpt_dim", type=int, default=768)
+    p.add_argument("--gpt_heads", type=int, default=12)
+    p.add_argument("--prompts", type=int, default=8, help="decode: prompts decoded together")
+    p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens generated per prompt")
+    args = p.parse_args()
+    {"train": bench_train, "decode": bench_decode}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
