@@ -128,3 +128,61 @@ def test_help_lists_the_flags():
                  "--dtype", "--compile", "--resume", "--lr", "--patience", "--max_epochs", "--max_iters",
                  "--batch_size", "--max_tokens", "--grad_clip", "--eval_interval"):
         assert flag in out
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory, wikitext2):
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    assert train.main(tiny_args("lstm", "nmst", out, iters=6, every=6)) == 0
+    return out / "ckpt_last.pt"
+
+
+@pytest.mark.parametrize("decoder,extra", [("greedy", []), ("topk", ["--k", "2"]), ("nucleus", ["--p", "0.4"]),
+                                           ("beam", ["--beam_size", "2"])])
+def test_evaluate_decoding_study(decoder, extra, tiny_ckpt, tmp_path):
+    out = tmp_path / "study.json"
+    args = ["--ckpt", str(tiny_ckpt), "--no_ppl", "--decoder", decoder, *extra, "--L", "3", "10", "30",
+            "--limit", "12", "--traces", "2", "--out", str(out)]
+    assert evaluate.main(args) == 0
+    res = json.loads(out.read_text())
+    d = res["decoding"]
+    r = [d["r_nt"][L] for L in ("3", "10", "30")]
+    assert r[0] >= r[1] >= r[2] and all(0 <= x <= 1 for x in r)
+    assert d["n"] == 12 and len(d["generated_lengths"]) == 12 and len(d["ground_truth_lengths"]) == 12
+    assert all(n is None or 1 <= n <= 30 for n in d["generated_lengths"])
+    assert d["examples"] and all(len(ex["context"].split()) == 10 for ex in d["examples"])
+    assert len(res["eos_traces"]) == 2
+    tr = res["eos_traces"][0]
+    assert len(tr["p_eos"]) == len(tr["tokens"]) and tr["tokens"][-1] == 0  # ends at the true eos
+
+
+def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    a = tmp_path / "a.json"
+    assert evaluate.main(["--ckpt", str(tiny_ckpt), "--no_ppl", "--decoder", "greedy", "--L", "5", "20",
+                          "--limit", "8", "--traces", "1", "--out", str(a)]) == 0
+    try:
+        import matplotlib  # noqa: F401
+        have_mpl = True
+    except ImportError:
+        have_mpl = False
+    figs = tmp_path / "figs"
+    assert evaluate.main(["--compare", str(a), str(a), "--plot", str(figs)]) == 0
+    if have_mpl:
+        assert sorted(os.listdir(figs)) == ["lengths.png", "p_eos.png", "r_nt.png"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert evaluate.main(["--compare", str(a), "--plot", str(tmp_path / "none")]) == 0
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--decoder", "topk", "--k", "0"], "top-k needs --k >= 1"),
+    (["--decoder", "nucleus", "--p", "1.5"], "nucleus needs --p in (0, 1]"),
+    (["--decoder", "nucleus", "--p", "0"], "nucleus needs --p in (0, 1]"),
+    (["--decoder", "beam", "--beam_size", "0"], "beam search needs --beam_size >= 1"),
+    (["--decoder", "greedy", "--L", "0"], "--L must be >= 1"),
+    (["--decoder", "bfs"], "invalid choice: 'bfs'"),
+])
+def test_evaluate_bad_decoder_input(args, pattern, tmp_path):
+    rc, _, err = run_cli("evaluate.py", "--ckpt", str(tmp_path / "x.pt"), *args)
+    assert_one_line_error(rc, err, pattern)

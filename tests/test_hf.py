@@ -1,0 +1,54 @@
+"""nanogen's GPT == HuggingFace GPT2LMHeadModel with the same weights (a randomly initialised
+HF-format model the test builds itself): logits and greedy decoding."""
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from decode import decode
+from model import LanguageModel, gpt_state_from_hf
+
+
+def pair(n_layer=2, n_embd=64, n_head=4, V=101, seed=0):
+    torch.manual_seed(seed)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=128, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+    with torch.no_grad():  # non-trivial LayerNorm / bias values, so a missed mapping shows
+        for name, p in hf.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    cfg = dict(model="gpt", head="softmax", epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=n_layer,
+               d_model=n_embd, dropout=0.0, tie=True, n_head=n_head, block_size=128, bias=True)
+    lm = LanguageModel(cfg).eval()
+    lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
+    return hf, lm
+
+
+def test_logits_match_hf():
+    hf, lm = pair()
+    idx = torch.randint(0, 100, (3, 40))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(idx).logits, -1)
+        ours, _ = lm(idx, -8)
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_greedy_tokens_match_hf_generate():
+    hf, lm = pair(seed=1)
+    prompts = torch.randint(0, 100, (4, 10))
+    with torch.no_grad():
+        ref = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=20, min_new_tokens=20,
+                          do_sample=False, pad_token_id=100, eos_token_id=100)
+    out = decode(lm, prompts, 20, "greedy")
+    for i, toks in enumerate(out["tokens"]):
+        assert toks == ref[i, 10:10 + len(toks)].tolist()
+        assert len(toks) == 20 or toks[-1] == 100
+
+
+def test_shape_mismatch_is_refused():
+    hf, _ = pair(n_embd=64)
+    _, lm = pair(n_embd=32)
+    try:
+        gpt_state_from_hf(hf.state_dict(), lm)
+    except ValueError as e:
+        assert "has shape" in str(e) and "expects" in str(e)
+    else:
+        raise AssertionError("a 64-wide checkpoint loaded into a 32-wide model")
