@@ -57,20 +57,24 @@ def batch_log_probs(lm, batch):
     tokens, lengths = batch["tokens"], batch["lengths"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     mask = loss_mask(lengths, inputs.size(1))
-    log_p = lm.target_log_probs(inputs, targets, FIRST_STEP, lengths - 1)
+    log_p = lm(inputs, FIRST_STEP, lengths=lengths - 1, targets=targets)
     return log_p, mask
 
 
 @torch.no_grad()
-def perplexity(lm, split, device="cpu", batch_size=None, max_tokens=None, limit=None, autocast=None, max_len=None):
+def perplexity(lm, split, device="cpu", batch_size=None, max_tokens=None, limit=None, autocast=None, max_len=None,
+               rank=0, world=1):
     """-> dict(nll, ppl, tokens, sequences, eos_prob_at_end) over the continuation tokens.
-    max_len: skip sequences whose model input is longer (a GPT's window); counted in 'skipped'."""
+    max_len: skip sequences whose model input is longer (a GPT's window); counted in 'skipped'.
+    rank / world: under torchrun each process scores every world-th batch, and the sums are
+    all-reduced, so every process returns the same figures."""
     was_training = lm.training
     lm.eval()
     if batch_size is None and max_tokens is None:
         batch_size = 32
     nll_sum, n_tok, eos_p_sum, n_seq = 0.0, 0, 0.0, 0
-    for index in batches(split.lengths, batch_size=batch_size, max_tokens=max_tokens, limit=limit, max_len=max_len):
+    for index in batches(split.lengths, batch_size=batch_size, max_tokens=max_tokens, limit=limit,
+                         max_len=max_len)[rank::world]:
         batch = collate(split, index, device)
         with autocast or contextlib.nullcontext():
             log_p, mask = batch_log_probs(lm, batch)
@@ -81,6 +85,11 @@ def perplexity(lm, split, device="cpu", batch_size=None, max_tokens=None, limit=
         eos_p_sum += log_p.gather(1, last.unsqueeze(1)).exp().sum().item()
         n_seq += len(index)
     lm.train(was_training)
+    if world > 1:
+        import torch.distributed as dist
+        sums = torch.tensor([nll_sum, n_tok, eos_p_sum, n_seq], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        nll_sum, n_tok, eos_p_sum, n_seq = sums[0].item(), int(sums[1].item()), sums[2].item(), int(sums[3].item())
     nll = nll_sum / max(n_tok, 1)
     considered = len(split) if limit is None else min(limit, len(split))
     return dict(nll=nll, ppl=math.exp(min(nll, 700.0)), tokens=n_tok, sequences=n_seq,

@@ -221,10 +221,13 @@ class LanguageModel(nn.Module):
     def eos_id(self):
         return self.head.eos_id
 
-    def forward(self, idx, t, state=None, lengths=None):
+    def forward(self, idx, t, state=None, lengths=None, targets=None):
         """idx (B, T); t: continuation step of the first position (int / (B,)) or of every
         position ((B, T)); state = (backbone_state, head_state) or None.
-        -> log_probs (B, T, V), new state."""
+        -> log_probs (B, T, V), new state.   With targets (B, T): -> log p(targets) (B, T), as
+        target_log_probs (so that DistributedDataParallel, which hooks forward, sees training)."""
+        if targets is not None:
+            return self.target_log_probs(idx, targets, t, lengths)
         bstate, hstate = (None, None) if state is None else state
         h, bstate = self.backbone(idx, bstate, lengths)
         if lengths is not None:  # padded positions are no continuation step: ST must not count them
@@ -339,3 +342,72 @@ def gpt_state_from_hf(hf_state, lm):
         raise ValueError(f"the GPT-2 checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
     out["head.proj.weight"] = out["backbone.wte.weight"]
     return out
+
+
+GPT2_SIZES = {  # name: (n_layer, n_head, n_embd); all have V = 50257 and 1024 positions
+    "gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600),
+}
+HF_HUB = "https://huggingface.co/{name}/resolve/main/{file}"
+
+
+def read_hf_weights(path):
+    """A HuggingFace GPT-2 state_dict from a file or a folder holding model.safetensors (needs the
+    safetensors package) or pytorch_model.bin (read with torch.load(weights_only=True))."""
+    import os
+    if os.path.isdir(path):
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(path, name)):
+                if name.endswith(".safetensors"):
+                    try:
+                        import safetensors  # noqa: F401
+                    except ImportError:
+                        continue
+                path = os.path.join(path, name)
+                break
+        else:
+            raise CheckpointError(f"no model.safetensors / pytorch_model.bin in {path}")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--weights {path}: no such file")
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CheckpointError(f"{path} needs the safetensors package (pip install safetensors)") from None
+        return load_file(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable GPT-2 checkpoint ({type(e).__name__})") from None
+
+
+def fetch_hf_weights(name):
+    """Download GPT-2 weights from the HuggingFace hub into the cache (progress bar); no checksum
+    is published in a stable place, so the file is checked by loading it."""
+    import os
+    from data.prepare import cache_dir, DataError
+    folder = os.path.join(cache_dir(), "hub", name)
+    try:
+        import safetensors  # noqa: F401
+        files = ("model.safetensors", "pytorch_model.bin")
+    except ImportError:
+        files = ("pytorch_model.bin",)
+    for file in files:
+        if os.path.isfile(os.path.join(folder, file)):
+            return os.path.join(folder, file)
+    if os.environ.get("NANOGEN_OFFLINE"):
+        raise CheckpointError(f"{name} weights are not in {folder} and NANOGEN_OFFLINE is set: pass --weights PATH")
+    from data.prepare import download
+    errors = []
+    for file in files:
+        try:
+            return download(HF_HUB.format(name=name, file=file), os.path.join(folder, file))
+        except DataError as e:
+            errors.append(str(e))
+    raise CheckpointError(f"could not download {name} ({errors[-1]}); pass --weights PATH to a local copy")
+
+
+def load_pretrained_gpt2(lm, name, weights=None):
+    """--init_from gpt2*: copy HF GPT-2 weights (local --weights, else the hub) into lm."""
+    hf_state = read_hf_weights(weights) if weights else read_hf_weights(fetch_hf_weights(name))
+    lm.load_state_dict(gpt_state_from_hf(hf_state, lm))
+    return lm

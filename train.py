@@ -1,6 +1,7 @@
 """Train a sequence-completion language model with a VA / ST / NMST head.
 
-    python train.py --head nmst --dataset wikitext103                 # GPT, the paper's GPT-2 recipe
+    python train.py --init_from gpt2 --head nmst --dataset wikitext103  # the paper's GPT-2 finetuning recipe
+    python train.py --head nmst --dataset wikitext103                 # the same GPT-2 shape, from scratch
     python train.py --model lstm --head nmst --dataset wikitext2      # the paper's 2x512 LSTM recipe
     python train.py ... --resume                                      # continue from out_dir/ckpt_last.pt
 
@@ -29,7 +30,8 @@ from data.loader import batches, collate, load
 from data.prepare import DATASETS
 from evaluate import CLIParser, batch_log_probs, perplexity, resolve_device, run_cli
 from heads import HEADS
-from model import (MODELS, CheckpointError, LanguageModel, load_checkpoint, model_config, save_checkpoint)
+from model import (GPT2_SIZES, MODELS, CheckpointError, LanguageModel, load_checkpoint, load_pretrained_gpt2,
+                   model_config, save_checkpoint)
 
 # defaults that depend on --model: (rnn, lstm, gpt)
 PER_MODEL = dict(
@@ -37,7 +39,8 @@ PER_MODEL = dict(
     lr_schedule=("plateau", "plateau", "linear"), batch_size=(32, 32, None), max_tokens=(None, None, 1024),
     max_iters=(0, 0, 300_000), eval_interval=(0, 0, 2000),
 )
-ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout", "no_tie", "no_bias")
+ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout", "no_tie", "no_bias",
+             "init_from")
 RESUMABLE_OVERRIDES = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs", "data_dir",
                        "patience")
 
@@ -53,11 +56,17 @@ def build_parser():
     g.add_argument("--data_dir", default=None, help="folder with the dataset archives/files "
                    "(default: $NANOGEN_DATA, else download into $NANOGEN_CACHE or ~/.cache/nanogen)")
     g.add_argument("--out_dir", default=None, help="checkpoints and log (default out/DATASET-MODEL-HEAD)")
+    g.add_argument("--init_from", default="scratch", choices=["scratch", *GPT2_SIZES],
+                   help="scratch, or pretrained GPT-2 weights (HuggingFace format; sets the GPT-2 shape)")
+    g.add_argument("--weights", default=None, help="local GPT-2 weights: a pytorch_model.bin / model.safetensors "
+                                                   "file or a folder holding one (default: download from the hub)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="autocast dtype on CUDA (auto: bfloat16 when supported); CPU always runs float32")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--peak_flops", type=float, default=None, help="device peak FLOP/s for the MFU column "
+                   "(default: a table of GPUs; none on CPU)")
     g.add_argument("--resume", action="store_true", help="continue from out_dir/ckpt_last.pt")
     a = p.add_argument_group("architecture (defaults per --model: rnn 2x256, lstm 2x512, gpt 12x768)")
     a.add_argument("--n_layer", type=int, default=None)
@@ -81,6 +90,8 @@ def build_parser():
     o.add_argument("--patience", type=int, default=10, help="early stopping: evaluations without improvement")
     o.add_argument("--batch_size", type=int, default=None, help="sequences per batch (rnn/lstm: 32)")
     o.add_argument("--max_tokens", type=int, default=None, help="padded tokens per batch (gpt: 1024)")
+    o.add_argument("--grad_accum", type=int, default=1, help="batches per optimizer step, over all processes "
+                                                             "(torchrun: each process takes grad_accum / N)")
     o.add_argument("--max_epochs", type=int, default=70)
     o.add_argument("--max_iters", type=int, default=None, help="stop after this many steps (0: no limit; "
                                                                "gpt default 300000)")
@@ -93,6 +104,13 @@ def build_parser():
 
 def resolve_args(args):
     """Fill the per-model defaults and reject bad values with a clear message."""
+    if args.init_from != "scratch":
+        if args.model != "gpt":
+            raise ValueError(f"--init_from {args.init_from} loads GPT-2 weights: use it with --model gpt")
+        args.n_layer, args.n_head, args.d_model = GPT2_SIZES[args.init_from]
+        args.block_size, args.no_bias, args.no_tie = 1024, False, False
+    elif args.weights:
+        raise ValueError("--weights is for --init_from gpt2 / gpt2-medium / gpt2-large / gpt2-xl")
     col = MODELS.index(args.model)
     for k, vals in PER_MODEL.items():
         if getattr(args, k) is None:
@@ -111,6 +129,8 @@ def resolve_args(args):
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if (args.batch_size or args.max_tokens or 0) < 1:
         raise ValueError("--batch_size / --max_tokens must be >= 1")
+    if args.grad_accum < 1:
+        raise ValueError(f"--grad_accum must be >= 1, got {args.grad_accum}")
     if args.model == "gpt" and args.d_model % args.n_head:
         raise ValueError(f"--d_model {args.d_model} must be divisible by --n_head {args.n_head}")
     if args.out_dir is None:
@@ -165,6 +185,60 @@ def resume_args(args, explicit, ckpt):
     return type(args)(**saved)
 
 
+# bf16 dense tensor peak FLOP/s by device name, for MFU (TF32 is half of it; CPUs: pass --peak_flops)
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+
+
+def peak_flops(args, device):
+    if args.peak_flops:
+        return args.peak_flops
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_FLOPS.items():
+        if key in name:
+            return peak if autocast_context(device, args.dtype) is not None else peak / 2
+    return None
+
+
+def flops_per_token(lm, cfg, seq_len):
+    """Training FLOPs per token: 6 N for the matmul weights (forward + backward; the output
+    projection counts, the position-embedding lookup does not) plus, for GPT, attention's
+    12 L d T at the mean training length T (PaLM appendix B, as in nanoGPT)."""
+    n = lm.num_params()
+    if cfg["model"] == "gpt":
+        n -= lm.backbone.wpe.weight.numel()
+    if not cfg["tie"]:
+        n -= lm.backbone.wte.weight.numel()  # the input lookup is no matmul (tied: it is the output matmul)
+    attn = 12 * cfg["n_layer"] * cfg["d_model"] * seq_len if cfg["model"] == "gpt" else 0
+    return 6 * n + attn
+
+
+def setup_distributed(args):
+    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK: one process per device, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, args.device
+    import torch.distributed as dist
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and args.device in ("auto", "cuda") or args.device.startswith("cuda")
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    if args.grad_accum % world:
+        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world} processes")
+    return rank, world, (f"cuda:{local}" if cuda else "cpu")
+
+
+def all_sum(values, world, device):
+    """Sum a list of floats over the processes (identity for one process)."""
+    if world == 1:
+        return values
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -177,14 +251,28 @@ def main(argv=None):
             raise CheckpointError(f"--resume: no checkpoint {path}; start without --resume")
         ckpt = load_checkpoint(path)
         args = resume_args(args, explicit, ckpt)
-    device = resolve_device(args.device)
-    check_out_dir(args.out_dir)
-    torch.manual_seed(args.seed)
+    rank, world, device_name = setup_distributed(args)
+    master = rank == 0
+    device = resolve_device(device_name)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if master:
+        check_out_dir(args.out_dir)
+    torch.manual_seed(args.seed + rank)
 
-    meta, splits = load(args.dataset, args.data_dir)
+    meta, splits = load(args.dataset, args.data_dir, verbose=master)
     train_split, valid_split = splits["train"], splits["valid"]
     cfg = model_config(args, meta["vocab_size"], meta["eos_id"])
-    lm = LanguageModel(cfg).to(device)
+    lm = LanguageModel(cfg)
+    if args.init_from != "scratch" and ckpt is None:
+        if meta["tokenizer"] != "gpt2":
+            raise ValueError(f"--init_from {args.init_from} needs the GPT-2 BPE vocabulary; {args.dataset} is "
+                             f"{meta['tokenizer']}-level (use --dataset wikitext103)")
+        load_pretrained_gpt2(lm, args.init_from, args.weights)
+        if master:
+            print(f"loaded pretrained {args.init_from} weights" + (f" from {args.weights}" if args.weights else ""))
+    lm = lm.to(device)
     optimizer = configure_optimizer(lm, args, device)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best_val=math.inf, bad_evals=0, lr=args.lr, done=None)
     if ckpt is not None:
@@ -201,29 +289,41 @@ def main(argv=None):
             if args.max_iters and state["step"] >= args.max_iters or state["epoch"] >= args.max_epochs:
                 state["done"] = "reached the same limit again"
         if state["done"]:
-            print(f"{args.out_dir}: this run already finished ({state['done']}); nothing to do "
-                  f"(raise --max_iters / --max_epochs to go on)")
+            if master:
+                print(f"{args.out_dir}: this run already finished ({state['done']}); nothing to do "
+                      f"(raise --max_iters / --max_epochs to go on)")
             return 0
+    if args.compile:  # compile the model in place (state_dict keys stay unchanged)
+        lm.compile()
     model = lm
-    if args.compile:  # compile the training path in place (state_dict keys stay unchanged)
-        lm.target_log_probs = torch.compile(lm.target_log_probs)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(lm, device_ids=[int(device.split(":")[1])] if device.startswith("cuda") else None)
     autocast = autocast_context(device, args.dtype)
     max_len = args.block_size if args.model == "gpt" else None
     bkw = dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
     log_path = os.path.join(args.out_dir, "log.jsonl")
-    print(f"{args.model} + {args.head} head on {args.dataset}: {lm.num_params():,} parameters, "
-          f"V={meta['vocab_size']:,}, device {device}" + (", resuming at step %d" % state["step"] if ckpt else ""))
+    accum = args.grad_accum // world  # micro-batches per process per optimizer step
+    peak, fpt = peak_flops(args, device), flops_per_token(lm, cfg, float(train_split.lengths.mean() - 1))
+    if master:
+        print(f"{args.model} + {args.head} head on {args.dataset}: {lm.num_params():,} parameters, "
+              f"V={meta['vocab_size']:,}, device {device}" + (f" x {world} processes" if world > 1 else "")
+              + (", resuming at step %d" % state["step"] if ckpt else ""))
 
     def checkpoint(name):
+        if not master:
+            return
         rng = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if device.startswith("cuda") else None)
         save_checkpoint(dict(config=cfg, model=lm.state_dict(), optimizer=optimizer.state_dict(), train_state=state,
                              rng=rng, args=vars(args), data=dict(dataset=args.dataset, vocab_size=meta["vocab_size"],
                                                                  eos_id=meta["eos_id"], source=meta["source"]["sha256"])),
                         os.path.join(args.out_dir, name))
 
-    def evaluate_and_log(train_loss, tok_per_s):
+    def evaluate_and_log(run):
+        train_loss_sum, train_n, tokens, seconds = all_sum([run["loss"], run["n"], run["tok"], 0.0], world, device)
+        tok_per_s = tokens / max(time.time() - run["t0"], 1e-9)
         val = perplexity(lm, valid_split, device, limit=args.eval_seqs or None, autocast=autocast,
-                         max_len=max_len, **bkw)
+                         max_len=max_len, rank=rank, world=world, **bkw)
         improved = val["nll"] < state["best_val"]
         if improved:
             state["best_val"], state["bad_evals"] = val["nll"], 0
@@ -233,56 +333,67 @@ def main(argv=None):
                 state["lr"] *= args.lr_decay
         if state["bad_evals"] >= args.patience:
             state["done"] = f"early stop: no improvement in {args.patience} evaluations"
+        train_loss = train_loss_sum / max(train_n, 1)
+        mfu = tok_per_s * fpt / peak if peak else None
         rec = dict(step=state["step"], epoch=state["epoch"], train_loss=train_loss, val_loss=val["nll"],
-                   val_ppl=val["ppl"], lr=state["lr"], tokens_per_s=tok_per_s, best=improved)
-        print(f"step {rec['step']:7d} | epoch {rec['epoch']:3d} | train loss {train_loss:.4f} | "
-              f"val loss {val['nll']:.4f} | val ppl {val['ppl']:9.2f} | lr {state['lr']:.2e} | "
-              f"{tok_per_s:8.0f} tok/s" + (" | best" if improved else ""), flush=True)
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+                   val_ppl=val["ppl"], lr=state["lr"], tokens_per_s=tok_per_s, mfu=mfu, best=improved)
+        if master:
+            print(f"step {rec['step']:7d} | epoch {rec['epoch']:3d} | train loss {train_loss:.4f} | "
+                  f"val loss {val['nll']:.4f} | val ppl {val['ppl']:9.2f} | lr {state['lr']:.2e} | "
+                  f"{tok_per_s:8.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
+                  + (" | best" if improved else ""), flush=True)
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
         if improved:
             checkpoint("ckpt_best.pt")
+        run.update(loss=0.0, n=0, tok=0, t0=time.time())
 
     from tqdm import tqdm
-    run_loss, run_n, run_tok, t_last = 0.0, 0, 0, time.time()
+    run = dict(loss=0.0, n=0, tok=0, t0=time.time())
     while state["done"] is None:
         order = batches(train_split.lengths, shuffle=True, seed=args.seed, epoch=state["epoch"],
                         limit=args.train_seqs or None, max_len=max_len, **bkw)
-        bar = tqdm(total=len(order), initial=state["batch_in_epoch"], desc=f"epoch {state['epoch']}",
-                   disable=None, leave=False)
-        for bi in range(state["batch_in_epoch"], len(order)):
+        n_steps = len(order) // args.grad_accum  # an epoch's last len % grad_accum batches are skipped
+        bar = tqdm(total=n_steps, initial=state["batch_in_epoch"], desc=f"epoch {state['epoch']}",
+                   disable=None if master else True, leave=False)
+        for s in range(state["batch_in_epoch"], n_steps):
             if args.lr_schedule == "linear":
                 state["lr"] = args.lr * max(0.0, 1.0 - state["step"] / args.decay_steps)
             for group in optimizer.param_groups:
                 group["lr"] = state["lr"]
-            batch = collate(train_split, order[bi], device)
             model.train()
-            with autocast or contextlib.nullcontext():
-                log_p, mask = batch_log_probs(model, batch)
-                n = mask.sum()
-                loss = -log_p[mask].float().sum() / n
-            if not torch.isfinite(loss):
-                raise ValueError(f"non-finite training loss ({loss.item()}) at step {state['step'] + 1}; stopping. "
+            finite = True
+            for j in range(accum):  # this process's micro-batches of global step s
+                batch = collate(train_split, order[s * args.grad_accum + rank * accum + j], device)
+                if world > 1:
+                    model.require_backward_grad_sync = j == accum - 1  # all-reduce on the last one only
+                with autocast or contextlib.nullcontext():
+                    log_p, mask = batch_log_probs(model, batch)
+                    n = mask.sum()
+                    loss = -log_p[mask].float().sum() / n
+                finite = finite and bool(torch.isfinite(loss))
+                (loss / accum).backward()
+                run["loss"] += loss.item() * int(n)
+                run["n"] += int(n)
+                run["tok"] += int((batch["lengths"] - 1).sum())
+            if world > 1:
+                finite = all_sum([float(not finite)], world, device)[0] == 0
+            if not finite:
+                raise ValueError(f"non-finite training loss at step {state['step'] + 1}; stopping. "
                                  f"The last good checkpoint is {os.path.join(args.out_dir, 'ckpt_last.pt')}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(lm.parameters(), args.grad_clip)
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
-            state["batch_in_epoch"] = bi + 1
-            run_loss += loss.item() * int(n)
-            run_n += int(n)
-            run_tok += int((batch["lengths"] - 1).sum())
+            state["batch_in_epoch"] = s + 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if args.max_iters and state["step"] >= args.max_iters:
                 state["done"] = f"reached --max_iters {args.max_iters}"
-            eval_now = args.eval_interval and state["step"] % args.eval_interval == 0
-            if eval_now or state["done"]:
-                evaluate_and_log(run_loss / max(run_n, 1), run_tok / max(time.time() - t_last, 1e-9))
+            if (args.eval_interval and state["step"] % args.eval_interval == 0) or state["done"]:
+                evaluate_and_log(run)
                 checkpoint("ckpt_last.pt")
-                run_loss, run_n, run_tok, t_last = 0.0, 0, 0, time.time()
             if state["done"]:
                 break
         bar.close()
@@ -293,13 +404,16 @@ def main(argv=None):
         if state["epoch"] >= args.max_epochs:
             state["done"] = f"reached --max_epochs {args.max_epochs}"
         if not args.eval_interval or state["done"]:
-            if run_n:
-                evaluate_and_log(run_loss / run_n, run_tok / max(time.time() - t_last, 1e-9))
+            if all_sum([run["n"]], world, device)[0]:
+                evaluate_and_log(run)
             checkpoint("ckpt_last.pt")
-            run_loss, run_n, run_tok, t_last = 0.0, 0, 0, time.time()
     checkpoint("ckpt_last.pt")
-    print(f"done ({state['done']}) after {state['step']} steps; best val ppl {math.exp(min(state['best_val'], 700)):.2f}; "
-          f"checkpoints in {args.out_dir}")
+    if master:
+        print(f"done ({state['done']}) after {state['step']} steps; best val ppl "
+              f"{math.exp(min(state['best_val'], 700)):.2f}; checkpoints in {args.out_dir}")
+    if world > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
     return 0
 
 

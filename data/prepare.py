@@ -106,9 +106,10 @@ def _check_sha256(path, expected):
                         f"(corrupt or wrong file: delete it and download again, or point --data_dir at a good copy)")
 
 
-def download(url, dest, sha256, desc=None):
+def download(url, dest, sha256=None, desc=None):
     """Download url to dest with a progress bar, verify sha256, then rename into place.
-    Nothing is left at dest (or dest.part) unless the checksum matches."""
+    Nothing is left at dest (or dest.part) unless the checksum matches.  sha256=None: no
+    published checksum (model weights); the caller validates the content."""
     from tqdm import tqdm
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     part = dest + ".part"
@@ -120,11 +121,12 @@ def download(url, dest, sha256, desc=None):
                 for block in iter(lambda: r.read(1 << 20), b""):
                     f.write(block)
                     bar.update(len(block))
-        _check_sha256(part, sha256)
+        if sha256 is not None:
+            _check_sha256(part, sha256)
         os.replace(part, dest)
     except (urllib.error.URLError, OSError) as e:
-        raise DataError(f"could not download {url} ({getattr(e, 'reason', e)}); offline? put the file in a "
-                        f"folder and pass --data_dir DIR (or set NANOGEN_DATA)") from None
+        hint = "put the file in a folder and pass --data_dir DIR (or set NANOGEN_DATA)" if sha256 else "use a local copy"
+        raise DataError(f"could not download {url} ({getattr(e, 'reason', e)}); offline? {hint}") from None
     finally:
         if os.path.exists(part):
             os.remove(part)

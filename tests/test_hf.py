@@ -52,3 +52,34 @@ def test_shape_mismatch_is_refused():
         assert "has shape" in str(e) and "expects" in str(e)
     else:
         raise AssertionError("a 64-wide checkpoint loaded into a 32-wide model")
+
+
+def test_train_init_from_hf_checkpoint(tmp_path):
+    """--init_from gpt2 --weights DIR with a HF-format checkpoint (pytorch_model.bin) saved by
+    the test: the run starts from exactly those weights (same loss as HF's at step 0)."""
+    import json
+    import os
+
+    import train
+    from data.loader import load
+    from model import GPT2_SIZES
+    GPT2_SIZES["tiny-test"] = (2, 2, 32)
+    try:
+        hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=1024, n_embd=32, n_layer=2, n_head=2))
+        folder = tmp_path / "hf"
+        folder.mkdir()
+        torch.save(hf.state_dict(), folder / "pytorch_model.bin")
+        _, splits = load("wikitext103", verbose=False)
+        out = tmp_path / "run"
+        args = ["--init_from", "tiny-test", "--weights", str(folder), "--head", "nmst", "--dataset", "wikitext103",
+                "--max_iters", "2", "--eval_interval", "1", "--eval_seqs", "8", "--train_seqs", "30", "--lr", "1e-12",
+                "--out_dir", str(out), "--dropout", "0"]
+        assert train.main(args) == 0
+        ckpt = torch.load(out / "ckpt_best.pt", weights_only=True)
+        ref = hf.state_dict()["transformer.h.0.attn.c_attn.weight"].t()
+        assert (ckpt["model"]["backbone.h.0.attn.c_attn.weight"] - ref).abs().max() < 1e-6
+        log = [json.loads(x) for x in open(out / "log.jsonl")]
+        assert abs(log[0]["val_loss"] - log[1]["val_loss"]) < 1e-5  # lr ~ 0: the loaded weights stay put
+        assert os.path.exists(out / "ckpt_best.pt")
+    finally:
+        GPT2_SIZES.pop("tiny-test")
