@@ -96,6 +96,23 @@ def perplexity(lm, split, device="cpu", batch_size=None, max_tokens=None, limit=
                 skipped=considered - n_seq, eos_prob_at_end=eos_p_sum / max(n_seq, 1))
 
 
+@torch.no_grad()
+def stream_perplexity(lm, data, bptt, device="cpu"):
+    """Continuous-LM perplexity (CT paper): exp of the mean NLL over every target token of a
+    batchified stream (bsz, N), hidden state carried across BPTT windows."""
+    from data.loader import bptt_windows
+    was_training = lm.training
+    lm.eval()
+    nll, n, state = 0.0, 0, None
+    for i, L in bptt_windows(data.size(1), bptt):
+        x, y = data[:, i:i + L].to(device), data[:, i + 1:i + 1 + L].to(device)
+        log_p, state = lm.stream_log_probs(x, y, state)
+        nll -= log_p.double().sum().item()
+        n += y.numel()
+    lm.train(was_training)
+    return dict(nll=nll / n, ppl=math.exp(min(nll / n, 700.0)), tokens=n)
+
+
 def detokenizer(meta, folder):
     """token ids -> text: the word-level vocabulary, or GPT-2 BPE."""
     if meta["tokenizer"] == "word":
@@ -314,8 +331,15 @@ def main(argv=None):
     split = splits[args.split]
     res = dict(ckpt=os.path.abspath(args.ckpt), split=args.split, dataset=targs["dataset"],
                model=ckpt["config"]["model"], head=ckpt["config"]["head"], epsilon=ckpt["config"]["epsilon"],
-               step=ckpt["train_state"]["step"])
-    if not args.no_ppl:
+               step=ckpt["train_state"]["step"], task=targs.get("task", "completion"))
+    if res["task"] == "stream" and not args.no_ppl:  # continuous LM (CT paper): batch size 10, BPTT windows
+        from data.loader import batchify, load_stream
+        data = batchify(load_stream(os.path.dirname(split.tokens.filename), args.split), 10)
+        res.update(stream_perplexity(lm, data, targs.get("bptt", 70), device))
+        print(f"{'dataset':10s} {'split':6s} {'model':5s} {'head':8s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s}  (stream)")
+        print(f"{res['dataset']:10s} {res['split']:6s} {res['model']:5s} {res['head']:8s} {res['tokens']:9d} "
+              f"{res['nll']:7.4f} {res['ppl']:9.2f}")
+    elif not args.no_ppl:
         res.update(perplexity(lm, split, device, args.batch_size, args.max_tokens, args.limit, max_len=max_len))
         print(f"{'dataset':10s} {'split':6s} {'model':5s} {'head':8s} {'sequences':>9s} {'tokens':>9s} "
               f"{'nll':>7s} {'ppl':>9s} {'p(eos@end)':>10s}")

@@ -6,6 +6,12 @@ Papers and equations implemented here (each exactly once, next to a comment nami
   * Non-monotonic self-terminating (NMST)     NMST paper, eq. 10
 (Choi et al., "A Non-monotonic Self-terminating Language Model", ICLR 2023;
  ../shared/papers/nmst-non-monotonic-self-terminating-lm.txt)
+  * Mixture of Softmaxes (MoS, Yang et al. 2018)   CT paper, eq. 4
+  * Contextual temperature (CT)                    CT paper, eq. 5-6
+  * CT-MoS                                         CT paper, eq. 7
+  * loss scaling (LS)                              CT paper, eq. 8
+(Wang et al., "Contextual Temperature for Language Modeling";
+ ../shared/papers/contextual-temperature.txt)
 
 Each parametrization is a *pure function* from logits z = U h (..., V) to log-probabilities,
 plus a thin nn.Module (`Head`) that owns the output projection U (optionally tied to the input
@@ -33,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-HEADS = ("softmax", "st", "nmst")
+HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,6 +141,33 @@ def st_log_probs(logits, t, eos_id, epsilon, log_keep=None):
     return _assemble(logits, eos_id, log_alpha, log_one_minus_alpha), log_keep
 
 
+def mos_log_probs(prior_logits, expert_logits):
+    """MoS, CT paper eq. 4:  P(x_t) = sum_m pi_m softmax(z_m),  pi = softmax(W_p h).
+    The mixture is taken in log space, log P = logsumexp_m (log pi_m + log_softmax(z_m)):
+    no additive 1e-8 fudge, exact and finite.  CT-MoS (eq. 7) passes z_m / tau.
+    prior_logits (..., K), expert_logits (..., K, V) -> log_probs (..., V)."""
+    log_pi = F.log_softmax(prior_logits, dim=-1).unsqueeze(-1)  # (..., K, 1)
+    return torch.logsumexp(log_pi + F.log_softmax(expert_logits, dim=-1), dim=-2)
+
+
+def contextual_temperature(tau_logits, alpha=1.0, beta=0.5):
+    """CT paper eq. 6:  tau = (softmax(h W_tau) + alpha) / beta, one temperature per vocabulary
+    entry, in (alpha/beta, (1+alpha)/beta).  tau_logits (..., V) -> tau (..., V)."""
+    return (torch.softmax(tau_logits, dim=-1) + alpha) / beta
+
+
+def ct_log_probs(logits, tau):
+    """CT paper eq. 5:  P(x_t) = softmax(z / tau), element-wise division.  -> (..., V)."""
+    return F.log_softmax(logits / tau, dim=-1)
+
+
+def loss_scale(vocab_size, alpha=1.0, beta=0.5):
+    """CT paper eq. 8's LS factor, mean_i tau_i.  With the softmax-normalised tau of eq. 6 the
+    softmax sums to 1 over the vocabulary, so mean_i tau_i = (1/V + alpha) / beta for every
+    context: LS is a *constant* multiplier on the cross entropy (tests check the identity)."""
+    return (1.0 / vocab_size + alpha) / beta
+
+
 # ---------------------------------------------------------------------------------------------
 # nn.Module wrapper: owns the output projection U (V, D), optionally tied to the embedding
 # ---------------------------------------------------------------------------------------------
@@ -145,20 +178,51 @@ class Head(nn.Module):
     running `log_keep` (B,) and None for softmax / NMST.  t is the continuation step index of
     the first position (int or (B,) tensor) or of every position ((B, T) tensor)."""
 
-    def __init__(self, kind, d_model, vocab_size, eos_id, epsilon=1e-5, bias=False):
+    def __init__(self, kind, d_model, vocab_size, eos_id, epsilon=1e-5, bias=False, n_experts=1, ct_alpha=1.0,
+                 ct_beta=0.5, ct_rank=0, temperature=1.0):
         super().__init__()
         if kind not in HEADS:
             raise ValueError(f"unknown head '{kind}' (choose from {', '.join(HEADS)})")
-        if kind != "softmax":
+        if kind in ("st", "nmst"):
             _check_epsilon(epsilon)
+        if n_experts < 1:
+            raise ValueError(f"--n_experts must be >= 1, got {n_experts}")
+        if not temperature > 0 or not ct_beta > 0 or ct_alpha < 0:
+            raise ValueError("--temperature and --ct_beta must be > 0, --ct_alpha >= 0")
+        if temperature != 1.0 and kind not in ("softmax", "mos"):
+            raise ValueError(f"a constant --temperature is the baseline of the softmax / mos heads, not of {kind}")
         self.kind, self.eos_id, self.epsilon = kind, int(eos_id), float(epsilon)
-        self.proj = nn.Linear(d_model, vocab_size, bias=bias)
+        self.temperature, self.ct_alpha, self.ct_beta = float(temperature), float(ct_alpha), float(ct_beta)
+        self.proj = nn.Linear(d_model, vocab_size, bias=bias)  # U, the (tied) decoder
+        if kind in ("mos", "ctmos"):  # MoS: prior W_p and per-expert latents tanh(W_k h)
+            self.n_experts = n_experts
+            self.prior = nn.Linear(d_model, n_experts, bias=False)
+            self.latent = nn.Linear(d_model, n_experts * d_model)
+        if kind in ("ct", "ctmos"):  # W_tau, optionally factorised W_tau1 W_tau2 (rank ct_rank)
+            self.tau = nn.Linear(d_model, vocab_size) if ct_rank <= 0 else \
+                nn.Sequential(nn.Linear(d_model, ct_rank, bias=False), nn.Linear(ct_rank, vocab_size))
+
+    def temperatures(self, h):
+        """The temperature vector tau (B, T, V) of the CT heads (CT paper eq. 6)."""
+        return contextual_temperature(self.tau(h), self.ct_alpha, self.ct_beta)
+
+    def _expert_logits(self, h):
+        """MoS experts z_m = U tanh(W_m h): (B, T, K, V)."""
+        B, T, D = h.shape
+        latent = torch.tanh(self.latent(h)).view(B, T, self.n_experts, D)
+        return self.proj(latent)
 
     def forward(self, h, t=1, head_state=None):
         """h (B, T, D) -> (log_probs (B, T, V), head_state)."""
+        if self.kind == "mos":
+            return mos_log_probs(self.prior(h), self._expert_logits(h) / self.temperature), None
+        if self.kind == "ctmos":  # eq. 7: the same contextual tau divides every expert's logits
+            return mos_log_probs(self.prior(h), self._expert_logits(h) / self.temperatures(h).unsqueeze(-2)), None
         logits = self.proj(h)  # (B, T, V)
+        if self.kind == "ct":
+            return ct_log_probs(logits, self.temperatures(h)), None
         if self.kind == "softmax":
-            return softmax_log_probs(logits), None
+            return softmax_log_probs(logits / self.temperature if self.temperature != 1.0 else logits), None
         if self.kind == "nmst":
             return nmst_log_probs(logits, every_step(t, h), self.eos_id, self.epsilon), None
         return st_log_probs(logits, t, self.eos_id, self.epsilon, head_state)
@@ -173,8 +237,13 @@ class Head(nn.Module):
         non-eos factor  exp(z_v) / sum_{v' != eos} exp(z_v')  of eq. 9 / 10; the eos part
         reuses nmst_log_alpha / st_log_alpha.  So ST / NMST cost the same as softmax."""
         B, T = targets.shape
+        if self.kind in ("mos", "ct", "ctmos"):  # mixtures / per-token temperatures: the full distribution
+            return self(h, t)[0].gather(-1, targets.unsqueeze(-1)).squeeze(-1), None
         if self.kind == "softmax":
-            return -F.cross_entropy(self.proj(h).flatten(0, 1), targets.flatten(), reduction="none").view(B, T), None
+            logits = self.proj(h)
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            return -F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(B, T), None
         e, W, bias = self.eos_id, self.proj.weight, self.proj.bias
         z_eos = h @ W[e] + (bias[e] if bias is not None else 0.0)  # (B, T)
         logits_rest = F.linear(h, torch.cat([W[:e], W[e + 1:]]),
@@ -189,7 +258,7 @@ class Head(nn.Module):
         return torch.where(is_eos, log_alpha, log_one_minus_alpha + log_rest), head_state
 
     def extra_repr(self):
-        eps = "" if self.kind == "softmax" else f", epsilon={self.epsilon:g}"
+        eps = f", epsilon={self.epsilon:g}" if self.kind in ("st", "nmst") else ""
         return f"kind={self.kind}, eos_id={self.eos_id}{eps}"
 
 

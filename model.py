@@ -42,10 +42,10 @@ class Recurrent(nn.Module):
     """Embedding -> dropout -> n_layer nn.RNN(tanh) / nn.LSTM (dropout between layers) -> dropout.
     d_model is both the embedding and the hidden size, so the output layer can be tied."""
 
-    def __init__(self, cell, vocab_size, d_model=512, n_layer=2, dropout=0.5):
+    def __init__(self, cell, vocab_size, d_model=512, n_layer=2, dropout=0.5, locked_dropout=False):
         super().__init__()
         assert cell in ("rnn", "lstm")
-        self.cell, self.d_model = cell, d_model
+        self.cell, self.d_model, self.locked, self.p = cell, d_model, locked_dropout, dropout
         self.wte = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
         rnn_cls = nn.LSTM if cell == "lstm" else nn.RNN
@@ -54,15 +54,25 @@ class Recurrent(nn.Module):
                            batch_first=True, **kw)
         nn.init.uniform_(self.wte.weight, -0.1, 0.1)
 
+    def _dropout(self, x):
+        """Standard dropout, or variational / locked dropout (one mask per sequence, shared over
+        time, as in AWD-LSTM; CT paper eq. 8's regularised setting) with --locked_dropout."""
+        if not self.locked or not self.training or self.p == 0:
+            return self.drop(x)
+        mask = torch.empty(x.size(0), 1, x.size(2), device=x.device, dtype=x.dtype).bernoulli_(1 - self.p)
+        return x * mask / (1 - self.p)
+
     def forward(self, idx, state=None, lengths=None):
-        x = self.drop(self.wte(idx))  # (B, T, D)
+        x = self._dropout(self.wte(idx))  # (B, T, D)
         if lengths is None:
             out, state = self.rnn(x, state)
         else:  # packed, so that the returned state is the one after each row's last real token
             packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
             out, state = self.rnn(packed, state)
             out, _ = pad_packed_sequence(out, batch_first=True, total_length=idx.size(1))
-        return self.drop(out), state
+        dropped = self._dropout(out)
+        self.last_output = (out, dropped)  # for AR / TAR (CT paper eq. 8): before and after dropout
+        return dropped, state
 
     @staticmethod
     def reorder_state(state, index):
@@ -197,6 +207,14 @@ def model_config(args, vocab_size, eos_id):
                n_layer=args.n_layer, d_model=args.d_model, dropout=args.dropout, tie=not args.no_tie)
     if args.model == "gpt":
         cfg.update(n_head=args.n_head, block_size=args.block_size, bias=not args.no_bias)
+    if args.model != "gpt" and args.locked_dropout:
+        cfg.update(locked_dropout=True)
+    if args.head in ("mos", "ctmos"):
+        cfg.update(n_experts=args.n_experts)
+    if args.head in ("ct", "ctmos"):
+        cfg.update(ct_alpha=args.ct_alpha, ct_beta=args.ct_beta, ct_rank=args.ct_rank)
+    if args.temperature != 1.0:
+        cfg.update(temperature=args.temperature)
     return cfg
 
 
@@ -212,8 +230,10 @@ class LanguageModel(nn.Module):
         if cfg["model"] == "gpt":
             self.backbone = GPT(V, cfg["block_size"], cfg["n_layer"], cfg["n_head"], D, cfg["dropout"], cfg["bias"])
         else:
-            self.backbone = Recurrent(cfg["model"], V, D, cfg["n_layer"], cfg["dropout"])
-        self.head = Head(cfg["head"], D, V, cfg["eos_id"], cfg["epsilon"])
+            self.backbone = Recurrent(cfg["model"], V, D, cfg["n_layer"], cfg["dropout"], cfg.get("locked_dropout", False))
+        self.head = Head(cfg["head"], D, V, cfg["eos_id"], cfg["epsilon"], n_experts=cfg.get("n_experts", 1),
+                         ct_alpha=cfg.get("ct_alpha", 1.0), ct_beta=cfg.get("ct_beta", 0.5),
+                         ct_rank=cfg.get("ct_rank", 0), temperature=cfg.get("temperature", 1.0))
         if cfg["tie"]:  # weight tying (NMST paper appendix D; GPT-2)
             self.head.proj.weight = self.backbone.wte.weight
 
@@ -250,6 +270,12 @@ class LanguageModel(nn.Module):
         log-probabilities (training / perplexity path).  -> (B, T)."""
         h, _ = self.backbone(idx, None, lengths)
         return self.head.target_log_probs(h, targets, t)[0]
+
+    def stream_log_probs(self, idx, targets, state=None):
+        """Continuous LM (--task stream): log p(targets) (B, T) continuing from the backbone
+        state of the previous window, and the new state (to be detached by the caller)."""
+        h, state = self.backbone(idx, state)
+        return self.head.target_log_probs(h, targets, 1)[0], state
 
     def reorder_state(self, state, index):
         bstate, hstate = state

@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from data.loader import batches, collate, load
+from data.loader import batches, batchify, bptt_windows, collate, load, load_stream
 from data.prepare import DATASETS
-from evaluate import CLIParser, batch_log_probs, perplexity, resolve_device, run_cli
-from heads import HEADS
+from evaluate import CLIParser, batch_log_probs, perplexity, resolve_device, run_cli, stream_perplexity
+from heads import HEADS, loss_scale
 from model import (GPT2_SIZES, MODELS, CheckpointError, LanguageModel, load_checkpoint, load_pretrained_gpt2,
                    model_config, save_checkpoint)
 
@@ -40,7 +40,7 @@ PER_MODEL = dict(
     max_iters=(0, 0, 300_000), eval_interval=(0, 0, 2000),
 )
 ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout", "no_tie", "no_bias",
-             "init_from")
+             "init_from", "task", "n_experts", "ct_alpha", "ct_beta", "ct_rank", "temperature", "locked_dropout")
 RESUMABLE_OVERRIDES = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs", "data_dir",
                        "patience")
 
@@ -50,7 +50,11 @@ def build_parser():
     g = p.add_argument_group("what to train")
     g.add_argument("--model", default="gpt", choices=MODELS, help="backbone (default gpt)")
     g.add_argument("--head", default="softmax", choices=HEADS, help="output head: softmax (VA, eq. 2), "
-                   "st (eq. 9), nmst (eq. 10) (default softmax)")
+                   "st (eq. 9), nmst (eq. 10) of the NMST paper; mos (eq. 4), ct (eq. 5-6), ctmos (eq. 7) of "
+                   "the contextual-temperature paper (default softmax)")
+    g.add_argument("--task", default="completion", choices=["completion", "stream"],
+                   help="completion: sequence completion (NMST paper); stream: continuous LM with truncated "
+                        "BPTT over the concatenated corpus (CT paper; rnn/lstm)")
     g.add_argument("--epsilon", type=float, default=1e-5, help="eps of ST / NMST, in (0, 1) (default 1e-5)")
     g.add_argument("--dataset", default="wikitext103", choices=sorted(DATASETS), help="(default wikitext103)")
     g.add_argument("--data_dir", default=None, help="folder with the dataset archives/files "
@@ -76,6 +80,15 @@ def build_parser():
     a.add_argument("--dropout", type=float, default=None, help="(rnn 0.3, lstm 0.5, gpt 0.1)")
     a.add_argument("--no_tie", action="store_true", help="do not tie input and output embeddings")
     a.add_argument("--no_bias", action="store_true", help="GPT without biases in Linear / LayerNorm")
+    a.add_argument("--n_experts", type=int, default=4, help="mos / ctmos: number of softmaxes K")
+    a.add_argument("--ct_alpha", type=float, default=1.0, help="ct / ctmos: alpha of eq. 6")
+    a.add_argument("--ct_beta", type=float, default=0.5, help="ct / ctmos: beta of eq. 6")
+    a.add_argument("--ct_rank", type=int, default=0, help="ct / ctmos: factorise W_tau = W_tau1 W_tau2 with "
+                                                          "this rank (0: one D x V matrix)")
+    a.add_argument("--temperature", type=float, default=1.0, help="softmax / mos: a constant temperature "
+                                                                  "(the CT paper's Table 3 baseline)")
+    a.add_argument("--locked_dropout", action="store_true", help="rnn/lstm: variational (locked) dropout on "
+                                                                 "the embeddings and the last layer's output")
     o = p.add_argument_group("optimisation (defaults per --model, see the docstring)")
     o.add_argument("--lr", type=float, default=None, help="AdamW learning rate (rnn/lstm 1e-3, gpt 5e-5)")
     o.add_argument("--beta1", type=float, default=0.9)
@@ -90,6 +103,11 @@ def build_parser():
     o.add_argument("--patience", type=int, default=10, help="early stopping: evaluations without improvement")
     o.add_argument("--batch_size", type=int, default=None, help="sequences per batch (rnn/lstm: 32)")
     o.add_argument("--max_tokens", type=int, default=None, help="padded tokens per batch (gpt: 1024)")
+    o.add_argument("--bptt", type=int, default=70, help="stream: truncated-BPTT window length")
+    o.add_argument("--loss_scaling", action="store_true", help="ct / ctmos: multiply the cross entropy by "
+                   "mean(tau) (CT paper eq. 8's LS; a constant, see heads.loss_scale)")
+    o.add_argument("--ar", type=float, default=0.0, help="activation regularisation gamma_1 (CT eq. 8, rnn/lstm)")
+    o.add_argument("--tar", type=float, default=0.0, help="temporal activation regularisation gamma_2 (rnn/lstm)")
     o.add_argument("--grad_accum", type=int, default=1, help="batches per optimizer step, over all processes "
                                                              "(torchrun: each process takes grad_accum / N)")
     o.add_argument("--max_epochs", type=int, default=70)
@@ -97,7 +115,8 @@ def build_parser():
                                                                "gpt default 300000)")
     o.add_argument("--eval_interval", type=int, default=None, help="evaluate every N steps (0: every epoch; "
                                                                    "rnn/lstm 0, gpt 2000)")
-    o.add_argument("--eval_seqs", type=int, default=0, help="validate on the first N sequences only (0: all)")
+    o.add_argument("--eval_seqs", type=int, default=0, help="validate on the first N sequences only (0: all; "
+                                                             "stream: the first N tokens of each column)")
     o.add_argument("--train_seqs", type=int, default=0, help="train on the first N sequences only (0: all)")
     return p
 
@@ -131,6 +150,17 @@ def resolve_args(args):
         raise ValueError("--batch_size / --max_tokens must be >= 1")
     if args.grad_accum < 1:
         raise ValueError(f"--grad_accum must be >= 1, got {args.grad_accum}")
+    if args.task == "stream":
+        if args.model == "gpt":
+            raise ValueError("--task stream runs the recurrent models (CT paper): use --model rnn or lstm")
+        if args.head in ("st", "nmst"):
+            raise ValueError(f"--head {args.head} models the end of a sequence: use it with --task completion")
+        if args.bptt < 1:
+            raise ValueError(f"--bptt must be >= 1, got {args.bptt}")
+    if args.loss_scaling and args.head not in ("ct", "ctmos"):
+        raise ValueError("--loss_scaling scales by the contextual temperature: use --head ct or ctmos")
+    if (args.ar or args.tar or args.locked_dropout) and args.model == "gpt":
+        raise ValueError("--ar / --tar / --locked_dropout act on the recurrent models' last layer (rnn/lstm)")
     if args.model == "gpt" and args.d_model % args.n_head:
         raise ValueError(f"--d_model {args.d_model} must be divisible by --n_head {args.n_head}")
     if args.out_dir is None:
@@ -224,6 +254,8 @@ def setup_distributed(args):
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda") or args.device.startswith("cuda")
     dist.init_process_group(backend="nccl" if cuda else "gloo")
+    if args.task == "stream":
+        raise ValueError("--task stream runs on one process (no torchrun)")
     if args.grad_accum % world:
         raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world} processes")
     return rank, world, (f"cuda:{local}" if cuda else "cpu")
@@ -237,6 +269,13 @@ def all_sum(values, world, device):
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def detach(state):
+    """Cut the graph of a recurrent state (tensor or tuple of tensors)."""
+    if state is None:
+        return None
+    return tuple(s.detach() for s in state) if isinstance(state, tuple) else state.detach()
 
 
 def main(argv=None):
@@ -263,6 +302,12 @@ def main(argv=None):
 
     meta, splits = load(args.dataset, args.data_dir, verbose=master)
     train_split, valid_split = splits["train"], splits["valid"]
+    if args.task == "stream":  # batchified continuous streams (CT paper / AWD-LSTM): eval batch size 10
+        folder = os.path.dirname(train_split.tokens.filename)
+        train_stream = batchify(load_stream(folder, "train"), args.batch_size)
+        valid_stream = batchify(load_stream(folder, "valid"), 10)
+        if args.eval_seqs:  # stream mode: the first N tokens of each of the 10 validation columns
+            valid_stream = valid_stream[:, :args.eval_seqs + 1]
     cfg = model_config(args, meta["vocab_size"], meta["eos_id"])
     lm = LanguageModel(cfg)
     if args.init_from != "scratch" and ckpt is None:
@@ -274,7 +319,8 @@ def main(argv=None):
             print(f"loaded pretrained {args.init_from} weights" + (f" from {args.weights}" if args.weights else ""))
     lm = lm.to(device)
     optimizer = configure_optimizer(lm, args, device)
-    state = dict(step=0, epoch=0, batch_in_epoch=0, best_val=math.inf, bad_evals=0, lr=args.lr, done=None)
+    state = dict(step=0, epoch=0, batch_in_epoch=0, best_val=math.inf, bad_evals=0, lr=args.lr, done=None,
+                 hidden=None)  # stream mode: the recurrent state carried into the next window
     if ckpt is not None:
         if ckpt["config"] != cfg:
             raise CheckpointError(f"{args.out_dir}/ckpt_last.pt does not match this model/vocabulary")
@@ -322,8 +368,11 @@ def main(argv=None):
     def evaluate_and_log(run):
         train_loss_sum, train_n, tokens, seconds = all_sum([run["loss"], run["n"], run["tok"], 0.0], world, device)
         tok_per_s = tokens / max(time.time() - run["t0"], 1e-9)
-        val = perplexity(lm, valid_split, device, limit=args.eval_seqs or None, autocast=autocast,
-                         max_len=max_len, rank=rank, world=world, **bkw)
+        if args.task == "stream":
+            val = stream_perplexity(lm, valid_stream, args.bptt, device)
+        else:
+            val = perplexity(lm, valid_split, device, limit=args.eval_seqs or None, autocast=autocast,
+                             max_len=max_len, rank=rank, world=world, **bkw)
         improved = val["nll"] < state["best_val"]
         if improved:
             state["best_val"], state["bad_evals"] = val["nll"], 0
@@ -348,11 +397,38 @@ def main(argv=None):
             checkpoint("ckpt_best.pt")
         run.update(loss=0.0, n=0, tok=0, t0=time.time())
 
+    ls = loss_scale(meta["vocab_size"], args.ct_alpha, args.ct_beta) if args.loss_scaling else 1.0
+
+    def micro_loss(batch):
+        """-> (loss to backpropagate, cross entropy, number of target tokens, input tokens)."""
+        with autocast or contextlib.nullcontext():
+            if args.task == "stream":
+                x, y = batch
+                log_p, state["hidden"] = lm.stream_log_probs(x, y, state["hidden"])
+                state["hidden"] = detach(state["hidden"])  # truncated BPTT: no gradient into the past
+                n, n_in = y.numel(), y.numel()
+                ce = -log_p.float().mean()
+            else:
+                log_p, mask = batch_log_probs(model, batch)
+                n, n_in = int(mask.sum()), int((batch["lengths"] - 1).sum())
+                ce = -log_p[mask].float().sum() / n
+            loss = ce * ls
+            if args.ar or args.tar:  # CT paper eq. 8 (AWD-LSTM): on the last layer's output
+                raw, dropped = lm.backbone.last_output
+                loss = loss + args.ar * dropped.float().pow(2).mean() + \
+                    args.tar * (raw[:, 1:] - raw[:, :-1]).float().pow(2).mean()
+        return loss, ce, n, n_in
+
     from tqdm import tqdm
     run = dict(loss=0.0, n=0, tok=0, t0=time.time())
     while state["done"] is None:
-        order = batches(train_split.lengths, shuffle=True, seed=args.seed, epoch=state["epoch"],
-                        limit=args.train_seqs or None, max_len=max_len, **bkw)
+        if args.task == "stream":
+            order = bptt_windows(train_stream.size(1), args.bptt)
+            if state["batch_in_epoch"] == 0:
+                state["hidden"] = None  # each epoch starts the streams afresh
+        else:
+            order = batches(train_split.lengths, shuffle=True, seed=args.seed, epoch=state["epoch"],
+                            limit=args.train_seqs or None, max_len=max_len, **bkw)
         n_steps = len(order) // args.grad_accum  # an epoch's last len % grad_accum batches are skipped
         bar = tqdm(total=n_steps, initial=state["batch_in_epoch"], desc=f"epoch {state['epoch']}",
                    disable=None if master else True, leave=False)
@@ -364,18 +440,20 @@ def main(argv=None):
             model.train()
             finite = True
             for j in range(accum):  # this process's micro-batches of global step s
-                batch = collate(train_split, order[s * args.grad_accum + rank * accum + j], device)
+                item = order[s * args.grad_accum + rank * accum + j]
+                if args.task == "stream":
+                    i, L = item
+                    batch = (train_stream[:, i:i + L].to(device), train_stream[:, i + 1:i + 1 + L].to(device))
+                else:
+                    batch = collate(train_split, item, device)
                 if world > 1:
                     model.require_backward_grad_sync = j == accum - 1  # all-reduce on the last one only
-                with autocast or contextlib.nullcontext():
-                    log_p, mask = batch_log_probs(model, batch)
-                    n = mask.sum()
-                    loss = -log_p[mask].float().sum() / n
+                loss, ce, n, n_in = micro_loss(batch)
                 finite = finite and bool(torch.isfinite(loss))
                 (loss / accum).backward()
-                run["loss"] += loss.item() * int(n)
-                run["n"] += int(n)
-                run["tok"] += int((batch["lengths"] - 1).sum())
+                run["loss"] += ce.item() * n
+                run["n"] += n
+                run["tok"] += n_in
             if world > 1:
                 finite = all_sum([float(not finite)], world, device)[0] == 0
             if not finite:

@@ -36,6 +36,26 @@ class CompletionSplit:
         return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
 
 
+def load_stream(folder, split):
+    """The continuous token stream of a split (--task stream) as a memmap (N,)."""
+    meta = load_meta(folder)
+    return np.memmap(os.path.join(folder, f"{split}.stream.bin"), dtype=meta["dtype"], mode="r")
+
+
+def batchify(stream, bsz):
+    """Continuous LM (CT paper, as in AWD-LSTM): cut the stream into bsz equal columns,
+    dropping the N % bsz tail.  (N,) -> LongTensor (bsz, N // bsz); row b is a contiguous piece."""
+    n = len(stream) // bsz
+    return torch.from_numpy(np.asarray(stream[:n * bsz], dtype=np.int64).reshape(bsz, n))
+
+
+def bptt_windows(n_cols, bptt):
+    """Truncated-BPTT windows over a batchified (bsz, n_cols) array: (start, length) pairs whose
+    inputs [start, start+length) and targets [start+1, start+length+1) cover every target column
+    1 .. n_cols-1 exactly once."""
+    return [(i, min(bptt, n_cols - 1 - i)) for i in range(0, n_cols - 1, bptt)]
+
+
 def load(dataset, data_dir=None, verbose=True):
     """-> (meta, {split: CompletionSplit}) after preparing the dataset if needed."""
     folder = prepare(dataset, data_dir, verbose=verbose)

