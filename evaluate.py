@@ -113,6 +113,69 @@ def stream_perplexity(lm, data, bptt, device="cpu"):
     return dict(nll=nll / n, ppl=math.exp(min(nll / n, 700.0)), tokens=n)
 
 
+@torch.no_grad()
+def tau_report(lm, data, bptt, eos_id, detok, device="cpu", top=10):
+    """The contextual temperature along the text (CT paper Fig. 1, Tables 5-6).  The model reads
+    the batchified stream (bsz, N) as in evaluation; at every position we keep tau of the word
+    that actually comes next, and the mean tau of every vocabulary entry.  Sentences (lines)
+    of 16-24 words are 'normalised' to their first 5, middle 5 and last 5 words, as in the paper,
+    and the mean and 95% interval of tau at each of those 15 positions is reported."""
+    from data.loader import bptt_windows
+    lm.eval()
+    V = lm.cfg["vocab_size"]
+    tau_next = torch.zeros(data.size(0), data.size(1) - 1, dtype=torch.float64)
+    tau_sum, n_pos, state = torch.zeros(V, dtype=torch.float64), 0, None
+    for i, L in bptt_windows(data.size(1), bptt):
+        x, y = data[:, i:i + L].to(device), data[:, i + 1:i + 1 + L].to(device)
+        h, state = lm.backbone(x, state)
+        tau = lm.head.temperatures(h).double()  # (bsz, L, V)
+        tau_next[:, i:i + L] = tau.gather(-1, y.unsqueeze(-1)).squeeze(-1).cpu()
+        tau_sum += tau.sum((0, 1)).cpu()
+        n_pos += y.numel()
+    rows = []
+    for b in range(data.size(0)):
+        targets = data[b, 1:].tolist()
+        start = None  # sentence boundaries: a sentence starts after an eos (the first one is cut, skipped)
+        for j, tok in enumerate(targets):
+            if tok == eos_id:
+                if start is not None and 15 < j - start < 25:
+                    words = tau_next[b, start:j]
+                    mid = (len(words) - 5) // 2
+                    rows.append(torch.cat([words[:5], words[mid:mid + 5], words[-5:]]))
+                start = j + 1
+    if not rows:
+        raise ValueError("no sentence of 16-24 words in this split: the temperature report needs some")
+    table = torch.stack(rows)  # (sentences, 15)
+    mean, half = table.mean(0), 1.96 * table.std(0) / math.sqrt(len(rows))
+    tau_mean = tau_sum / n_pos
+    order = torch.argsort(tau_mean, descending=True)
+    return dict(sentences=len(rows), position_mean=mean.tolist(), position_ci95=half.tolist(),
+                positions=[f"first-{i + 1}" for i in range(5)] + [f"mid-{i + 1}" for i in range(5)] +
+                [f"last-{i + 1}" for i in range(5)],
+                highest=[(detok([int(v)]), tau_mean[v].item()) for v in order[:top]],
+                lowest=[(detok([int(v)]), tau_mean[v].item()) for v in order[-top:].flip(0)])
+
+
+def plot_tau(report, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: --plot needs matplotlib (pip install matplotlib); no figures written", file=sys.stderr)
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = range(15)
+    ax.errorbar(x, report["position_mean"], yerr=report["position_ci95"], fmt="o-", capsize=3)
+    ax.set_xticks(list(x), report["positions"], rotation=60, fontsize=7)
+    ax.set(ylabel="tau of the next word", title=f"contextual temperature by position ({report['sentences']} sentences)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def detokenizer(meta, folder):
     """token ids -> text: the word-level vocabulary, or GPT-2 BPE."""
     if meta["tokenizer"] == "word":
@@ -264,6 +327,8 @@ def build_parser():
     d.add_argument("--examples", type=int, default=3, help="terminated and non-terminated examples to keep")
     d.add_argument("--traces", type=int, default=5, help="sequences with p(eos | prefix) traces (Fig. 3)")
     d.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
+    p.add_argument("--tau_report", action="store_true", help="ct / ctmos: temperature by position in the sentence "
+                   "and the highest / lowest temperature words (CT paper Fig. 1, Tables 5-6)")
     p.add_argument("--compare", nargs="+", default=None, metavar="JSON",
                    help="no evaluation: overlay the studies in these --out files (use with --plot)")
     return p
@@ -356,8 +421,25 @@ def main(argv=None):
         for ex in study["examples"]:
             tag = "terminated" if ex["terminated"] else "NOT terminated"
             print(f"\n[{tag}] context: {ex['context']}\n  continuation: {ex['continuation'][:400]}")
+    if args.tau_report:
+        if ckpt["config"]["head"] not in ("ct", "ctmos"):
+            raise ValueError(f"--tau_report needs a contextual-temperature head (ct / ctmos), not {ckpt['config']['head']}")
+        if ckpt["config"]["model"] == "gpt":
+            raise ValueError("--tau_report reads the text as a stream: use an rnn / lstm checkpoint")
+        from data.loader import batchify, load_stream
+        folder = os.path.dirname(split.tokens.filename)
+        data = batchify(load_stream(folder, args.split), 10)
+        rep = tau_report(lm, data, targs.get("bptt", 70), meta["eos_id"], detokenizer(meta, folder), device)
+        res["tau_report"] = rep
+        print(f"temperature of the next word by position ({rep['sentences']} sentences of 16-24 words):")
+        for name, m_, c in zip(rep["positions"], rep["position_mean"], rep["position_ci95"]):
+            print(f"  {name:8s} {m_:.6f} +- {c:.6f}")
+        print("highest mean tau:", ", ".join(f"{w} {t:.6f}" for w, t in rep["highest"]))
+        print("lowest mean tau: ", ", ".join(f"{w} {t:.6f}" for w, t in rep["lowest"]))
+        if args.plot:
+            plot_tau(rep, os.path.join(args.plot, "tau_by_position.png"))
     res["seconds"] = round(time.time() - t0, 2)
-    if args.plot:
+    if args.plot and args.decoder:
         plot_study([res], args.plot)
     if args.out:
         with open(args.out, "w") as f:

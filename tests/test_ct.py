@@ -123,6 +123,14 @@ def test_stream_training_on_real_ptb(head, tmp_path):
     r = json.loads(res.read_text())
     assert r["task"] == "stream" and r["tokens"] == 73_760 // 10 * 10 - 10  # the batchified valid targets
     assert os.path.exists(out / "ckpt_last.pt")
+    if head != "mos":
+        rep_path = tmp_path / "tau.json"
+        assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--out",
+                              str(rep_path)]) == 0
+        rep = json.loads(rep_path.read_text())["tau_report"]
+        assert rep["sentences"] > 500 and len(rep["position_mean"]) == 15
+        assert all(2.0 <= m <= 4.0 for m in rep["position_mean"])  # (alpha/beta, (1+alpha)/beta) = (2, 4)
+        assert rep["highest"][0][1] >= rep["lowest"][0][1]
 
 
 @pytest.mark.parametrize("args,msg", [
