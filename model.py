@@ -295,40 +295,79 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the CLIs print it as one line."""
 
 
+def _test_kill_point(name):
+    """Test hook (tests/test_faults.py): NANOGEN_TEST_KILL=name:n SIGKILLs this process the n-th
+    time it passes `name`, to crash at exact moments (inside a checkpoint write, ...)."""
+    import os
+    spec = os.environ.get("NANOGEN_TEST_KILL", "")
+    if not spec.startswith(name + ":"):
+        return
+    count = _test_kill_point.seen.get(name, 0) + 1
+    _test_kill_point.seen[name] = count
+    if count == int(spec.split(":")[1]):
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_test_kill_point.seen = {}
+
+
 def save_checkpoint(obj, path):
-    """torch.save to a temporary file in the same folder, fsync, then an atomic rename:
-    a crash leaves either the old file or the new one, never half of one."""
+    """The checkpoint is serialised, its sha256 taken, and both written to a temporary file in
+    the same folder, fsync-ed, then renamed over `path`: a crash leaves the old file or the new
+    one, never half of one, and a file damaged later fails its checksum on load."""
+    import hashlib
+    import io
     import os
     import tempfile
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    payload = buf.getvalue()
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
         with os.fdopen(fd, "wb") as f:
-            torch.save(dict(obj, format=CKPT_FORMAT), f)
+            torch.save(dict(format=CKPT_FORMAT, sha256=hashlib.sha256(payload).hexdigest(), payload=payload), f)
+            _test_kill_point("checkpoint-write")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise CheckpointError(f"could not write {path}: {e.strerror or e} (the previous checkpoint, if any, "
+                              f"is intact)") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.remove(tmp)
 
 
 def load_checkpoint(path, map_location="cpu"):
-    """torch.load(weights_only=True): tensors and plain containers only, never pickled code."""
+    """torch.load(weights_only=True): tensors and plain containers only, never pickled code;
+    then the payload's sha256 is checked, so a truncated or damaged file is named as such."""
+    import hashlib
+    import io
     import os
     import pickle
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
-        raise CheckpointError(f"{path} was refused by safe (weights_only) loading: {first[:200]}") from None
-    except Exception as e:  # truncated / not a torch file
-        raise CheckpointError(f"{path} is not a readable nanogen checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200] if str(e) else 'unreadable'})") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+
+    def safe_load(f):
+        try:
+            return torch.load(f, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
+            raise CheckpointError(f"{path} was refused by safe (weights_only) loading: {first[:200]}") from None
+        except Exception as e:  # truncated / not a torch file
+            raise CheckpointError(f"{path} is not a readable nanogen checkpoint (damaged or truncated? "
+                                  f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    outer = safe_load(path)
+    if not isinstance(outer, dict) or outer.get("format") != CKPT_FORMAT or "payload" not in outer:
         raise CheckpointError(f"{path} is not a nanogen checkpoint (no '{CKPT_FORMAT}' marker)")
+    if hashlib.sha256(outer["payload"]).hexdigest() != outer.get("sha256"):
+        raise CheckpointError(f"{path} is damaged: its content does not match its sha256")
+    ckpt = safe_load(io.BytesIO(outer["payload"]))
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise CheckpointError(f"{path} is not a nanogen checkpoint (no model inside)")
     return ckpt
 
 

@@ -30,8 +30,8 @@ from data.loader import batches, batchify, bptt_windows, collate, load, load_str
 from data.prepare import DATASETS
 from evaluate import CLIParser, batch_log_probs, perplexity, resolve_device, run_cli, stream_perplexity
 from heads import HEADS, loss_scale
-from model import (GPT2_SIZES, MODELS, CheckpointError, LanguageModel, load_checkpoint, load_pretrained_gpt2,
-                   model_config, save_checkpoint)
+from model import (GPT2_SIZES, MODELS, CheckpointError, LanguageModel, _test_kill_point, load_checkpoint,
+                   load_pretrained_gpt2, model_config, save_checkpoint)
 
 # defaults that depend on --model: (rnn, lstm, gpt)
 PER_MODEL = dict(
@@ -271,6 +271,43 @@ def all_sum(values, world, device):
     return t.tolist()
 
 
+def truncate_log(path, step):
+    """After a crash the logs may hold records past the checkpoint we resume from: drop them, so
+    the logs describe the one trajectory the run really follows."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
+class Interrupt:
+    """Ctrl-C (SIGINT): finish the current step, write a resumable checkpoint, exit 0."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        import signal
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupted: finishing this step and writing a checkpoint (Ctrl-C again to abort)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        import signal
+        signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
 def detach(state):
     """Cut the graph of a recurrent state (tensor or tuple of tensors)."""
     if state is None:
@@ -279,6 +316,12 @@ def detach(state):
 
 
 def main(argv=None):
+    """Ctrl-C during training writes a resumable checkpoint and returns 0 (see Interrupt)."""
+    with Interrupt() as stop:
+        return run_training(argv, stop)
+
+
+def run_training(argv, stop):
     parser = build_parser()
     args = parser.parse_args(argv)
     explicit = {k: v for k, v in vars(args).items() if v != parser.get_default(k)}
@@ -298,6 +341,12 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if master:
         check_out_dir(args.out_dir)
+        for name in os.listdir(args.out_dir):  # temporary files of a write that a crash interrupted
+            if name.startswith(".ckpt_") and name.endswith(".tmp"):
+                os.remove(os.path.join(args.out_dir, name))
+        if ckpt is None and os.path.exists(os.path.join(args.out_dir, "ckpt_last.pt")):
+            raise ValueError(f"{args.out_dir} already holds a run (ckpt_last.pt): continue it with --resume, "
+                             f"or choose another --out_dir")
     torch.manual_seed(args.seed + rank)
 
     meta, splits = load(args.dataset, args.data_dir, verbose=master)
@@ -349,6 +398,10 @@ def main(argv=None):
     max_len = args.block_size if args.model == "gpt" else None
     bkw = dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
     log_path = os.path.join(args.out_dir, "log.jsonl")
+    steps_path = os.path.join(args.out_dir, "steps.jsonl")  # one line per optimizer step: the loss
+    if master:  # a fresh run starts its logs anew; a resumed one drops what came after its checkpoint
+        truncate_log(log_path, state["step"])
+        truncate_log(steps_path, state["step"])
     accum = args.grad_accum // world  # micro-batches per process per optimizer step
     peak, fpt = peak_flops(args, device), flops_per_token(lm, cfg, float(train_split.lengths.mean() - 1))
     if master:
@@ -356,7 +409,13 @@ def main(argv=None):
               f"V={meta['vocab_size']:,}, device {device}" + (f" x {world} processes" if world > 1 else "")
               + (", resuming at step %d" % state["step"] if ckpt else ""))
 
+    def fail_non_finite(what):
+        raise ValueError(f"non-finite {what} at step {state['step']}; stopping. The last good checkpoint is "
+                         f"{os.path.join(args.out_dir, 'ckpt_last.pt')} (try a lower --lr or --grad_clip)")
+
     def checkpoint(name):
+        if not all(bool(torch.isfinite(p).all()) for p in lm.parameters()):
+            fail_non_finite("weights")  # never overwrite a good checkpoint with a broken model
         if not master:
             return
         rng = dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if device.startswith("cuda") else None)
@@ -368,11 +427,14 @@ def main(argv=None):
     def evaluate_and_log(run):
         train_loss_sum, train_n, tokens, seconds = all_sum([run["loss"], run["n"], run["tok"], 0.0], world, device)
         tok_per_s = tokens / max(time.time() - run["t0"], 1e-9)
+        _test_kill_point("evaluation")
         if args.task == "stream":
             val = stream_perplexity(lm, valid_stream, args.bptt, device)
         else:
             val = perplexity(lm, valid_split, device, limit=args.eval_seqs or None, autocast=autocast,
                              max_len=max_len, rank=rank, world=world, **bkw)
+        if not math.isfinite(val["nll"]):
+            fail_non_finite("validation loss")
         improved = val["nll"] < state["best_val"]
         if improved:
             state["best_val"], state["bad_evals"] = val["nll"], 0
@@ -451,20 +513,24 @@ def main(argv=None):
                 loss, ce, n, n_in = micro_loss(batch)
                 finite = finite and bool(torch.isfinite(loss))
                 (loss / accum).backward()
+                _test_kill_point("step")
                 run["loss"] += ce.item() * n
                 run["n"] += n
                 run["tok"] += n_in
             if world > 1:
                 finite = all_sum([float(not finite)], world, device)[0] == 0
             if not finite:
-                raise ValueError(f"non-finite training loss at step {state['step'] + 1}; stopping. "
-                                 f"The last good checkpoint is {os.path.join(args.out_dir, 'ckpt_last.pt')}")
+                state["step"] += 1  # name the step that failed
+                fail_non_finite("training loss")
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(lm.parameters(), args.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state["step"] += 1
             state["batch_in_epoch"] = s + 1
+            if master:
+                with open(steps_path, "a") as f:
+                    f.write(json.dumps(dict(step=state["step"], loss=ce.item(), lr=state["lr"])) + "\n")
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if args.max_iters and state["step"] >= args.max_iters:
@@ -474,6 +540,12 @@ def main(argv=None):
                 checkpoint("ckpt_last.pt")
             if state["done"]:
                 break
+            if stop.requested:
+                checkpoint("ckpt_last.pt")
+                if master:
+                    print(f"stopped by Ctrl-C after step {state['step']}; checkpoint written: continue with "
+                          f"the same command and --resume")
+                return 0
         bar.close()
         if state["done"]:
             break

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import evaluate
+from model import load_checkpoint
 import train
 from tests.conftest import ROOT
 
@@ -55,8 +56,8 @@ def test_resume_continues_and_reproduces(tmp_path, wikitext2):
     assert [r["step"] for r in b] == [6, 12, 18, 24]
     for ra, rb in zip(a, b):
         assert ra["train_loss"] == rb["train_loss"] and ra["val_loss"] == rb["val_loss"]
-    wa = torch.load(straight / "ckpt_last.pt", weights_only=True)
-    wb = torch.load(split / "ckpt_last.pt", weights_only=True)
+    wa = load_checkpoint(str(straight / "ckpt_last.pt"))
+    wb = load_checkpoint(str(split / "ckpt_last.pt"))
     assert wb["train_state"]["step"] == 24
     for k in wa["model"]:
         assert torch.equal(wa["model"][k], wb["model"][k]), k

@@ -4,7 +4,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from decode import decode
-from model import LanguageModel, gpt_state_from_hf
+from model import LanguageModel, gpt_state_from_hf, load_checkpoint
 
 
 def pair(n_layer=2, n_embd=64, n_head=4, V=101, seed=0):
@@ -75,7 +75,7 @@ def test_train_init_from_hf_checkpoint(tmp_path):
                 "--max_iters", "2", "--eval_interval", "1", "--eval_seqs", "8", "--train_seqs", "30", "--lr", "1e-12",
                 "--out_dir", str(out), "--dropout", "0"]
         assert train.main(args) == 0
-        ckpt = torch.load(out / "ckpt_best.pt", weights_only=True)
+        ckpt = load_checkpoint(str(out / "ckpt_best.pt"))
         ref = hf.state_dict()["transformer.h.0.attn.c_attn.weight"].t()
         assert (ckpt["model"]["backbone.h.0.attn.c_attn.weight"] - ref).abs().max() < 1e-6
         log = [json.loads(x) for x in open(out / "log.jsonl")]

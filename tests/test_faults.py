@@ -1,0 +1,151 @@
+"""Faults: kill -9 at random moments and inside a step / an evaluation / a checkpoint write,
+then --resume reproduces the uninterrupted run's per-step losses exactly; Ctrl-C; damaged
+checkpoints; non-finite loss; disk full; determinism."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+from evaluate import run_cli
+from model import CheckpointError, load_checkpoint, save_checkpoint
+from tests.conftest import ROOT
+
+ARGS = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "wikitext2", "--d_model", "32",
+        "--dropout", "0.3", "--batch_size", "8", "--lr", "3e-3", "--train_seqs", "200", "--eval_seqs", "40",
+        "--max_iters", "24", "--eval_interval", "4", "--seed", "5"]
+
+
+def losses(out_dir):
+    with open(os.path.join(out_dir, "steps.jsonl")) as f:
+        return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+
+
+def start(out_dir, kill=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if kill:
+        env["NANOGEN_TEST_KILL"] = kill
+    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt_last.pt")) else []
+    return subprocess.Popen([sys.executable, "train.py", *ARGS, "--out_dir", str(out_dir), *resume], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, wikitext2):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    assert train.main(ARGS + ["--out_dir", str(out)]) == 0
+    return losses(out)
+
+
+def test_kill9_then_resume_reproduces_the_uninterrupted_run(reference, tmp_path):
+    out = tmp_path / "faulty"
+    # fixed kill points: inside a step, inside an evaluation, inside a checkpoint write (after the
+    # temporary file is written, before the rename), then two kills at random moments
+    for kill in ("step:3", "evaluation:2", "checkpoint-write:2", "step:17"):
+        p = start(out, kill)
+        p.communicate(timeout=300)
+        assert p.returncode == -signal.SIGKILL
+    rng = random.Random(0)
+    for _ in range(2):
+        p = start(out)
+        time.sleep(rng.uniform(3.0, 6.0))
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=300)
+    p = start(out)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    assert losses(out) == reference  # same data order, dropout, optimizer, schedule: bit for bit
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]  # stale temporary files cleaned up
+    best, last = load_checkpoint(str(out / "ckpt_best.pt")), load_checkpoint(str(out / "ckpt_last.pt"))
+    assert last["train_state"]["step"] == 24 and best["train_state"]["best_val"] == last["train_state"]["best_val"]
+
+
+def test_ctrl_c_writes_a_resumable_checkpoint(reference, tmp_path):
+    out = tmp_path / "sigint"
+    p = start(out)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(out / "steps.jsonl") and len(losses(out)) >= 7):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and "stopped by Ctrl-C after step" in stdout, err[-2000:]
+    assert "Traceback" not in err
+    step = load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["step"]
+    assert 7 <= step < 24
+    p = start(out)
+    p.communicate(timeout=300)
+    assert p.returncode == 0 and losses(out) == reference
+
+
+def test_damaged_and_truncated_checkpoints_are_named(tmp_path):
+    path = tmp_path / "ckpt_last.pt"
+    save_checkpoint(dict(model={"w": torch.randn(1000)}, config={}), str(path))
+    raw = bytearray(path.read_bytes())
+    damaged = tmp_path / "damaged.pt"
+    raw[len(raw) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(path.read_bytes()[: len(raw) // 3])
+    for bad in (damaged, truncated):
+        with pytest.raises(CheckpointError, match=str(bad.name)):
+            load_checkpoint(str(bad))
+    assert load_checkpoint(str(path))["model"]["w"].shape == (1000,)
+
+
+def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ckpt_last.pt"
+    save_checkpoint(dict(model={"w": torch.ones(3)}), str(path))
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint.*intact"):
+        save_checkpoint(dict(model={"w": torch.zeros(3)}), str(path))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert torch.equal(load_checkpoint(str(path))["model"]["w"], torch.ones(3))  # the old one survived
+    assert os.listdir(tmp_path) == ["ckpt_last.pt"]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, wikitext2, capsys):
+    out = tmp_path / "nan"
+    args = ARGS[:-8] + ["--max_iters", "30", "--eval_interval", "1", "--lr", "1e30", "--grad_clip", "0",
+                        "--out_dir", str(out)]
+    rc = run_cli(train.main, args)
+    err = capsys.readouterr().err
+    assert rc == 2 and "non-finite" in err and "at step" in err and "last good checkpoint" in err
+    ckpt = load_checkpoint(str(out / "ckpt_last.pt"))
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_existing_run_is_not_overwritten(reference, tmp_path, wikitext2, capsys):
+    out = tmp_path / "twice"
+    assert train.main(ARGS[:-8] + ["--max_iters", "2", "--eval_interval", "1", "--out_dir", str(out)]) == 0
+    assert run_cli(train.main, ARGS + ["--out_dir", str(out)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_unwritable_out_dir(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert run_cli(train.main, ARGS + ["--out_dir", str(blocker / "sub")]) == 2
+    assert "cannot write to --out_dir" in capsys.readouterr().err
+
+
+def test_same_seed_same_losses_and_decodes(reference, tmp_path, wikitext2):
+    out = tmp_path / "again"
+    assert train.main(ARGS + ["--out_dir", str(out)]) == 0
+    assert losses(out) == reference
+    import evaluate
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (a, b):
+        assert evaluate.main(["--ckpt", str(out / "ckpt_last.pt"), "--no_ppl", "--decoder", "nucleus", "--p", "0.9",
+                              "--L", "20", "--limit", "10", "--seed", "3", "--out", str(path)]) == 0
+    assert json.loads(a.read_text())["decoding"]["generated_lengths"] == \
+        json.loads(b.read_text())["decoding"]["generated_lengths"]
