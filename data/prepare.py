@@ -173,6 +173,16 @@ def _zip_has_members(path, members):
     return all(m in names for m in members)
 
 
+def _refuse_unsafe_zip(path):
+    """Zip members are read in place, never extracted; still, an archive whose member paths
+    escape their folder (zip-slip) is malicious or broken, and is refused outright."""
+    with zipfile.ZipFile(path) as z:
+        bad = [n for n in z.namelist() if not _safe_member(n)]
+    if bad:
+        raise DataError(f"refusing {path}: member {bad[0]!r} points outside the archive folder (zip-slip)")
+    return path
+
+
 def locate(dataset, data_dir=None):
     """-> source dict: {"kind": "zip"|"dir", "path": ..., "official": bool, "sha256": ...}."""
     spec = DATASETS[dataset]
@@ -193,18 +203,18 @@ def locate(dataset, data_dir=None):
                 "sha256": {s: spec["files"][s][1] for s in SPLITS}}
     members = list(spec["members"].values())
     if not data_dir:
-        path = _fetch(spec["urls"], spec["archive"], spec["sha256"])
+        path = _refuse_unsafe_zip(_fetch(spec["urls"], spec["archive"], spec["sha256"]))
         return {"kind": "zip", "path": path, "official": True, "sha256": spec["sha256"]}
     if not os.path.isdir(data_dir):
         raise DataError(f"--data_dir {data_dir} is not a folder")
     official = os.path.join(data_dir, spec["archive"])
     if os.path.isfile(official):
         _check_sha256(official, spec["sha256"])
-        return {"kind": "zip", "path": official, "official": True, "sha256": spec["sha256"]}
+        return {"kind": "zip", "path": _refuse_unsafe_zip(official), "official": True, "sha256": spec["sha256"]}
     for name in sorted(os.listdir(data_dir)):  # another zip with the official member layout
         path = os.path.join(data_dir, name)
         if name.endswith(".zip") and os.path.isfile(path) and _zip_has_members(path, members):
-            return {"kind": "zip", "path": path, "official": False, "sha256": sha256_file(path)}
+            return {"kind": "zip", "path": _refuse_unsafe_zip(path), "official": False, "sha256": sha256_file(path)}
     root = os.path.dirname(members[0])  # an extracted folder, e.g. DIR/wikitext-103/
     if all(os.path.isfile(os.path.join(data_dir, m)) for m in members):
         return {"kind": "dir", "path": os.path.join(data_dir, root), "official": False,
@@ -220,11 +230,7 @@ def _open_split(source, dataset, split):
         return open(source["paths"][split], encoding="utf-8")
     if source["kind"] == "dir":
         return open(os.path.join(source["path"], os.path.basename(spec["members"][split])), encoding="utf-8")
-    z = zipfile.ZipFile(source["path"])
-    bad = [n for n in z.namelist() if not _safe_member(n)]
-    if bad:
-        z.close()
-        raise DataError(f"refusing {source['path']}: member {bad[0]!r} points outside the archive folder (zip-slip)")
+    z = zipfile.ZipFile(source["path"])  # locate() has refused unsafe archives
     return io.TextIOWrapper(z.open(spec["members"][split]), encoding="utf-8")
 
 

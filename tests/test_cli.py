@@ -187,3 +187,64 @@ def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
 def test_evaluate_bad_decoder_input(args, pattern, tmp_path):
     rc, _, err = run_cli("evaluate.py", "--ckpt", str(tmp_path / "x.pt"), *args)
     assert_one_line_error(rc, err, pattern)
+
+
+def _zip_dir(tmp_path, members):
+    import zipfile
+    d = tmp_path / "data"
+    d.mkdir()
+    with zipfile.ZipFile(d / ("wikitext-2-v1.zip" if "../evil" not in members else "copy.zip"), "w") as z:
+        for name, text in members.items():
+            z.writestr(name, text)
+    return d
+
+
+LINE = " ".join(f"w{i}" for i in range(14)) + " \n"
+
+
+def test_archive_with_wrong_sha256_cli(tmp_path):
+    d = _zip_dir(tmp_path, {f"wikitext-2/wiki.{s}.tokens": LINE for s in ("train", "valid", "test")})
+    rc, _, err = run_cli("train.py", "--model", "lstm", "--dataset", "wikitext2", "--data_dir", str(d),
+                         "--out_dir", str(tmp_path / "o"), env_extra={"NANOGEN_CACHE": str(tmp_path / "c")})
+    assert_one_line_error(rc, err, "checksum mismatch")
+
+
+def test_zip_slip_cli(tmp_path):
+    members = {f"wikitext-2/wiki.{s}.tokens": LINE for s in ("train", "valid", "test")}
+    members["../evil"] = "x"
+    d = _zip_dir(tmp_path, members)
+    rc, _, err = run_cli("train.py", "--model", "lstm", "--dataset", "wikitext2", "--data_dir", str(d),
+                         "--out_dir", str(tmp_path / "o"), env_extra={"NANOGEN_CACHE": str(tmp_path / "c")})
+    assert_one_line_error(rc, err, "zip-slip")
+
+
+def test_resume_with_another_head_or_model(tmp_path, wikitext2):
+    out = tmp_path / "run"
+    assert train.main(tiny_args("lstm", "st", out, iters=2, every=2)) == 0
+    for flags, name in ((["--head", "nmst"], "--head"), (["--model", "rnn"], "--model")):
+        rc, _, err = run_cli("train.py", *tiny_args("lstm", "st", out, iters=4, every=2)[:-8], *flags,
+                             "--out_dir", str(out), "--resume")
+        assert_one_line_error(rc, err, f"was trained with {name}")
+
+
+def test_checkpoint_for_another_vocabulary(tmp_path, tiny_ckpt):
+    from model import save_checkpoint
+    ckpt = load_checkpoint(str(tiny_ckpt))
+    ckpt["args"]["dataset"] = "ptb"  # a WikiText-2 model (V = 33,278) against PTB's vocabulary (10,000)
+    bad = tmp_path / "ptb.pt"
+    save_checkpoint(ckpt, str(bad))
+    rc, _, err = run_cli("evaluate.py", "--ckpt", str(bad))
+    assert_one_line_error(rc, err, "another vocabulary")
+
+
+def test_prompt_longer_than_the_window_cli(tmp_path, wikitext2):
+    out = tmp_path / "gpt"
+    assert train.main(tiny_args("gpt", "softmax", out, iters=1, every=1) + ["--block_size", "64"]) == 0
+    rc, _, err = run_cli("evaluate.py", "--ckpt", str(out / "ckpt_last.pt"), "--no_ppl", "--decoder", "greedy",
+                         "--L", "100", "--limit", "2")
+    assert_one_line_error(rc, err, "exceeds the GPT context window")
+
+
+def test_init_from_gpt2_needs_the_gpt_model(tmp_path):
+    rc, _, err = run_cli("train.py", "--model", "lstm", "--init_from", "gpt2", "--out_dir", str(tmp_path / "o"))
+    assert_one_line_error(rc, err, "use it with --model gpt")
