@@ -98,7 +98,7 @@ def test_local_folder_and_unofficial_zip_accepted(tmp_path, monkeypatch):
     meta = P.load_meta(folder)
     assert meta["source"]["official"] is False and meta["source"]["kind"] == "dir"
     assert meta["counts"]["train"] == dict(lines=4, empty=1, dropped_short=1, dropped_long=0, sequences=2,
-                                           tokens=30, oov_to_unk=0)
+                                           tokens=30, stream_tokens=34, oov_to_unk=0)
     z = tmp_path / "z"
     z.mkdir()
     _zip(z / "my-copy.zip", {f"wikitext-2/wiki.{s}.tokens": LINE for s in P.SPLITS})
