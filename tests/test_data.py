@@ -46,6 +46,16 @@ def test_wikitext2_sequences_are_the_lines(wikitext2):
     assert lines[0][:10] == [vocab[j] for j in va[0][:10]]  # the context x
 
 
+def test_stream_counts_are_the_usual_corpus_sizes(wikitext2):
+    """--task stream: every line + eos, as in the CT / AWD-LSTM setups (PTB 929k train tokens)."""
+    from data.loader import load_stream
+    for dataset, expected in (("ptb", (929_589, 73_760, 82_430)), ("wikitext2", (2_088_628, 217_646, 245_569))):
+        meta, splits = load(dataset, verbose=False)
+        folder = os.path.dirname(splits["train"].tokens.filename)
+        assert tuple(len(load_stream(folder, s)) for s in ("train", "valid", "test")) == expected
+        assert tuple(meta["counts"][s]["stream_tokens"] for s in ("train", "valid", "test")) == expected
+
+
 def test_ptb_counts():
     meta, splits = load("ptb", verbose=False)
     assert meta["vocab_size"] == 10_000
