@@ -42,7 +42,7 @@ PER_MODEL = dict(
 ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout", "no_tie", "no_bias",
              "init_from", "task", "n_experts", "ct_alpha", "ct_beta", "ct_rank", "temperature", "locked_dropout")
 RESUMABLE_OVERRIDES = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs", "data_dir",
-                       "patience")
+                       "patience", "peak_flops")
 
 
 def build_parser():
@@ -211,7 +211,7 @@ def resume_args(args, explicit, ckpt):
     for k in RESUMABLE_OVERRIDES:
         if k in explicit:
             saved[k] = explicit[k]
-    saved["resume"] = True
+    saved["resume"], saved["out_dir"] = True, args.out_dir  # the folder may have been moved: write where it is
     return type(args)(**saved)
 
 
@@ -425,7 +425,7 @@ def run_training(argv, stop):
                         os.path.join(args.out_dir, name))
 
     def evaluate_and_log(run):
-        train_loss_sum, train_n, tokens, seconds = all_sum([run["loss"], run["n"], run["tok"], 0.0], world, device)
+        train_loss_sum, train_n, tokens = all_sum([run["loss"], run["n"], run["tok"]], world, device)
         tok_per_s = tokens / max(time.time() - run["t0"], 1e-9)
         _test_kill_point("evaluation")
         if args.task == "stream":

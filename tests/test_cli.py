@@ -61,6 +61,10 @@ def test_resume_continues_and_reproduces(tmp_path, wikitext2):
     assert wb["train_state"]["step"] == 24
     for k in wa["model"]:
         assert torch.equal(wa["model"][k], wb["model"][k]), k
+    moved = tmp_path / "moved"  # a resumed run writes where its folder is now, not where it was
+    os.rename(split, moved)
+    assert train.main(tiny_args("lstm", "st", moved, iters=24, every=6)[:-4] + ["--max_iters", "30", "--resume"]) == 0
+    assert not split.exists() and load_checkpoint(str(moved / "ckpt_last.pt"))["train_state"]["step"] == 30
 
 
 def run_cli(script, *args, env_extra=None):
