@@ -1,6 +1,7 @@
 """Benchmarks that print side-by-side tables (nanoGPT style).  Not tests: figures, not asserts.
 
     python bench.py train     # train-step tokens/s: LSTM and GPT x softmax / ST / NMST heads
+    python bench.py train_hf  # train-step tokens/s: nanogen GPT vs HF GPT2LMHeadModel, same config
     python bench.py decode    # batched greedy and beam-4 continuation tokens/s: nanogen vs HF generate()
 
 Every figure is measured on the machine that runs it; the README lists the ones we measured,
@@ -66,6 +67,39 @@ def bench_train(args):
     print("(st/sm, nmst/sm: time of a step relative to the softmax head's)")
 
 
+def bench_train_hf(args):
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        print("bench.py train_hf compares against HuggingFace transformers: pip install transformers")
+        return
+    device = resolve_device(args.device)
+    V, B, T = 50257, args.batch, args.seq
+    L, D, H = args.gpt_layers, args.gpt_dim, args.gpt_heads
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=1024, n_embd=D, n_layer=L, n_head=H)).to(device).train()
+    lm = LanguageModel(cfg_for("gpt", "softmax", V, eos_id=50256, n_layer=L, d_model=D, n_head=H,
+                               dropout=0.1)).to(device).train()
+    x = torch.randint(0, V, (B, T + 1), device=device)
+    rates = {}
+    for name, model in (("nanogen", lm), ("HF", hf)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            if model is hf:
+                loss = model(x[:, :T], labels=x[:, :T]).loss  # HF shifts the labels itself
+            else:
+                loss = -model.target_log_probs(x[:, :T], x[:, 1:], 1).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        rates[name] = B * T / timed(step, 1, args.iters, device)
+    print(f"train step, GPT-2 shape {L}x{D} h{H}, V={V}, batch {B} x {T} tokens, dropout 0.1, device {device}, "
+          f"threads {torch.get_num_threads()}")
+    print(f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s}")
+    print(f"{rates['nanogen']:14.0f} {rates['HF']:10.0f} {rates['nanogen'] / rates['HF']:8.2f}")
+
+
 def bench_decode(args):
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -114,19 +148,19 @@ def bench_decode(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["train", "decode"])
+    p.add_argument("what", choices=["train", "train_hf", "decode"])
     p.add_argument("--device", default="auto")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--models", nargs="+", default=["lstm", "gpt"])
-    p.add_argument("--batch", type=int, default=32, help="LSTM sequences per batch")
-    p.add_argument("--seq", type=int, default=64, help="LSTM tokens per sequence")
+    p.add_argument("--batch", type=int, default=32, help="sequences per batch (train: LSTM; train_hf: GPT)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (train: LSTM; train_hf: GPT)")
     p.add_argument("--gpt_layers", type=int, default=12)
     p.add_argument("--gpt_dim", type=int, default=768)
     p.add_argument("--gpt_heads", type=int, default=12)
     p.add_argument("--prompts", type=int, default=8, help="decode: prompts decoded together")
     p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens generated per prompt")
     args = p.parse_args()
-    {"train": bench_train, "decode": bench_decode}[args.what](args)
+    {"train": bench_train, "train_hf": bench_train_hf, "decode": bench_decode}[args.what](args)
 
 
 if __name__ == "__main__":
