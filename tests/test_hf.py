@@ -1,5 +1,8 @@
 """nanogen's GPT == HuggingFace GPT2LMHeadModel with the same weights (a randomly initialised
 HF-format model the test builds itself): logits and greedy decoding."""
+import os
+import sys
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -83,3 +86,31 @@ def test_train_init_from_hf_checkpoint(tmp_path):
         assert os.path.exists(out / "ckpt_best.pt")
     finally:
         GPT2_SIZES.pop("tiny-test")
+
+
+def test_hub_download_path(tmp_path, monkeypatch):
+    """fetch_hf_weights downloads into the cache (here from a file:// 'hub') and reuses it;
+    offline with no cached copy it says to pass --weights."""
+    import model
+    hf, lm = pair(seed=2)
+    hub = tmp_path / "hub" / "gpt2"
+    hub.mkdir(parents=True)
+    torch.save(hf.state_dict(), hub / "pytorch_model.bin")
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(model, "HF_HUB", (tmp_path / "hub").as_uri() + "/{name}/{file}")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # take the pytorch_model.bin route
+    path = model.fetch_hf_weights("gpt2")
+    assert path.startswith(str(tmp_path / "cache")) and os.path.getsize(path) == os.path.getsize(hub / "pytorch_model.bin")
+    fresh = LanguageModel(lm.cfg)
+    model.load_pretrained_gpt2(fresh, "gpt2")
+    for k, v in lm.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v)
+    monkeypatch.setenv("NANOGEN_OFFLINE", "1")
+    assert model.fetch_hf_weights("gpt2") == path  # cached: no network needed
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "empty"))
+    try:
+        model.fetch_hf_weights("gpt2")
+    except model.CheckpointError as e:
+        assert "NANOGEN_OFFLINE" in str(e) and "--weights" in str(e)
+    else:
+        raise AssertionError("offline without a cached copy must fail")
