@@ -84,7 +84,7 @@ def assert_one_line_error(rc, stderr, pattern):
 
 @pytest.mark.parametrize("args,pattern", [
     (["--model", "transformer"], "invalid choice: 'transformer'"),
-    (["--head", "mos"], "invalid choice: 'mos'"),
+    (["--head", "softmax2"], "invalid choice: 'softmax2'"),
     (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
     (["--head", "nmst", "--epsilon", "0"], "--epsilon must lie in (0, 1)"),
     (["--head", "st", "--epsilon", "1.5"], "--epsilon must lie in (0, 1)"),
@@ -232,7 +232,9 @@ def test_resume_with_another_head_or_model(tmp_path, wikitext2):
 
 
 def test_checkpoint_for_another_vocabulary(tmp_path, tiny_ckpt):
+    from data.loader import load
     from model import save_checkpoint
+    load("ptb", verbose=False)  # prepared beforehand: the CLI's only output is then the error
     ckpt = load_checkpoint(str(tiny_ckpt))
     ckpt["args"]["dataset"] = "ptb"  # a WikiText-2 model (V = 33,278) against PTB's vocabulary (10,000)
     bad = tmp_path / "ptb.pt"
