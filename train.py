@@ -157,6 +157,8 @@ def resolve_args(args):
             raise ValueError(f"--head {args.head} models the end of a sequence: use it with --task completion")
         if args.bptt < 1:
             raise ValueError(f"--bptt must be >= 1, got {args.bptt}")
+    if args.temperature != 1.0 and args.head not in ("softmax", "mos"):
+        raise ValueError(f"a constant --temperature is the baseline of the softmax / mos heads, not of {args.head}")
     if args.loss_scaling and args.head not in ("ct", "ctmos"):
         raise ValueError("--loss_scaling scales by the contextual temperature: use --head ct or ctmos")
     if (args.ar or args.tar or args.locked_dropout) and args.model == "gpt":
