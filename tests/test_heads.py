@@ -171,7 +171,7 @@ def test_epsilon_outside_open_interval_rejected(eps):
 
 def test_unknown_head_rejected():
     with pytest.raises(ValueError, match="unknown head"):
-        Head("mos", 4, 10, 0)
+        Head("adaptive", 4, 10, 0)
 
 
 def test_math_constants():
