@@ -301,7 +301,8 @@ def plot_study(results, out_dir):
 
 def build_parser():
     p = CLIParser(description="Evaluate a nanogen checkpoint: continuation perplexity (NMST paper section 4).")
-    p.add_argument("--ckpt", required=True, help="checkpoint written by train.py (ckpt_best.pt / ckpt_last.pt)")
+    p.add_argument("--ckpt", default=None, help="checkpoint written by train.py (ckpt_best.pt / ckpt_last.pt); "
+                                                "required unless --compare")
     p.add_argument("--split", default="valid", choices=["train", "valid", "test"])
     p.add_argument("--data_dir", default=None, help="local dataset folder (default: $NANOGEN_DATA, else download)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when available)")
@@ -359,11 +360,9 @@ def resolve_device(name):
 
 def main(argv=None):
     parser = build_parser()
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--compare" in argv and "--ckpt" not in argv:
-        argv = list(argv) + ["--ckpt", ""]
     args = parser.parse_args(argv)
+    if not args.compare and not args.ckpt:
+        parser.error("the following arguments are required: --ckpt (or --compare JSON ...)")
     if args.compare:
         results = []
         for path in args.compare:

@@ -74,6 +74,13 @@ class Recurrent(nn.Module):
         self.last_output = (out, dropped)  # for AR / TAR (CT paper eq. 8): before and after dropout
         return dropped, state
 
+    def activation_regularisation(self, ar, tar):
+        """CT paper eq. 8 (from AWD-LSTM), on the last layer's output of the latest forward:
+        AR  = ar  * mean(dropped output ^ 2)                 (penalises large activations)
+        TAR = tar * mean((h_t - h_{t-1}) ^ 2), raw output     (penalises fast changes)."""
+        raw, dropped = self.last_output
+        return ar * dropped.float().pow(2).mean() + tar * (raw[:, 1:] - raw[:, :-1]).float().pow(2).mean()
+
     @staticmethod
     def reorder_state(state, index):
         if isinstance(state, tuple):  # LSTM (h, c), each (layers, B, D)

@@ -478,9 +478,7 @@ def run_training(argv, stop):
                 ce = -log_p[mask].float().sum() / n
             loss = ce * ls
             if args.ar or args.tar:  # CT paper eq. 8 (AWD-LSTM): on the last layer's output
-                raw, dropped = lm.backbone.last_output
-                loss = loss + args.ar * dropped.float().pow(2).mean() + \
-                    args.tar * (raw[:, 1:] - raw[:, :-1]).float().pow(2).mean()
+                loss = loss + lm.backbone.activation_regularisation(args.ar, args.tar)
         return loss, ce, n, n_in
 
     from tqdm import tqdm

@@ -254,3 +254,22 @@ def test_prompt_longer_than_the_window_cli(tmp_path, wikitext2):
 def test_init_from_gpt2_needs_the_gpt_model(tmp_path):
     rc, _, err = run_cli("train.py", "--model", "lstm", "--init_from", "gpt2", "--out_dir", str(tmp_path / "o"))
     assert_one_line_error(rc, err, "use it with --model gpt")
+
+
+def test_plateau_halves_lr_and_early_stopping(tmp_path, wikitext2):
+    """lr 1e-30 leaves the weights unchanged, so validation never improves after the first
+    evaluation: the plateau schedule halves the lr at each one and patience 2 stops the run."""
+    out = tmp_path / "plateau"
+    args = tiny_args("lstm", "softmax", out, iters=30, every=2)
+    args[args.index("--lr") + 1] = "1e-30"
+    assert train.main(args + ["--patience", "2"]) == 0
+    log = read_log(out)
+    assert [r["step"] for r in log] == [2, 4, 6]
+    assert [r["best"] for r in log] == [True, False, False]
+    assert [r["lr"] for r in log] == [1e-30, 5e-31, 2.5e-31]
+    assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["done"].startswith("early stop")
+
+
+def test_evaluate_needs_a_checkpoint():
+    rc, _, err = run_cli("evaluate.py")
+    assert_one_line_error(rc, err, "--ckpt")

@@ -143,3 +143,20 @@ def test_bad_flag_combinations(args, msg, tmp_path):
     from tests.test_cli import assert_one_line_error, run_cli
     rc, _, err = run_cli("train.py", *args, "--dataset", "ptb", "--out_dir", str(tmp_path / "o"), "--max_iters", "1")
     assert_one_line_error(rc, err, msg)
+
+
+def test_activation_regularisation_and_locked_dropout():
+    """AR / TAR against their direct formulas; locked dropout uses one mask over time."""
+    cfg = dict(model="lstm", head="softmax", epsilon=1e-5, vocab_size=30, eos_id=0, n_layer=2, d_model=16,
+               dropout=0.5, tie=True, locked_dropout=True)
+    lm = LanguageModel(cfg).train()
+    lm(torch.randint(0, 30, (3, 9)), 1)
+    raw, dropped = lm.backbone.last_output
+    ar = (dropped ** 2).mean()
+    tar = sum(((raw[:, t] - raw[:, t - 1]) ** 2).sum() for t in range(1, 9)) / (3 * 8 * 16)
+    torch.testing.assert_close(lm.backbone.activation_regularisation(2.0, 0.0), 2.0 * ar)
+    torch.testing.assert_close(lm.backbone.activation_regularisation(0.0, 3.0), 3.0 * tar)
+    x = torch.ones(2, 7, 16)
+    zeros = lm.backbone._dropout(x) == 0  # (2, 7, 16)
+    assert zeros.any() and (zeros == zeros[:, :1]).all()  # the same units dropped at every step
+    assert not (lm.backbone.drop(x) == 0).eq((lm.backbone.drop(x) == 0)[:, :1]).all()  # plain dropout varies
