@@ -96,6 +96,133 @@ def perplexity(lm, split, device="cpu", batch_size=None, max_tokens=None, limit=
                 skipped=considered - n_seq, eos_prob_at_end=eos_p_sum / max(n_seq, 1))
 
 
+# ---------------------------------------------------------------------------------------------
+# stories: the insertion models (insnet.py) and their L2R baseline (InsNet paper section 5)
+# ---------------------------------------------------------------------------------------------
+def story_model(cfg):
+    """The model of a story checkpoint config: InsNet, IT-vanilla or the L2R GPT."""
+    from insnet import InsertionTransformer, InsNet
+    from model import LanguageModel
+    return dict(insnet=InsNet, insertion_transformer=InsertionTransformer).get(cfg["model"], LanguageModel)(cfg)
+
+
+def story_nll(model, seqs, order="random", generator=None, device="cpu"):
+    """-log p of each sequence of a batch (B,) and its number of predicted events (B,).
+    L2R (gpt): the tokens after the given prefix, EOS included.  Insertion models: the slot and
+    token of every non-given insertion plus the termination, along one insertion order per
+    sequence (`order`: random with `generator`, or l2r); the NLL of the (sequence, order) pair."""
+    from insnet import collate_insertions, sequence_nll
+    toks = [s["tokens"] for s in seqs]
+    if model.cfg["model"] == "gpt":
+        L = max(len(t) for t in toks)
+        tokens = torch.zeros(len(toks), L, dtype=torch.long)
+        for b, t in enumerate(toks):
+            tokens[b, :len(t)] = torch.as_tensor(t)
+        tokens = tokens.to(device)
+        lengths = torch.tensor([len(t) for t in toks], device=device)
+        log_p = model(tokens[:, :-1], 1, lengths=lengths - 1, targets=tokens[:, 1:])  # (B, L-1)
+        pos = torch.arange(L - 1, device=device)
+        given = torch.tensor([s["n_given"] for s in seqs], device=device)
+        mask = (pos >= (given - 1).unsqueeze(1)) & (pos < (lengths - 1).unsqueeze(1))
+        return -(log_p.float() * mask).sum(1), mask.sum(1)
+    batch = collate_insertions(toks, [s["n_given"] for s in seqs], [s["keyword_pos"] for s in seqs], order,
+                               generator, device)
+    return sequence_nll(model.sequence_log_probs(**batch))
+
+
+@torch.no_grad()
+def story_perplexity(model, seqs, order="random", batch_size=32, device="cpu", seed=0, limit=None):
+    """-> dict(nll_per_story, nll_per_event, ppl (= exp nll_per_event), stories, events).  The
+    insertion orders are drawn from a generator seeded with `seed`: the same for every call."""
+    from data.loader import batches as length_batches
+    was_training = model.training
+    model.eval()
+    seqs = seqs[:limit]
+    g = torch.Generator().manual_seed(seed)
+    nll, events = 0.0, 0
+    for index in length_batches([len(s["tokens"]) for s in seqs], batch_size=batch_size):
+        b_nll, b_events = story_nll(model, [seqs[i] for i in index], order, g, device)
+        nll += b_nll.sum().item()
+        events += int(b_events.sum())
+    model.train(was_training)
+    per_event = nll / max(events, 1)
+    return dict(nll_per_story=nll / max(len(seqs), 1), nll_per_event=per_event, ppl=math.exp(min(per_event, 700.0)),
+                stories=len(seqs), events=events)
+
+
+def bleu(hypotheses, references, max_n=4):
+    """Corpus BLEU-max_n (Papineni et al. 2002), one reference per hypothesis, no smoothing, in
+    percent: BP * exp(mean_{n<=max_n} log p_n), p_n the clipped n-gram precision summed over the
+    corpus, BP = exp(1 - r/c) when the hypotheses are shorter in total (c < r).  0 when some p_n = 0."""
+    from collections import Counter
+    matches, totals = [0] * max_n, [0] * max_n
+    c = r = 0
+    for hyp, ref in zip(hypotheses, references, strict=True):
+        c, r = c + len(hyp), r + len(ref)
+        for n in range(1, max_n + 1):
+            h = Counter(tuple(hyp[i:i + n]) for i in range(len(hyp) - n + 1))
+            rc = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
+            matches[n - 1] += sum(min(k, rc[g]) for g, k in h.items())
+            totals[n - 1] += max(len(hyp) - n + 1, 0)
+    if c == 0 or min(matches) == 0:
+        return 0.0
+    log_p = sum(math.log(m / t) for m, t in zip(matches, totals)) / max_n
+    bp = 1.0 if c > r else math.exp(1 - r / c)
+    return 100.0 * bp * math.exp(log_p)
+
+
+@torch.no_grad()
+def story_generation(model, stories, seqs, vocab, task, decoder="greedy", k=None, temperature=1.0, seed=0,
+                     max_len=None, device="cpu", examples=3):
+    """Generate a story for each (title[, storyline]) and score it against the reference story:
+    BLEU-1..4 and, for --task storyline, the share of storyline keywords that appear in the story
+    in order (InsNet: 100% by construction, the keywords are given canvas tokens).
+    -> dict(bleu: {1..4}, keyword_inclusion, mean_length, examples)."""
+    from data.stories import BOS, EOS, PAD, SEP
+    from insnet import generate
+    g = torch.Generator().manual_seed(seed)
+    hyps, refs, included, total, shown = [], [], 0, 0, []
+    is_l2r = model.cfg["model"] == "gpt"
+    banned = (PAD, BOS, EOS, SEP)
+    for story, seq in zip(stories, seqs):
+        prefix = seq["tokens"][:seq["n_given"]]
+        cap = max_len or 2 * len(seq["tokens"]) + 10
+        if is_l2r:
+            out = decode(model, [torch.tensor(prefix, device=device)], cap, decoder=decoder, k=k,
+                         temperature=temperature, generator=g)["tokens"][0]
+            gen = [t for t in out if t not in banned]
+        else:
+            kw = seq["keywords"] if task == "storyline" else []  # constrained: keywords are given canvas tokens
+            out = generate(model, [*prefix, *kw, EOS], cap, decoder=decoder, k=k, temperature=temperature,
+                           slot_start=len(prefix) - 1, banned=banned, generator=g)
+            kw_words = iter(story["keywords"])  # a given keyword keeps its word (even when it is <unk> in V)
+            words = [next(kw_words) if given else vocab[t] for t, given in
+                     zip(out["tokens"][len(prefix):-1], out["given"][len(prefix):-1])]
+        if is_l2r:
+            words = [vocab[t] for t in gen]
+        hyps.append(words)
+        refs.append(story["story"])
+        if task == "storyline":
+            total += len(story["keywords"])
+            included += _in_order(words, story["keywords"])
+        if len(shown) < examples:
+            shown.append(dict(title=" ".join(story["title"]), storyline=" ".join(story["keywords"]),
+                              generated=" ".join(words), reference=" ".join(story["story"])))
+    return dict(bleu={n: bleu(hyps, refs, n) for n in range(1, 5)},
+                keyword_inclusion=(included / total) if total else None,
+                mean_length=sum(map(len, hyps)) / max(len(hyps), 1), stories=len(hyps), examples=shown)
+
+
+def _in_order(words, keywords):
+    """How many keywords occur in `words` as a subsequence, matched greedily left to right."""
+    found, start = 0, 0
+    for k in keywords:
+        if k in words[start:]:
+            start = words.index(k, start) + 1
+            found += 1
+    return found
+
+
 @torch.no_grad()
 def stream_perplexity(lm, data, bptt, device="cpu"):
     """Continuous-LM perplexity (CT paper): exp of the mean NLL over every target token of a
@@ -380,6 +507,8 @@ def main(argv=None):
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.ckpt)
     targs = ckpt["args"]
+    if targs["dataset"] in ("rocstories", "synthetic"):
+        return evaluate_stories(args, ckpt, device)
     meta, splits = load(targs["dataset"], args.data_dir)
     if meta["vocab_size"] != ckpt["config"]["vocab_size"] or meta["eos_id"] != ckpt["config"]["eos_id"]:
         raise CheckpointError(f"{args.ckpt} was trained on another vocabulary (V={ckpt['config']['vocab_size']}) "
@@ -440,6 +569,47 @@ def main(argv=None):
     res["seconds"] = round(time.time() - t0, 2)
     if args.plot and args.decoder:
         plot_study([res], args.plot)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def evaluate_stories(args, ckpt, device):
+    """A story checkpoint (insnet / insertion_transformer / gpt on rocstories or synthetic): the
+    NLL of the split, and with --decoder greedy / sample / topk, generated stories scored with
+    BLEU-1..4 against the references (and keyword inclusion for --task storyline)."""
+    from data.stories import load_sequences
+    targs, cfg = ckpt["args"], ckpt["config"]
+    if args.decoder not in (None, "greedy", "sample", "topk"):
+        raise ValueError(f"--decoder {args.decoder}: story checkpoints decode with greedy, sample or topk")
+    vocab, splits, stories, note = load_sequences(targs["dataset"], targs["task"], cfg["model"], args.data_dir,
+                                                  targs["min_count"], targs["synthetic_count"],
+                                                  vocab=ckpt["data"].get("vocab"))
+    model = story_model(cfg)
+    model.load_state_dict(ckpt["model"])
+    model.to(device)
+    seqs = splits[args.split][:args.limit]
+    res = dict(ckpt=os.path.abspath(args.ckpt), split=args.split, dataset=targs["dataset"], task=targs["task"],
+               model=cfg["model"], order=targs.get("order"), step=ckpt["train_state"]["step"], data_note=note)
+    if not args.no_ppl:
+        res.update(story_perplexity(model, seqs, targs.get("order", "random"), args.batch_size or 32, device,
+                                    seed=args.seed))
+        print(f"{res['dataset']} {res['split']} {res['model']}{'-l2r' if res['order'] == 'l2r' else ''}: "
+              f"{res['stories']} stories, NLL {res['nll_per_story']:.2f} per story, {res['nll_per_event']:.4f} "
+              f"per event (ppl {res['ppl']:.2f})")
+    if args.decoder:
+        if stories is None:
+            raise ValueError("generation is scored against ROCStories references: use a rocstories checkpoint")
+        gen = story_generation(model, stories[args.split][:args.limit], seqs, vocab, targs["task"], args.decoder,
+                               args.k, args.temperature, args.seed, device=device, examples=args.examples)
+        res["generation"] = dict(gen, decoder=args.decoder, k=args.k, temperature=args.temperature)
+        b = gen["bleu"]
+        print(f"generation ({args.decoder}): BLEU-1/2/3/4 {b[1]:.2f} / {b[2]:.2f} / {b[3]:.2f} / {b[4]:.2f}, "
+              f"mean length {gen['mean_length']:.1f}" + (f", storyline keywords included {100 * gen['keyword_inclusion']:.2f}%"
+                                                        if gen["keyword_inclusion"] is not None else ""))
+        for ex in gen["examples"]:
+            print(f"  [{ex['title']} | {ex['storyline']}] {ex['generated']}\n    reference: {ex['reference']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

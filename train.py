@@ -4,6 +4,9 @@
     python train.py --head nmst --dataset wikitext103                 # the same GPT-2 shape, from scratch
     python train.py --model lstm --head nmst --dataset wikitext2      # the paper's 2x512 LSTM recipe
     python train.py ... --resume                                      # continue from out_dir/ckpt_last.pt
+    python train.py --model insnet --dataset rocstories               # InsNet: title -> story (insnet.py)
+    python train.py --model insnet --dataset rocstories --task storyline   # keywords given: constrained
+    python train.py --model gpt --dataset rocstories                  # its L2R baseline, same data
 
 Loss: NMST paper eq. 3, the negative log-likelihood of the continuation tokens y_1..y_T (eos
 included) given the 10-token context, averaged over the tokens of each batch.  Recipes (NMST
@@ -15,6 +18,10 @@ paper section 4 and appendix D), the defaults for each --model:
   gpt         GPT-2 124M shape (12 x 768, 12 heads, 1024 positions), dropout 0.1, length-
               bucketed batches of at most 1024 tokens, AdamW lr 5e-5, betas (0.9, 0.99), weight
               decay 0.01 (not on biases / LayerNorm), linear decay over 500k steps, 300k steps
+  insnet / insertion_transformer (InsNet paper section 4.3): base size (12 x 768, 12 heads),
+              dropout 0.1, 64 sequences per batch, lr 1e-4 with 400 warm-up steps and linear
+              decay over 80000 steps, weight decay 0.02; one random insertion order per sequence
+              per batch (--order l2r: left to right).  --dataset rocstories / synthetic only.
 Gradient-norm clipping at 1.0 is nanogen's choice (the paper does not say).
 """
 import contextlib
@@ -28,7 +35,9 @@ import torch
 
 from data.loader import batches, batchify, bptt_windows, collate, load, load_stream
 from data.prepare import DATASETS
-from evaluate import CLIParser, batch_log_probs, perplexity, resolve_device, run_cli, stream_perplexity
+from data.stories import load_sequences
+from evaluate import (CLIParser, batch_log_probs, perplexity, resolve_device, run_cli, story_model, story_nll,
+                      story_perplexity, stream_perplexity)
 from heads import HEADS, loss_scale
 from model import (GPT2_SIZES, MODELS, CheckpointError, LanguageModel, _test_kill_point, load_checkpoint,
                    load_pretrained_gpt2, model_config, save_checkpoint)
@@ -39,8 +48,14 @@ PER_MODEL = dict(
     lr_schedule=("plateau", "plateau", "linear"), batch_size=(32, 32, None), max_tokens=(None, None, 1024),
     max_iters=(0, 0, 300_000), eval_interval=(0, 0, 2000),
 )
+STORY_DATASETS = ("rocstories", "synthetic")  # sequences for the insertion models (data/stories.py)
+INSERTION_MODELS = ("insnet", "insertion_transformer")
+# the insertion models' defaults (InsNet paper section 4.3)
+PER_INSERTION_MODEL = dict(n_layer=12, d_model=768, dropout=0.1, lr=1e-4, lr_schedule="linear", batch_size=64,
+                           max_iters=80_000, eval_interval=1000, decay_steps=80_000, warmup=400, weight_decay=0.02)
 ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout", "no_tie", "no_bias",
-             "init_from", "task", "n_experts", "ct_alpha", "ct_beta", "ct_rank", "temperature", "locked_dropout")
+             "init_from", "task", "n_experts", "ct_alpha", "ct_beta", "ct_rank", "temperature", "locked_dropout",
+             "order", "max_offset", "min_count", "synthetic_count")
 RESUMABLE_OVERRIDES = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs", "data_dir",
                        "patience", "peak_flops")
 
@@ -48,15 +63,17 @@ RESUMABLE_OVERRIDES = ("max_iters", "max_epochs", "device", "compile", "eval_int
 def build_parser():
     p = CLIParser(description="Train a VA / ST / NMST sequence-completion language model (nanogen).")
     g = p.add_argument_group("what to train")
-    g.add_argument("--model", default="gpt", choices=MODELS, help="backbone (default gpt)")
+    g.add_argument("--model", default="gpt", choices=MODELS + INSERTION_MODELS,
+                   help="backbone (default gpt); insnet / insertion_transformer: insertion-based (insnet.py)")
     g.add_argument("--head", default="softmax", choices=HEADS, help="output head: softmax (VA, eq. 2), "
                    "st (eq. 9), nmst (eq. 10) of the NMST paper; mos (eq. 4), ct (eq. 5-6), ctmos (eq. 7) of "
                    "the contextual-temperature paper (default softmax)")
-    g.add_argument("--task", default="completion", choices=["completion", "stream"],
+    g.add_argument("--task", default="completion", choices=["completion", "stream", "story", "storyline"],
                    help="completion: sequence completion (NMST paper); stream: continuous LM with truncated "
                         "BPTT over the concatenated corpus (CT paper; rnn/lstm)")
     g.add_argument("--epsilon", type=float, default=1e-5, help="eps of ST / NMST, in (0, 1) (default 1e-5)")
-    g.add_argument("--dataset", default="wikitext103", choices=sorted(DATASETS), help="(default wikitext103)")
+    g.add_argument("--dataset", default="wikitext103", choices=sorted(DATASETS) + list(STORY_DATASETS),
+                   help="(default wikitext103); rocstories / synthetic: for insnet, insertion_transformer, gpt")
     g.add_argument("--data_dir", default=None, help="folder with the dataset archives/files "
                    "(default: $NANOGEN_DATA, else download into $NANOGEN_CACHE or ~/.cache/nanogen)")
     g.add_argument("--out_dir", default=None, help="checkpoints and log (default out/DATASET-MODEL-HEAD)")
@@ -89,17 +106,25 @@ def build_parser():
                                                                   "(the CT paper's Table 3 baseline)")
     a.add_argument("--locked_dropout", action="store_true", help="rnn/lstm: variational (locked) dropout on "
                                                                  "the embeddings and the last layer's output")
+    i = p.add_argument_group("insertion models and story data (insnet.py, data/stories.py)")
+    i.add_argument("--order", default="random", choices=["random", "l2r"], help="insertion order of the training "
+                   "sequences: uniformly random per sequence per batch, or left to right (InsNet-l2r)")
+    i.add_argument("--max_offset", type=int, default=256, help="insnet: offsets are clipped to [-K, K]")
+    i.add_argument("--min_count", type=int, default=2, help="rocstories: words seen fewer times become <unk>")
+    i.add_argument("--synthetic_count", type=int, default=200, help="synthetic: sequences per length (paper 25000)")
+    i.add_argument("--warmup", type=int, default=None, help="linear lr warm-up steps (insertion models: 400)")
     o = p.add_argument_group("optimisation (defaults per --model, see the docstring)")
     o.add_argument("--lr", type=float, default=None, help="AdamW learning rate (rnn/lstm 1e-3, gpt 5e-5)")
     o.add_argument("--beta1", type=float, default=0.9)
     o.add_argument("--beta2", type=float, default=0.99)
-    o.add_argument("--weight_decay", type=float, default=0.01, help="not applied to biases / norms")
+    o.add_argument("--weight_decay", type=float, default=None, help="not applied to biases / norms (0.01; "
+                   "insertion models 0.02)")
     o.add_argument("--grad_clip", type=float, default=1.0, help="max gradient norm (0: off)")
     o.add_argument("--lr_schedule", default=None, choices=["plateau", "linear", "constant"],
                    help="plateau: multiply by --lr_decay when validation does not improve (rnn/lstm); "
                         "linear: decay to 0 over --decay_steps (gpt)")
     o.add_argument("--lr_decay", type=float, default=0.5, help="plateau factor (default 0.5: halve)")
-    o.add_argument("--decay_steps", type=int, default=500_000, help="linear schedule length")
+    o.add_argument("--decay_steps", type=int, default=None, help="linear schedule length (500k; insertion 80k)")
     o.add_argument("--patience", type=int, default=10, help="early stopping: evaluations without improvement")
     o.add_argument("--batch_size", type=int, default=None, help="sequences per batch (rnn/lstm: 32)")
     o.add_argument("--max_tokens", type=int, default=None, help="padded tokens per batch (gpt: 1024)")
@@ -121,8 +146,56 @@ def build_parser():
     return p
 
 
+def resolve_story_args(args):
+    """--dataset rocstories / synthetic: the insertion models and their L2R baseline (gpt)."""
+    if args.dataset not in STORY_DATASETS:
+        raise ValueError(f"--model {args.model} trains on --dataset rocstories or synthetic, not {args.dataset}")
+    if args.model not in INSERTION_MODELS + ("gpt",):
+        raise ValueError(f"--dataset {args.dataset} is for --model insnet, insertion_transformer or gpt (L2R)")
+    if args.head != "softmax":
+        raise ValueError(f"--head {args.head} is an output head of the left-to-right models on the NMST / CT data; "
+                         f"the story runs use the softmax head")
+    if args.task in ("completion", "stream"):
+        if args.task == "stream":
+            raise ValueError("--task stream is for the recurrent models; story tasks: --task story or storyline")
+        args.task = "story"
+    if args.task == "storyline" and args.dataset == "synthetic":
+        raise ValueError("--task storyline needs ROCStories' storylines (--dataset rocstories)")
+    if args.init_from != "scratch" or args.weights:
+        raise ValueError("--init_from / --weights load GPT-2 weights for the WikiText-103 recipe, not for story runs")
+    if args.order != "random" and args.model not in INSERTION_MODELS:
+        raise ValueError("--order is the insertion order of --model insnet / insertion_transformer")
+    for k, v in PER_INSERTION_MODEL.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.max_tokens is not None:
+        raise ValueError("story runs batch by --batch_size sequences, not --max_tokens")
+    if args.max_offset < 1 or args.synthetic_count < 1 or args.min_count < 1:
+        raise ValueError("--max_offset, --synthetic_count and --min_count must be >= 1")
+    for k in ("n_layer", "d_model", "n_head", "block_size", "max_epochs", "batch_size", "grad_accum"):
+        if getattr(args, k) < 1:
+            raise ValueError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    if args.d_model % args.n_head:
+        raise ValueError(f"--d_model {args.d_model} must be divisible by --n_head {args.n_head}")
+    if not 0.0 <= args.dropout < 1.0 or args.lr <= 0:
+        raise ValueError("--dropout must lie in [0, 1) and --lr be > 0")
+    if args.out_dir is None:
+        args.out_dir = os.path.join("out", f"{args.dataset}-{args.task}-{args.model}"
+                                    + ("-l2r" if args.order == "l2r" else ""))
+    return args
+
+
 def resolve_args(args):
     """Fill the per-model defaults and reject bad values with a clear message."""
+    if args.dataset in STORY_DATASETS or args.model in INSERTION_MODELS:
+        return resolve_story_args(args)
+    for k, v in dict(weight_decay=0.01, decay_steps=500_000, warmup=0).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.order != "random":
+        raise ValueError("--order is the insertion order of --model insnet / insertion_transformer")
+    if args.task in ("story", "storyline"):
+        raise ValueError(f"--task {args.task} is for --dataset rocstories")
     if args.init_from != "scratch":
         if args.model != "gpt":
             raise ValueError(f"--init_from {args.init_from} loads GPT-2 weights: use it with --model gpt")
@@ -317,6 +390,174 @@ def detach(state):
     return tuple(s.detach() for s in state) if isinstance(state, tuple) else state.detach()
 
 
+def scheduled_lr(args, step):
+    """Linear warm-up over --warmup steps, then linear decay to 0 at --decay_steps."""
+    warm = min(1.0, (step + 1) / args.warmup) if getattr(args, "warmup", 0) else 1.0
+    return args.lr * warm * max(0.0, 1.0 - step / args.decay_steps)
+
+
+def prepare_out_dir(args, ckpt):
+    """Writable out_dir, leftovers of an interrupted checkpoint write removed, no silent overwrite."""
+    check_out_dir(args.out_dir)
+    for name in os.listdir(args.out_dir):  # temporary files of a write that a crash interrupted
+        if name.startswith(".ckpt_") and name.endswith(".tmp"):
+            os.remove(os.path.join(args.out_dir, name))
+    if ckpt is None and os.path.exists(os.path.join(args.out_dir, "ckpt_last.pt")):
+        raise ValueError(f"{args.out_dir} already holds a run (ckpt_last.pt): continue it with --resume, "
+                         f"or choose another --out_dir")
+
+
+def story_config(args, vocab_size):
+    """The architecture part of a story run, stored in its checkpoints."""
+    from data.stories import EOS
+    if args.model == "gpt":
+        return model_config(args, vocab_size, EOS)
+    cfg = dict(model=args.model, vocab_size=vocab_size, n_layer=args.n_layer, d_model=args.d_model,
+               n_head=args.n_head, dropout=args.dropout, block_size=args.block_size)
+    if args.model == "insnet":
+        cfg.update(max_offset=args.max_offset)
+    return cfg
+
+
+def train_stories(args, ckpt, stop):
+    """InsNet / IT-vanilla / L2R on ROCStories or the synthetic benchmark (one process).
+    Loss: the mean over a batch's predicted events (slot + token per insertion, termination;
+    L2R: tokens) of -log p; one fresh insertion order per sequence per batch, drawn from a
+    generator seeded by (seed, step), so a resumed run draws the same orders."""
+    device = resolve_device(args.device)
+    prepare_out_dir(args, ckpt)
+    torch.manual_seed(args.seed)
+    saved_vocab = ckpt["data"].get("vocab") if ckpt else None
+    vocab, splits, _, note = load_sequences(args.dataset, args.task, args.model, args.data_dir, args.min_count,
+                                            args.synthetic_count, vocab=saved_vocab)
+    too_long = max(len(s["tokens"]) for split in splits.values() for s in split)
+    if too_long > args.block_size:
+        raise ValueError(f"a sequence of {too_long} tokens exceeds --block_size {args.block_size}")
+    cfg = story_config(args, len(vocab))
+    model = story_model(cfg)
+    model.to(device)
+    optimizer = configure_optimizer(model, args, device)
+    state = dict(step=0, epoch=0, batch_in_epoch=0, best_val=math.inf, bad_evals=0, lr=args.lr, done=None)
+    if ckpt is not None:
+        if ckpt["config"] != cfg:
+            raise CheckpointError(f"{args.out_dir}/ckpt_last.pt does not match this model/vocabulary")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state.update(ckpt["train_state"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if state["done"] and state["done"].startswith("reached"):
+            state["done"] = None
+            if args.max_iters and state["step"] >= args.max_iters or state["epoch"] >= args.max_epochs:
+                state["done"] = "reached the same limit again"
+        if state["done"]:
+            print(f"{args.out_dir}: this run already finished ({state['done']}); nothing to do")
+            return 0
+    train, valid = splits["train"], splits["valid"][:args.eval_seqs or None]
+    train = train[:args.train_seqs or None]
+    log_path, steps_path = os.path.join(args.out_dir, "log.jsonl"), os.path.join(args.out_dir, "steps.jsonl")
+    truncate_log(log_path, state["step"])
+    truncate_log(steps_path, state["step"])
+    print(f"{args.model} on {args.dataset} ({args.task}{', order ' + args.order if args.model != 'gpt' else ''}): "
+          f"{model.num_params():,} parameters, V={len(vocab):,}, device {device}; {note}"
+          + (", resuming at step %d" % state["step"] if ckpt else ""))
+
+    def checkpoint(name):
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise ValueError(f"non-finite weights at step {state['step']}; stopping (try a lower --lr)")
+        data = dict(dataset=args.dataset, vocab_size=len(vocab), task=args.task)
+        if args.dataset == "rocstories":
+            data["vocab"] = vocab
+        save_checkpoint(dict(config=cfg, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                             train_state=state, rng=dict(torch=torch.get_rng_state()), args=vars(args), data=data),
+                        os.path.join(args.out_dir, name))
+
+    def evaluate_and_log(run):
+        val = story_perplexity(model, valid, args.order, args.batch_size, device, seed=args.seed)
+        if not math.isfinite(val["nll_per_event"]):
+            raise ValueError(f"non-finite validation loss at step {state['step']}; stopping")
+        improved = val["nll_per_event"] < state["best_val"]
+        state["bad_evals"] = 0 if improved else state["bad_evals"] + 1
+        state["best_val"] = min(state["best_val"], val["nll_per_event"])
+        if state["bad_evals"] >= args.patience:
+            state["done"] = f"early stop: no improvement in {args.patience} evaluations"
+        rec = dict(step=state["step"], epoch=state["epoch"], train_loss=run["loss"] / max(run["n"], 1),
+                   val_loss=val["nll_per_event"], val_nll_per_story=val["nll_per_story"], lr=state["lr"],
+                   seq_per_s=run["seqs"] / max(time.time() - run["t0"], 1e-9), best=improved)
+        print(f"step {rec['step']:7d} | epoch {rec['epoch']:3d} | train loss {rec['train_loss']:.4f} | val loss "
+              f"{rec['val_loss']:.4f} | val nll/story {rec['val_nll_per_story']:8.2f} | lr {state['lr']:.2e} | "
+              f"{rec['seq_per_s']:7.1f} seq/s" + (" | best" if improved else ""), flush=True)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if improved:
+            checkpoint("ckpt_best.pt")
+        run.update(loss=0.0, n=0, seqs=0, t0=time.time())
+
+    from tqdm import tqdm
+    run = dict(loss=0.0, n=0, seqs=0, t0=time.time())
+    while state["done"] is None:
+        order = batches([len(s["tokens"]) for s in train], batch_size=args.batch_size, shuffle=True, seed=args.seed,
+                        epoch=state["epoch"])
+        n_steps = len(order) // args.grad_accum
+        bar = tqdm(total=n_steps, initial=state["batch_in_epoch"], desc=f"epoch {state['epoch']}", leave=False,
+                   disable=None)
+        for s in range(state["batch_in_epoch"], n_steps):
+            if args.lr_schedule == "linear":
+                state["lr"] = scheduled_lr(args, state["step"])
+            for group in optimizer.param_groups:
+                group["lr"] = state["lr"]
+            model.train()
+            g = torch.Generator().manual_seed(args.seed * 1_000_003 + state["step"])  # this step's insertion orders
+            for j in range(args.grad_accum):
+                seqs = [train[i] for i in order[s * args.grad_accum + j]]
+                nll, events = story_nll(model, seqs, args.order, g, device)
+                loss = nll.sum() / events.sum()
+                if not torch.isfinite(loss):
+                    raise ValueError(f"non-finite training loss at step {state['step'] + 1}; stopping. The last "
+                                     f"good checkpoint is {os.path.join(args.out_dir, 'ckpt_last.pt')}")
+                (loss / args.grad_accum).backward()
+                _test_kill_point("step")
+                run["loss"] += nll.sum().item()
+                run["n"] += int(events.sum())
+                run["seqs"] += len(seqs)
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state["step"] += 1
+            state["batch_in_epoch"] = s + 1
+            with open(steps_path, "a") as f:
+                f.write(json.dumps(dict(step=state["step"], loss=loss.item(), lr=state["lr"])) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if args.max_iters and state["step"] >= args.max_iters:
+                state["done"] = f"reached --max_iters {args.max_iters}"
+            if (args.eval_interval and state["step"] % args.eval_interval == 0) or state["done"]:
+                evaluate_and_log(run)
+                checkpoint("ckpt_last.pt")
+            if state["done"]:
+                break
+            if stop.requested:
+                checkpoint("ckpt_last.pt")
+                print(f"stopped by Ctrl-C after step {state['step']}; checkpoint written: continue with "
+                      f"the same command and --resume")
+                return 0
+        bar.close()
+        if state["done"]:
+            break
+        state["epoch"] += 1
+        state["batch_in_epoch"] = 0
+        if state["epoch"] >= args.max_epochs:
+            state["done"] = f"reached --max_epochs {args.max_epochs}"
+        if not args.eval_interval or state["done"]:
+            if run["n"]:
+                evaluate_and_log(run)
+            checkpoint("ckpt_last.pt")
+    checkpoint("ckpt_last.pt")
+    print(f"done ({state['done']}) after {state['step']} steps; best val loss {state['best_val']:.4f} per event; "
+          f"checkpoints in {args.out_dir}")
+    return 0
+
+
 def main(argv=None):
     """Ctrl-C during training writes a resumable checkpoint and returns 0 (see Interrupt)."""
     with Interrupt() as stop:
@@ -335,6 +576,8 @@ def run_training(argv, stop):
             raise CheckpointError(f"--resume: no checkpoint {path}; start without --resume")
         ckpt = load_checkpoint(path)
         args = resume_args(args, explicit, ckpt)
+    if args.dataset in STORY_DATASETS:
+        return train_stories(args, ckpt, stop)
     rank, world, device_name = setup_distributed(args)
     master = rank == 0
     device = resolve_device(device_name)
@@ -342,13 +585,7 @@ def run_training(argv, stop):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if master:
-        check_out_dir(args.out_dir)
-        for name in os.listdir(args.out_dir):  # temporary files of a write that a crash interrupted
-            if name.startswith(".ckpt_") and name.endswith(".tmp"):
-                os.remove(os.path.join(args.out_dir, name))
-        if ckpt is None and os.path.exists(os.path.join(args.out_dir, "ckpt_last.pt")):
-            raise ValueError(f"{args.out_dir} already holds a run (ckpt_last.pt): continue it with --resume, "
-                             f"or choose another --out_dir")
+        prepare_out_dir(args, ckpt)
     torch.manual_seed(args.seed + rank)
 
     meta, splits = load(args.dataset, args.data_dir, verbose=master)
@@ -496,7 +733,7 @@ def run_training(argv, stop):
                    disable=None if master else True, leave=False)
         for s in range(state["batch_in_epoch"], n_steps):
             if args.lr_schedule == "linear":
-                state["lr"] = args.lr * max(0.0, 1.0 - state["step"] / args.decay_steps)
+                state["lr"] = scheduled_lr(args, state["step"])
             for group in optimizer.param_groups:
                 group["lr"] = state["lr"]
             model.train()

@@ -58,3 +58,170 @@ def test_incremental_rows_equal_batch_rows():
     off = offset_matrix(canvas.order())
     for j, row in enumerate(rows):
         assert torch.equal(off[j, :j + 1], row)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model: slot distribution, teacher forcing == cached decoding, constraints, re-encoding
+# ---------------------------------------------------------------------------------------------
+import itertools  # noqa: E402
+
+import pytest  # noqa: E402
+
+from insnet import (InsertionTransformer, InsNet, canvas_steps, collate_insertions, generate,  # noqa: E402
+                    insertion_order, insertion_targets, sequence_nll)
+
+CFG = dict(vocab_size=23, n_layer=2, n_head=2, d_model=16, dropout=0.0, max_offset=6, block_size=40)
+MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
+
+
+def tiny(name, seed=0):
+    torch.manual_seed(seed)
+    m = MODELS[name](dict(CFG, model=name)).double().eval()
+    with torch.no_grad():  # larger weights than GPT-2's init: sharper, more varied distributions
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return m
+
+
+def a_batch(seed=0):
+    """Two padded sequences: one with a 2-token given prefix (title + SEP) and a keyword, one without."""
+    seqs = [[1, 9, 3, 5, 6, 7, 10, 8, 11, 12, 2], [1, 13, 14, 15, 2]]
+    return seqs, collate_insertions(seqs, [3, 1], [[5], []], "random", torch.Generator().manual_seed(seed))
+
+
+def test_canvas_steps_is_the_sorted_canvas():
+    order = torch.stack([torch.tensor([0, 6, 2, 4, 1, 3, 5]), torch.tensor([0, 6, 1, 2, 3, 4, 5])])
+    canvas = canvas_steps(order)
+    for b, j in itertools.product(range(2), range(7)):
+        by_position = sorted(range(j + 1), key=lambda i: int(order[b, i]))  # steps 0..j left to right
+        assert canvas[b, j, :j + 1].tolist() == by_position
+
+
+def test_insertion_order_and_targets():
+    g = torch.Generator().manual_seed(0)
+    o = insertion_order(12, 3, [7, 5], "random", g)
+    assert o[:6].tolist() == [0, 11, 1, 2, 5, 7]  # BOS, EOS, prefix, keywords in order
+    assert sorted(o.tolist()) == list(range(12))
+    assert insertion_order(6, 1, [], "l2r").tolist() == [0, 5, 1, 2, 3, 4]
+    # l2r: every token goes into the last gap (just before EOS)
+    assert insertion_targets(torch.tensor([[0, 5, 1, 2, 3, 4]]))[0, 2:].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="unknown insertion order"):
+        insertion_order(6, 1, [], "r2l")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_slot_distribution_sums_to_one_over_valid_gaps(name):
+    """p(slot) is a distribution over the open gaps plus termination; the first real choice on
+    the canvas [BOS, EOS] has a single gap; gaps inside a given prefix get probability 0."""
+    m = tiny(name)
+    state = m.start()
+    m.push(state, 1, 0)
+    m.push(state, 2, 1)
+    lp = m.next_slot_log_probs(state, 0)
+    assert lp.shape == (2,) and torch.isclose(lp.exp().sum(), torch.tensor(1.0, dtype=lp.dtype))
+    for n_canvas, tok in enumerate((9, 3, 5), start=2):  # a title token, SEP, a story token, each before EOS
+        m.push(state, tok, n_canvas - 1)
+    lp = m.next_slot_log_probs(state, 2)  # canvas BOS t SEP w EOS: gaps 0, 1 lie in the prefix
+    assert lp.shape == (5,) and torch.isinf(lp[:2]).all() and torch.isfinite(lp[2:]).all()
+    assert torch.isclose(lp.exp().sum(), torch.tensor(1.0, dtype=lp.dtype))
+    tok = m.next_token_log_probs(state, 3)
+    assert torch.isclose(tok.exp().sum(), torch.tensor(1.0, dtype=tok.dtype))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cached_decoding_equals_teacher_forcing(name):
+    """Replaying a trajectory insertion by insertion (InsNet: key/value cache, one new token per
+    step; IT: re-encoding) gives the teacher-forced log p(slot), log p(token | slot) and
+    log p(terminate) of the batched, padded training pass, in float64."""
+    m = tiny(name)
+    seqs, batch = a_batch()
+    sc = m.sequence_log_probs(**batch)
+    for b, seq in enumerate(seqs):
+        n = len(seq)
+        order, gaps = batch["order"][b, :n], insertion_targets(batch["order"][b:b + 1, :n])[0]
+        state = m.start()
+        for s in range(n):
+            tok = seq[int(order[s])]
+            if s >= int(batch["n_given"][b]):
+                slot_lp = m.next_slot_log_probs(state, int(batch["slot_start"][b]))
+                torch.testing.assert_close(slot_lp[gaps[s]], sc["slot"][b, s], rtol=0, atol=1e-12)
+                tok_lp = m.next_token_log_probs(state, int(gaps[s]))
+                torch.testing.assert_close(tok_lp[tok], sc["token"][b, s], rtol=0, atol=1e-12)
+            else:
+                assert sc["slot"][b, s] == 0 and sc["token"][b, s] == 0  # given steps cost nothing
+            m.push(state, tok, 0 if s == 0 else int(gaps[s]) + 1)
+        end = m.next_slot_log_probs(state, int(batch["slot_start"][b]))[-1]
+        torch.testing.assert_close(end, sc["end"][b], rtol=0, atol=1e-12)
+
+
+def test_gap_logits_equal_the_direct_formula():
+    """The decomposed gap logit q . W [h_l; h_r; h_j] + q . b, against building the slot vector."""
+    m = tiny("insnet")
+    state = m.start()
+    for tok, slot in ((1, 0), (2, 1), (7, 1), (8, 1), (9, 3)):
+        m.push(state, tok, slot)
+    h, canvas = state["h"], torch.argsort(state["canvas"].positions)
+    direct = torch.stack([m.slot_query(m.slot_proj(torch.cat([h[canvas[g]], h[canvas[g + 1]], h[-1]])))[0]
+                          for g in range(len(canvas) - 1)] + [m.end_proj(h[-1])[0]])
+    torch.testing.assert_close(m.next_slot_log_probs(state, 0), torch.log_softmax(direct, 0), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_constrained_decoding_keeps_every_keyword_in_order(name):
+    m = tiny(name).float()
+    title, keywords = [9, 10], [5, 6, 5, 7]
+    for seed, decoder in itertools.product(range(4), ("greedy", "sample", "topk")):
+        out = generate(m, [1, *title, 3, *keywords, 2], 30, decoder=decoder, k=3, slot_start=3, banned=(0, 1, 2, 3),
+                       min_len=4, generator=torch.Generator().manual_seed(seed))
+        toks = out["tokens"]
+        assert toks[:4] == [1, *title, 3] and toks[-1] == 2  # the prefix is closed, EOS stays last
+        kept = [t for t, given in zip(toks[4:-1], out["given"][4:-1]) if given]
+        assert kept == keywords and out["inserted"] >= 4 and len(toks) <= 30
+        assert not set(toks[4:-1]) & {0, 1, 2, 3}  # banned tokens are never inserted
+
+
+def test_insnet_encodes_each_token_once_and_it_reencodes():
+    """Decoding n insertions: InsNet runs n new token positions through the transformer (a
+    key/value cache); IT-vanilla re-encodes the whole canvas before every insertion."""
+    ins, it = tiny("insnet").float(), tiny("insertion_transformer").float()
+    outs = []
+    for m in (ins, it):
+        m.tokens_encoded = 0
+        outs.append(generate(m, [1, 2], 12, decoder="sample", min_len=10, banned=(0, 1, 2, 3),
+                             generator=torch.Generator().manual_seed(0)))
+    assert outs[0]["inserted"] == outs[1]["inserted"] == 10
+    assert ins.tokens_encoded == 12  # BOS, EOS and 10 insertions: each token once
+    assert it.canvases_encoded == 10 and it.tokens_encoded == sum(range(2, 12))  # every canvas, in full
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_training_pass_is_one_pass_for_insnet(name):
+    m = tiny(name)
+    _, batch = a_batch()
+    m.tokens_encoded = 0
+    nll, events = sequence_nll(m.sequence_log_probs(**batch))
+    assert torch.isfinite(nll).all() and (nll > 0).all() and events.tolist() == [10 - 3 - 1 + 1, 3 + 1]
+    if name == "insnet":
+        assert m.tokens_encoded == 2 * 11  # one causal pass over the padded batch
+    else:
+        assert m.canvases_encoded == 11 + 5  # one full encoding per canvas of each sequence
+
+
+def test_batch_equals_single_sequences():
+    m = tiny("insnet")
+    seqs, batch = a_batch(3)
+    sc = m.sequence_log_probs(**batch)
+    for b, seq in enumerate(seqs):
+        one = {k: v[b:b + 1, :len(seq)] if v.dim() == 2 else v[b:b + 1] for k, v in batch.items()}
+        single = m.sequence_log_probs(**one)
+        torch.testing.assert_close(single["slot"][0], sc["slot"][b, :len(seq)], rtol=0, atol=1e-12)
+        torch.testing.assert_close(single["token"][0], sc["token"][b, :len(seq)], rtol=0, atol=1e-12)
+        torch.testing.assert_close(single["end"][0], sc["end"][b], rtol=0, atol=1e-12)
+
+
+def test_relative_bias_gets_gradients():
+    m = tiny("insnet").float().train()
+    _, batch = a_batch()
+    nll, _ = sequence_nll(m.sequence_log_probs(**batch))
+    nll.sum().backward()
+    assert m.rel_bias.grad.abs().sum() > 0 and m.slot_proj.weight.grad.abs().sum() > 0

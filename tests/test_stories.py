@@ -1,0 +1,139 @@
+"""data/stories.py, BLEU, and the insertion models through train.py / evaluate.py end to end."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import evaluate
+import train
+from data.stories import (BOS, EOS, SEP, UNK, build_vocab, encode_story, keyword_positions, parse_story,
+                          synthetic)
+from evaluate import _in_order, bleu
+from model import load_checkpoint
+
+LINE = "the pet bug <EOT> oliver spotted jar hoped safe <EOL> </s> oliver was playing . </s> he spotted a bug ."
+
+
+def test_parse_and_encode_a_story():
+    s = parse_story(LINE)
+    assert s["title"] == ["the", "pet", "bug"] and s["keywords"] == ["oliver", "spotted", "jar", "hoped", "safe"]
+    assert s["story"] == "oliver was playing . he spotted a bug .".split()
+    assert keyword_positions(s["story"], s["keywords"]) == [0, 5]  # jar / hoped / safe are not in this story
+    vocab = build_vocab([s], min_count=1)
+    stoi = {w: i for i, w in enumerate(vocab)}
+    ins = encode_story(s, stoi, "storyline", "insnet")
+    assert ins["tokens"][:5] == [BOS, stoi["the"], stoi["pet"], stoi["bug"], SEP] and ins["tokens"][-1] == EOS
+    assert ins["n_given"] == 5 and ins["keyword_pos"] == [5, 10]
+    assert [ins["tokens"][p] for p in ins["keyword_pos"]] == [stoi["oliver"], stoi["spotted"]]
+    l2r = encode_story(s, stoi, "storyline", "gpt")  # the storyline is a prefix for L2R
+    assert l2r["n_given"] == 5 + 5 + 1 and l2r["tokens"][5:11] == [*(stoi[k] for k in s["keywords"]), SEP]
+    assert encode_story(s, {}, "story", "insnet")["tokens"][1:4] == [UNK] * 3
+    with pytest.raises(Exception, match="not a Plan-and-Write story line"):
+        parse_story("no separators here")
+
+
+def test_synthetic_lengths_and_vocabulary():
+    data = synthetic(3, lengths=(20, 160), vocab_size=30000)
+    assert [len(d["tokens"]) - 2 for d in data] == [20] * 3 + [160] * 3
+    assert all(5 <= t < 30000 for d in data for t in d["tokens"][1:-1])
+
+
+def test_bleu_matches_nltk():
+    nltk_bleu = pytest.importorskip("nltk.translate.bleu_score")
+    rng = random.Random(0)
+    words = "a b c d e f g".split()
+    corpora = [([["the", "cat", "sat", "on", "the", "mat"]], [["the", "cat", "is", "on", "the", "mat"]])]
+    for n_sent in (3, 10):  # random corpora with much n-gram overlap, shorter and longer hypotheses
+        refs = [[rng.choice(words) for _ in range(rng.randint(5, 12))] for _ in range(n_sent)]
+        hyps = [r[:rng.randint(3, len(r))] + [rng.choice(words) for _ in range(rng.randint(0, 4))] for r in refs]
+        corpora.append((hyps, refs))
+    for hyps, refs in corpora:
+        for n in range(1, 5):
+            expected = 100 * nltk_bleu.corpus_bleu([[r] for r in refs], hyps, weights=[1 / n] * n)
+            assert bleu(hyps, refs, n) == pytest.approx(expected, abs=1e-9)
+    assert bleu([["x", "y"]], [["a", "b"]], 2) == 0.0
+    assert _in_order("a b c a".split(), ["a", "c", "b", "a"]) == 3
+
+
+@pytest.fixture(scope="module")
+def rocstories():
+    from data.stories import load_rocstories
+    return load_rocstories(verbose=False)
+
+
+def test_rocstories_splits(rocstories):
+    """Here (dev and test only) nanogen trains on dev minus 500 held-out validation stories."""
+    assert len(rocstories["train"]) + len(rocstories["valid"]) == 9816 and len(rocstories["test"]) == 9816
+    assert len(rocstories["valid"]) == 500 and "no train file" in rocstories["note"]
+    assert all(len(s["keywords"]) == 5 for s in rocstories["test"])
+
+
+TINY = ["--n_layer", "1", "--d_model", "32", "--n_head", "2", "--batch_size", "16", "--lr", "3e-3", "--warmup", "0",
+        "--train_seqs", "128", "--eval_seqs", "16", "--max_iters", "8", "--eval_interval", "4"]
+
+
+@pytest.mark.parametrize("model,task,order", [("insnet", "story", "random"), ("insnet", "storyline", "random"),
+                                              ("insnet", "story", "l2r"), ("insertion_transformer", "story", "random"),
+                                              ("gpt", "storyline", "random")])
+def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = TINY + ["--model", model, "--dataset", "rocstories", "--task", task, "--out_dir", str(out)]
+    if order != "random":
+        args += ["--order", order]
+    assert train.main(args) == 0
+    log = [json.loads(line) for line in open(out / "log.jsonl")]
+    assert [r["step"] for r in log] == [4, 8] and log[1]["val_loss"] < log[0]["val_loss"]
+    ckpt = load_checkpoint(str(out / "ckpt_last.pt"))
+    assert ckpt["config"]["model"] == model and ckpt["data"]["vocab"][:5] == ["<pad>", "<bos>", "<eos>", "<sep>", "<unk>"]
+    res = tmp_path / "res.json"
+    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--split", "test", "--limit", "3", "--decoder",
+                          "greedy", "--out", str(res)]) == 0
+    r = json.load(open(res))
+    assert r["stories"] == 3 and r["nll_per_story"] > 0 and set(r["generation"]["bleu"]) == {"1", "2", "3", "4"}
+    if task == "storyline" and model == "insnet":
+        assert r["generation"]["keyword_inclusion"] == 1.0  # by construction
+    # resume continues where it stopped
+    assert train.main(args + ["--max_iters", "10", "--resume"]) == 0
+    assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["step"] == 10
+
+
+def test_synthetic_runs_all_three_models(tmp_path):
+    for model in ("insnet", "insertion_transformer", "gpt"):
+        out = tmp_path / model
+        assert train.main(["--model", model, "--dataset", "synthetic", "--synthetic_count", "2", "--n_layer", "1",
+                           "--d_model", "16", "--n_head", "2", "--batch_size", "7", "--max_iters", "2",
+                           "--out_dir", str(out), "--block_size", "200"]) == 0
+        assert os.path.exists(out / "ckpt_last.pt")
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--model", "insnet", "--dataset", "wikitext2"], "trains on --dataset rocstories or synthetic"),
+    (["--model", "lstm", "--dataset", "rocstories"], "is for --model insnet, insertion_transformer or gpt"),
+    (["--model", "insnet", "--dataset", "rocstories", "--head", "nmst"], "the story runs use the softmax head"),
+    (["--model", "insnet", "--dataset", "synthetic", "--task", "storyline"], "needs ROCStories' storylines"),
+    (["--model", "insnet", "--dataset", "rocstories", "--task", "stream"], "--task stream is for the recurrent"),
+    (["--model", "gpt", "--dataset", "rocstories", "--init_from", "gpt2"], "not for story runs"),
+    (["--model", "gpt", "--dataset", "rocstories", "--order", "l2r"], "--order is the insertion order"),
+    (["--model", "lstm", "--dataset", "wikitext2", "--order", "l2r"], "--order is the insertion order"),
+    (["--model", "lstm", "--dataset", "wikitext2", "--task", "story"], "is for --dataset rocstories"),
+    (["--model", "insnet", "--dataset", "rocstories", "--max_tokens", "1000"], "not --max_tokens"),
+    (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20"),
+])
+def test_story_bad_input(args, pattern, tmp_path, capsys):
+    assert evaluate.run_cli(train.main, args + ["--out_dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and pattern in err[0], err
+
+
+def test_evaluate_story_bad_decoder(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train.main(["--model", "insnet", "--dataset", "synthetic", "--synthetic_count", "1", "--n_layer", "1",
+                       "--d_model", "16", "--n_head", "2", "--max_iters", "1", "--out_dir", str(out),
+                       "--block_size", "200"]) == 0
+    assert evaluate.run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "beam",
+                                            "--beam_size", "2"]) == 2
+    assert "decode with greedy, sample or topk" in capsys.readouterr().err
+    assert evaluate.run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "greedy"]) == 2
+    assert "scored against ROCStories references" in capsys.readouterr().err
