@@ -3,6 +3,7 @@
     python bench.py train     # train-step tokens/s: LSTM and GPT x softmax / ST / NMST heads
     python bench.py train_hf  # train-step tokens/s: nanogen GPT vs HF GPT2LMHeadModel, same config
     python bench.py decode    # batched greedy and beam-4 continuation tokens/s: nanogen vs HF generate()
+    python bench.py insnet    # InsNet paper Fig. 12: time per training epoch vs length, InsNet / IT / L2R
 
 Every figure is measured on the machine that runs it; the README lists the ones we measured,
 with the hardware and the command.
@@ -146,9 +147,60 @@ def bench_decode(args):
               f"{same:>12s}")
 
 
+def bench_insnet(args):
+    """InsNet paper Fig. 12 (section 5.1): seconds per training epoch (forward, backward, AdamW) on
+    the synthetic benchmark (V = 30000, random sequences) at each length, for InsNet, IT-vanilla
+    and the L2R GPT of the same shape, side by side; --plot PATH draws the curves."""
+    from data.stories import synthetic
+    from evaluate import story_model, story_nll
+    device = resolve_device(args.device)
+    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads, dropout=0.0, block_size=256)
+    cfgs = dict(insnet=dict(shape, model="insnet", vocab_size=30000, max_offset=256),
+                insertion_transformer=dict(shape, model="insertion_transformer", vocab_size=30000),
+                gpt=cfg_for("gpt", "softmax", 30000, eos_id=2, **shape))
+    print(f"seconds per epoch of {args.seqs} sequences (batch {args.batch}; IT-vanilla batch {args.it_batch}), "
+          f"{shape['n_layer']} x {shape['d_model']}, V=30000, device {device}, threads {torch.get_num_threads()}")
+    print(f"{'length':>6s} {'InsNet':>9s} {'IT-vanilla':>11s} {'L2R':>9s} {'InsNet/L2R':>11s} {'IT/InsNet':>10s}")
+    rows = []
+    for n in args.lengths:
+        data = synthetic(args.seqs, lengths=(n,), seed=n)
+        t = {}
+        for name, cfg in cfgs.items():
+            torch.manual_seed(0)
+            model = story_model(cfg).to(device).train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            bs = args.it_batch if name == "insertion_transformer" else args.batch
+            g = torch.Generator().manual_seed(0)
+
+            def epoch():
+                for i in range(0, len(data), bs):
+                    nll, events = story_nll(model, data[i:i + bs], "random", g, device)
+                    opt.zero_grad(set_to_none=True)
+                    (nll.sum() / events.sum()).backward()
+                    opt.step()
+
+            t[name] = timed(epoch, 0 if name == "insertion_transformer" else 1, 1, device)
+        rows.append((n, t["insnet"], t["insertion_transformer"], t["gpt"]))
+        print(f"{n:6d} {t['insnet']:9.2f} {t['insertion_transformer']:11.2f} {t['gpt']:9.2f} "
+              f"{t['insnet'] / t['gpt']:11.2f} {t['insertion_transformer'] / t['insnet']:10.1f}", flush=True)
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
+            ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
+        ax.set(xlabel="sequence length", ylabel="seconds per epoch", yscale="log",
+               title=f"{args.seqs} sequences / epoch, {shape['n_layer']}x{shape['d_model']}, CPU")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["train", "train_hf", "decode"])
+    p.add_argument("what", choices=["train", "train_hf", "decode", "insnet"])
     p.add_argument("--device", default="auto")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--models", nargs="+", default=["lstm", "gpt"])
@@ -159,8 +211,12 @@ def main():
     p.add_argument("--gpt_heads", type=int, default=12)
     p.add_argument("--prompts", type=int, default=8, help="decode: prompts decoded together")
     p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens generated per prompt")
+    p.add_argument("--lengths", type=int, nargs="+", default=[20, 40, 60, 80, 100, 120, 160], help="insnet")
+    p.add_argument("--seqs", type=int, default=16, help="insnet: sequences per epoch and length (paper 25000)")
+    p.add_argument("--it_batch", type=int, default=2, help="insnet: IT-vanilla batch (it encodes every canvas)")
+    p.add_argument("--plot", default=None, help="insnet: write the Fig. 12 curves to this PNG")
     args = p.parse_args()
-    {"train": bench_train, "train_hf": bench_train_hf, "decode": bench_decode}[args.what](args)
+    {"train": bench_train, "train_hf": bench_train_hf, "decode": bench_decode, "insnet": bench_insnet}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -86,11 +86,11 @@ class Canvas:
         return self.positions.clone()
 
 
-def canvas_steps(order):
+def canvas_steps(order, offsets=None):
     """order (B, n) -> (B, n, n) long: canvas[b, j, r] = the step whose token sits at canvas index
     r after step j (r <= j; entries r > j are 0).  The "unshuffling matrix" of appendix C.2."""
     B, n = order.shape
-    offsets = offset_matrix(order)  # (B, n, n)
+    offsets = offset_matrix(order) if offsets is None else offsets  # (B, n, n)
     ranks = offsets - offsets[:, :, :1]  # rank_j(i): BOS (step 0, final position 0) has rank 0
     ranks = torch.where(causal_mask(n, order.device).bool(), ranks, n)  # i > j -> a spare column n
     steps = torch.arange(n, device=order.device).expand(B, n, n)
@@ -130,10 +130,10 @@ def _upcast(x):
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def insertion_targets(order):
+def insertion_targets(order, offsets=None):
     """The gap each step's token was inserted into: gap[b, s] = rank_s(s) - 1 (the gap between
     canvas indices g and g+1 of the canvas after step s-1).  order (B, n) -> (B, n) long."""
-    offsets = offset_matrix(order)
+    offsets = offset_matrix(order) if offsets is None else offsets
     return -offsets[:, :, 0] - 1  # rank_s(s) = -offsets[s, BOS]
 
 
@@ -183,18 +183,20 @@ class InsertionModel(nn.Module):
         B, n = tokens.shape
         dev = tokens.device
         step_tokens = tokens.gather(1, order)  # (B, n): token of each insertion step
-        canvas = canvas_steps(order)  # (B, n, n)
-        gap = insertion_targets(order).clamp(min=0)  # (B, n), gap of step s in canvas s-1
+        offsets = offset_matrix(order)  # (B, n, n), section 3.1
+        canvas = canvas_steps(order, offsets)  # (B, n, n)
+        gap = insertion_targets(order, offsets).clamp(min=0)  # (B, n), gap of step s in canvas s-1
         s = torch.arange(n, device=dev)
         loss_mask = (s >= n_given.unsqueeze(1)) & (s < lengths.unsqueeze(1)) & (s >= 1)
-        gap_logits, end_logits, slot_of = self.step_representations(step_tokens, order, canvas, lengths)
+        gap_logits, end_logits, slot_of = self.step_representations(step_tokens, offsets, canvas, lengths)
         # gap_logits (B, n, n-1) [j, g]; end_logits (B, n) [j]; slot_of(j (B, n), g (B, n)) -> (B, n, D)
         n_canvas = s.expand(B, n) + 1  # canvas after step j holds j+1 tokens
         lp = slot_log_probs(gap_logits, end_logits, n_canvas, slot_start.unsqueeze(1).expand(B, n))  # (B, n, n)
         prev = (s - 1).clamp(min=0).expand(B, n)  # the canvas a step's insertion is chosen on
         slot_lp = lp.gather(1, prev.unsqueeze(-1).expand(B, n, n)).gather(2, gap.unsqueeze(-1))[..., 0]  # (B, n)
         logits = self.token_logits(slot_of(prev, gap))  # (B, n, V)
-        token_lp = -F.cross_entropy(_upcast(logits).transpose(1, 2), step_tokens, reduction="none")  # (B, n)
+        token_lp = -F.cross_entropy(_upcast(logits).flatten(0, 1), step_tokens.flatten(),
+                                    reduction="none").view(B, n)  # (B, n); class dim last: the fast kernel
         end_lp = lp[torch.arange(B, device=dev), lengths - 1, -1]
         zero = torch.zeros((), device=dev)
         return dict(slot=torch.where(loss_mask, slot_lp, zero), token=torch.where(loss_mask, token_lp, zero),
@@ -222,20 +224,19 @@ class InsNet(InsertionModel):
         bias = self.rel_bias[layer][offsets.clamp(-K, K) + K]  # (B, T, S, H)
         return bias.permute(0, 3, 1, 2).masked_fill(~allowed.unsqueeze(1), float("-inf"))
 
-    def encode(self, step_tokens, order, lengths=None):
-        """step_tokens (B, n), order (B, n) -> h (B, n, D): every step's representation, in one
-        causal pass (step j attends to steps i <= j with the bias of offsets[j, i])."""
+    def encode(self, step_tokens, offsets):
+        """step_tokens (B, n), offsets (B, n, n) -> h (B, n, D): every step's representation, in
+        one causal pass (step j attends to steps i <= j with the bias of offsets[j, i])."""
         B, n = step_tokens.shape
-        offsets = offset_matrix(order)
-        allowed = causal_mask(n, order.device).bool().expand(B, n, n)
+        allowed = causal_mask(n, offsets.device).bool().expand(B, n, n)
         self.tokens_encoded += B * n
         x = self.drop(self.wte(step_tokens))
         for layer, block in enumerate(self.h):
             x, _ = block(x, None, self.attention_bias(layer, offsets, allowed).to(x.dtype))
         return self.ln_f(x)
 
-    def step_representations(self, step_tokens, order, canvas, lengths):
-        h = self.encode(step_tokens, order, lengths)  # (B, n, D)
+    def step_representations(self, step_tokens, offsets, canvas, lengths):
+        h = self.encode(step_tokens, offsets)  # (B, n, D)
         u, c = self._gap_parts()
         s_left, s_right, s_latest = (h @ u[p] for p in range(3))  # (B, n) each
         left, right = canvas[:, :, :-1], canvas[:, :, 1:]  # (B, n, n-1): steps left / right of gap g
@@ -311,7 +312,7 @@ class InsertionTransformer(InsertionModel):
             x, _ = block(x, None, mask)
         return self.ln_f(x)
 
-    def step_representations(self, step_tokens, order, canvas, lengths):
+    def step_representations(self, step_tokens, offsets, canvas, lengths):
         B, n = step_tokens.shape
         dev = step_tokens.device
         j = torch.arange(n, device=dev)
