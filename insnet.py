@@ -359,6 +359,16 @@ class InsertionTransformer(InsertionModel):
         return torch.log_softmax(_upcast(self.token_logits(self.slot_proj(torch.cat([H[gap], H[gap + 1]])))), dim=-1)
 
 
+def start_canvas(model, given):
+    """Decoding state for the initial canvas `given` (final order, BOS first, EOS last), inserted
+    in the training orders' sequence (insertion_order): BOS, then EOS after it, then the rest left
+    to right, each just before EOS."""
+    state = model.start()
+    for j, tok in enumerate([given[0], given[-1], *given[1:-1]]):
+        model.push(state, tok, min(j, 1) if j < 2 else j - 1)  # canvas of j tokens: EOS sits at j - 1
+    return state
+
+
 @torch.no_grad()
 def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, slot_start=0, banned=(), min_len=0,
              generator=None):
@@ -380,9 +390,7 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
     given = [int(t) for t in given]
     if len(given) < 2:
         raise ValueError("the initial canvas needs at least BOS and EOS")
-    state = model.start()
-    for j, tok in enumerate([given[0], given[-1], *given[1:-1]]):  # BOS, EOS, the rest left to right
-        model.push(state, tok, 0 if j == 0 else j)  # (before EOS, at canvas index j)
+    state = start_canvas(model, given)
     canvas, is_given = list(given), [True] * len(given)
     inserted, terminated = 0, False
 

@@ -68,7 +68,7 @@ import itertools  # noqa: E402
 import pytest  # noqa: E402
 
 from insnet import (InsertionTransformer, InsNet, canvas_steps, collate_insertions, generate,  # noqa: E402
-                    insertion_order, insertion_targets, sequence_nll)
+                    insertion_order, insertion_targets, sequence_nll, start_canvas)
 
 CFG = dict(vocab_size=23, n_layer=2, n_head=2, d_model=16, dropout=0.0, max_offset=6, block_size=40)
 MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
@@ -225,3 +225,22 @@ def test_relative_bias_gets_gradients():
     nll, _ = sequence_nll(m.sequence_log_probs(**batch))
     nll.sum().backward()
     assert m.rel_bias.grad.abs().sum() > 0 and m.slot_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decoding_starts_from_the_training_canvas(name):
+    """generate()'s initial canvas (title prefix and keywords given) is the one training builds:
+    the first slot distribution equals the teacher-forced one of a sequence with the same given
+    tokens, and the canvas reads BOS title SEP keywords EOS."""
+    m = tiny(name)
+    seq = [1, 9, 10, 3, 5, 6, 11, 2]  # BOS t t SEP k k w EOS: keywords 5, 6 given, then w inserted
+    batch = collate_insertions([seq], [4], [[4, 5]], "random", torch.Generator().manual_seed(0))
+    sc = m.sequence_log_probs(**batch)
+    state = start_canvas(m, [1, 9, 10, 3, 5, 6, 2])
+    if name == "insnet":
+        assert state["canvas"].order().tolist() == [0, 6, 1, 2, 3, 4, 5]  # final positions of steps 0..6
+    else:
+        assert state["tokens"] == [1, 9, 10, 3, 5, 6, 2]
+    gap = int(insertion_targets(batch["order"])[0, 7])
+    torch.testing.assert_close(m.next_slot_log_probs(state, 3)[gap], sc["slot"][0, 7], rtol=0, atol=1e-12)
+    torch.testing.assert_close(m.next_token_log_probs(state, gap)[11], sc["token"][0, 7], rtol=0, atol=1e-12)

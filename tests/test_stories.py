@@ -74,8 +74,7 @@ TINY = ["--n_layer", "1", "--d_model", "32", "--n_head", "2", "--batch_size", "1
         "--train_seqs", "128", "--eval_seqs", "16", "--max_iters", "8", "--eval_interval", "4"]
 
 
-@pytest.mark.parametrize("model,task,order", [("insnet", "story", "random"), ("insnet", "storyline", "random"),
-                                              ("insnet", "story", "l2r"), ("insertion_transformer", "story", "random"),
+@pytest.mark.parametrize("model,task,order", [("insnet", "storyline", "random"), ("insertion_transformer", "story", "l2r"),
                                               ("gpt", "storyline", "random")])
 def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys):
     out = tmp_path / "run"
