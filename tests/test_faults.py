@@ -122,7 +122,7 @@ def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch, capsys):
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, wikitext2, capsys):
     out = tmp_path / "nan"
-    args = ARGS[:-8] + ["--max_iters", "30", "--eval_interval", "1", "--lr", "1e30", "--grad_clip", "0",
+    args = ARGS[:-6] + ["--max_iters", "30", "--eval_interval", "1", "--lr", "1e30", "--grad_clip", "0",
                         "--out_dir", str(out)]
     rc = run_cli(train.main, args)
     err = capsys.readouterr().err
@@ -131,9 +131,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, wiki
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
 
 
-def test_existing_run_is_not_overwritten(reference, tmp_path, wikitext2, capsys):
+def test_existing_run_is_not_overwritten(tmp_path, wikitext2, capsys):
     out = tmp_path / "twice"
-    assert train.main(ARGS[:-8] + ["--max_iters", "2", "--eval_interval", "1", "--out_dir", str(out)]) == 0
+    assert train.main(ARGS[:-6] + ["--max_iters", "2", "--eval_interval", "1", "--out_dir", str(out)]) == 0
     assert run_cli(train.main, ARGS + ["--out_dir", str(out)]) == 2
     assert "already holds a run" in capsys.readouterr().err
 
