@@ -287,20 +287,25 @@ def _write_split(lines, encode, eos_id, max_len, writer, stream_writer, batch=20
     """Stream lines -> sequences (tokens + eos) -> writer, and every line (empty ones too) + eos
     -> stream_writer (the continuous-LM corpus of the CT paper).  Returns the counts."""
     c = dict(lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0, tokens=0, stream_tokens=0)
-    pending = []
+    pending = []  # lines in file order, empty ones too (they only add an eos to the stream)
 
     def drain():
-        for ids in encode(pending):
-            stream_writer.add(list(ids) + [eos_id])
-            c["stream_tokens"] += len(ids) + 1
-            n = len(ids) + 1
+        encoded = iter(encode([line for line in pending if line.strip()]))  # one batched call
+        for line in pending:
+            if not line.strip():
+                stream_writer.add([eos_id])
+                c["stream_tokens"] += 1
+                continue
+            ids = list(next(encoded))
+            ids.append(eos_id)
+            stream_writer.add(ids)
+            n = len(ids)
+            c["stream_tokens"] += n
             if n - 1 <= CONTEXT_LEN:
                 c["dropped_short"] += 1
             elif max_len is not None and n > max_len:
                 c["dropped_long"] += 1
             else:
-                ids = list(ids)
-                ids.append(eos_id)
                 writer.add(ids)
                 c["sequences"] += 1
                 c["tokens"] += n
@@ -308,13 +313,7 @@ def _write_split(lines, encode, eos_id, max_len, writer, stream_writer, batch=20
 
     for line in lines:
         c["lines"] += 1
-        if not line.strip():
-            c["empty"] += 1
-            if pending:
-                drain()
-            stream_writer.add([eos_id])
-            c["stream_tokens"] += 1
-            continue
+        c["empty"] += not line.strip()
         pending.append(line)
         if len(pending) >= batch:
             drain()
