@@ -132,22 +132,31 @@ def story_nll(model, seqs, order="random", generator=None, device="cpu"):
 
 @torch.no_grad()
 def story_perplexity(model, seqs, order="random", batch_size=32, device="cpu", seed=0, limit=None):
-    """-> dict(nll_per_story, nll_per_event, ppl (= exp nll_per_event), stories, events).  The
-    insertion orders are drawn from a generator seeded with `seed`: the same for every call."""
+    """-> dict(nll_per_story, nll_per_event, ppl (= exp nll_per_event), stories, events,
+    nll_bound_per_story).  The insertion orders are drawn from a generator seeded with `seed`: the
+    same for every call.  With random orders, nll_per_story estimates E_pi[-log p(x, pi)] over
+    the n! orders of a story's n inserted tokens, and by Jensen's inequality with the uniform
+    order distribution  -log p(x) = -log sum_pi p(x, pi) <= E_pi[-log p(x, pi)] - log n!,  so
+    nll_bound_per_story = nll_per_story - mean log n!  bounds -log p(story) from above and is
+    comparable with L2R's NLL (for L2R and --order l2r it is the NLL itself)."""
     from data.loader import batches as length_batches
     was_training = model.training
     model.eval()
     seqs = seqs[:limit]
     g = torch.Generator().manual_seed(seed)
-    nll, events = 0.0, 0
+    nll, events, log_orders = 0.0, 0, 0.0
+    random_orders = order == "random" and model.cfg["model"] != "gpt"
     for index in length_batches([len(s["tokens"]) for s in seqs], batch_size=batch_size):
         b_nll, b_events = story_nll(model, [seqs[i] for i in index], order, g, device)
         nll += b_nll.sum().item()
         events += int(b_events.sum())
+        if random_orders:  # log n! with n = events - 1 insertions (the termination is the last event)
+            log_orders += sum(math.lgamma(int(e)) for e in b_events)
     model.train(was_training)
     per_event = nll / max(events, 1)
-    return dict(nll_per_story=nll / max(len(seqs), 1), nll_per_event=per_event, ppl=math.exp(min(per_event, 700.0)),
-                stories=len(seqs), events=events)
+    n = max(len(seqs), 1)
+    return dict(nll_per_story=nll / n, nll_per_event=per_event, ppl=math.exp(min(per_event, 700.0)),
+                stories=len(seqs), events=events, nll_bound_per_story=(nll - log_orders) / n)
 
 
 def bleu(hypotheses, references, max_n=4):
@@ -597,7 +606,9 @@ def evaluate_stories(args, ckpt, device):
                                     seed=args.seed))
         print(f"{res['dataset']} {res['split']} {res['model']}{'-l2r' if res['order'] == 'l2r' else ''}: "
               f"{res['stories']} stories, NLL {res['nll_per_story']:.2f} per story, {res['nll_per_event']:.4f} "
-              f"per event (ppl {res['ppl']:.2f})")
+              f"per event (ppl {res['ppl']:.2f})" + (f"; -log p(story) <= {res['nll_bound_per_story']:.2f} (mean over "
+                                                     f"orders - log n!)" if res["order"] == "random" and
+                                                     res["model"] != "gpt" else ""))
     if args.decoder:
         if stories is None:
             raise ValueError("generation is scored against ROCStories references: use a rocstories checkpoint")

@@ -91,6 +91,7 @@ def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys):
                           "greedy", "--out", str(res)]) == 0
     r = json.load(open(res))
     assert r["stories"] == 3 and r["nll_per_story"] > 0 and set(r["generation"]["bleu"]) == {"1", "2", "3", "4"}
+    assert (r["nll_bound_per_story"] < r["nll_per_story"]) == (model != "gpt" and order == "random")
     if task == "storyline" and model == "insnet":
         assert r["generation"]["keyword_inclusion"] == 1.0  # by construction
     # resume continues where it stopped
