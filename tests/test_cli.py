@@ -74,6 +74,16 @@ def run_cli(script, *args, env_extra=None):
     return p.returncode, p.stdout, p.stderr
 
 
+def run_in_process(main, argv, capsys):
+    """The CLI's error path without a new interpreter: -> (exit status, stderr).  Any exception
+    other than the CLI's own one-line errors propagates and fails the test."""
+    try:
+        rc = evaluate.run_cli(main, argv)
+    except SystemExit as e:  # argparse errors (CLIParser.error)
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
 def assert_one_line_error(rc, stderr, pattern):
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert rc != 0, stderr
@@ -90,8 +100,8 @@ def assert_one_line_error(rc, stderr, pattern):
     (["--head", "st", "--epsilon", "1.5"], "--epsilon must lie in (0, 1)"),
     (["--model", "gpt", "--d_model", "30", "--n_head", "4"], "must be divisible"),
 ])
-def test_train_bad_input(args, pattern, tmp_path):
-    rc, _, err = run_cli("train.py", *args, "--out_dir", str(tmp_path / "o"))
+def test_train_bad_input(args, pattern, tmp_path, capsys):
+    rc, err = run_in_process(train.main, [*args, "--out_dir", str(tmp_path / "o")], capsys)
     assert_one_line_error(rc, err, pattern)
     assert not (tmp_path / "o").exists()  # nothing written
 
@@ -188,8 +198,8 @@ def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
     (["--decoder", "greedy", "--L", "0"], "--L must be >= 1"),
     (["--decoder", "bfs"], "invalid choice: 'bfs'"),
 ])
-def test_evaluate_bad_decoder_input(args, pattern, tmp_path):
-    rc, _, err = run_cli("evaluate.py", "--ckpt", str(tmp_path / "x.pt"), *args)
+def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path / "x.pt"), *args], capsys)
     assert_one_line_error(rc, err, pattern)
 
 

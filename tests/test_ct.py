@@ -139,9 +139,11 @@ def test_stream_training_on_real_ptb(head, tmp_path):
     (["--head", "softmax", "--loss_scaling", "--model", "lstm"], "use --head ct or ctmos"),
     (["--head", "ct", "--temperature", "2", "--model", "lstm"], "constant --temperature"),
 ])
-def test_bad_flag_combinations(args, msg, tmp_path):
-    from tests.test_cli import assert_one_line_error, run_cli
-    rc, _, err = run_cli("train.py", *args, "--dataset", "ptb", "--out_dir", str(tmp_path / "o"), "--max_iters", "1")
+def test_bad_flag_combinations(args, msg, tmp_path, capsys):
+    import train
+    from tests.test_cli import assert_one_line_error, run_in_process
+    rc, err = run_in_process(train.main, [*args, "--dataset", "ptb", "--out_dir", str(tmp_path / "o"), "--max_iters",
+                                          "1"], capsys)
     assert_one_line_error(rc, err, msg)
 
 
