@@ -390,6 +390,26 @@ def detach(state):
     return tuple(s.detach() for s in state) if isinstance(state, tuple) else state.detach()
 
 
+def optimizer_step(params, optimizer, args, state, s, logged_loss, shown_loss, steps_path, bar, master=True):
+    """Clip, step, and the bookkeeping both training loops share after batch s of an epoch:
+    the step counters, one steps.jsonl line, the progress bar, the --max_iters limit.
+    -> True when an evaluation is due (a multiple of --eval_interval, or the run is done)."""
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state["step"] += 1
+    state["batch_in_epoch"] = s + 1
+    if master:
+        with open(steps_path, "a") as f:
+            f.write(json.dumps(dict(step=state["step"], loss=logged_loss, lr=state["lr"])) + "\n")
+    bar.update(1)
+    bar.set_postfix(loss=f"{shown_loss:.3f}")
+    if args.max_iters and state["step"] >= args.max_iters:
+        state["done"] = f"reached --max_iters {args.max_iters}"
+    return bool((args.eval_interval and state["step"] % args.eval_interval == 0) or state["done"])
+
+
 def scheduled_lr(args, step):
     """Linear warm-up over --warmup steps, then linear decay to 0 at --decay_steps."""
     warm = min(1.0, (step + 1) / args.warmup) if getattr(args, "warmup", 0) else 1.0
@@ -519,19 +539,7 @@ def train_stories(args, ckpt, stop):
                 run["loss"] += nll.sum().item()
                 run["n"] += int(events.sum())
                 run["seqs"] += len(seqs)
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            state["step"] += 1
-            state["batch_in_epoch"] = s + 1
-            with open(steps_path, "a") as f:
-                f.write(json.dumps(dict(step=state["step"], loss=loss.item(), lr=state["lr"])) + "\n")
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if args.max_iters and state["step"] >= args.max_iters:
-                state["done"] = f"reached --max_iters {args.max_iters}"
-            if (args.eval_interval and state["step"] % args.eval_interval == 0) or state["done"]:
+            if optimizer_step(model.parameters(), optimizer, args, state, s, loss.item(), loss.item(), steps_path, bar):
                 evaluate_and_log(run)
                 checkpoint("ckpt_last.pt")
             if state["done"]:
@@ -759,20 +767,8 @@ def run_training(argv, stop):
             if not finite:
                 state["step"] += 1  # name the step that failed
                 fail_non_finite("training loss")
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(lm.parameters(), args.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            state["step"] += 1
-            state["batch_in_epoch"] = s + 1
-            if master:
-                with open(steps_path, "a") as f:
-                    f.write(json.dumps(dict(step=state["step"], loss=ce.item(), lr=state["lr"])) + "\n")
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if args.max_iters and state["step"] >= args.max_iters:
-                state["done"] = f"reached --max_iters {args.max_iters}"
-            if (args.eval_interval and state["step"] % args.eval_interval == 0) or state["done"]:
+            if optimizer_step(lm.parameters(), optimizer, args, state, s, ce.item(), loss.item(), steps_path, bar,
+                              master):
                 evaluate_and_log(run)
                 checkpoint("ckpt_last.pt")
             if state["done"]:
