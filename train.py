@@ -410,6 +410,19 @@ def optimizer_step(params, optimizer, args, state, s, logged_loss, shown_loss, s
     return bool((args.eval_interval and state["step"] % args.eval_interval == 0) or state["done"])
 
 
+STOPPED = "stopped by Ctrl-C after step {step}; checkpoint written: continue with the same command and --resume"
+
+
+def end_epoch(args, state):
+    """Move to the next epoch (and stop at --max_epochs).  -> True when the epoch's evaluation and
+    checkpoint are due (no --eval_interval, or the run is done)."""
+    state["epoch"] += 1
+    state["batch_in_epoch"] = 0
+    if state["epoch"] >= args.max_epochs:
+        state["done"] = f"reached --max_epochs {args.max_epochs}"
+    return not args.eval_interval or bool(state["done"])
+
+
 def scheduled_lr(args, step):
     """Linear warm-up over --warmup steps, then linear decay to 0 at --decay_steps."""
     warm = min(1.0, (step + 1) / args.warmup) if getattr(args, "warmup", 0) else 1.0
@@ -546,17 +559,12 @@ def train_stories(args, ckpt, stop):
                 break
             if stop.requested:
                 checkpoint("ckpt_last.pt")
-                print(f"stopped by Ctrl-C after step {state['step']}; checkpoint written: continue with "
-                      f"the same command and --resume")
+                print(STOPPED.format(step=state['step']))
                 return 0
         bar.close()
         if state["done"]:
             break
-        state["epoch"] += 1
-        state["batch_in_epoch"] = 0
-        if state["epoch"] >= args.max_epochs:
-            state["done"] = f"reached --max_epochs {args.max_epochs}"
-        if not args.eval_interval or state["done"]:
+        if end_epoch(args, state):
             if run["n"]:
                 evaluate_and_log(run)
             checkpoint("ckpt_last.pt")
@@ -776,17 +784,12 @@ def run_training(argv, stop):
             if stop.requested:
                 checkpoint("ckpt_last.pt")
                 if master:
-                    print(f"stopped by Ctrl-C after step {state['step']}; checkpoint written: continue with "
-                          f"the same command and --resume")
+                    print(STOPPED.format(step=state['step']))
                 return 0
         bar.close()
         if state["done"]:
             break
-        state["epoch"] += 1
-        state["batch_in_epoch"] = 0
-        if state["epoch"] >= args.max_epochs:
-            state["done"] = f"reached --max_epochs {args.max_epochs}"
-        if not args.eval_interval or state["done"]:
+        if end_epoch(args, state):
             if all_sum([run["n"]], world, device)[0]:
                 evaluate_and_log(run)
             checkpoint("ckpt_last.pt")
