@@ -1,10 +1,12 @@
 """heads.py against NMST paper eq. 2 / 9 / 10 computed directly in float64."""
+import itertools
 import math
 
 import pytest
 import torch
 
-from heads import Head, log1mexp, nmst_log_probs, softmax_log_probs, st_log_probs
+from heads import (Head, LinearLogSoftmax, linear_log_softmax, log1mexp, nmst_log_probs, project, softmax_log_probs,
+                   st_log_probs)
 
 torch.manual_seed(0)
 
@@ -148,17 +150,21 @@ def test_gradients_finite_at_extremes():
 
 
 def test_head_target_log_probs_equal_gather():
+    """bias=False takes the fused CPU path (LinearLogSoftmax), bias=True the plain one; gradients too."""
     torch.manual_seed(1)
-    h = torch.randn(3, 12, 16, dtype=torch.float64)
-    for kind in ("softmax", "st", "nmst"):
-        for eos in (0, 9, 29):
-            head = Head(kind, 16, 30, eos, 1e-3, bias=True).double()
-            y = torch.randint(0, 30, (3, 12))
-            y[:, 4] = eos
-            full, k1 = head(h, -3)
-            part, k2 = head.target_log_probs(h, y, -3)
-            torch.testing.assert_close(part, full.gather(-1, y.unsqueeze(-1)).squeeze(-1))
-            assert (k1 is None and k2 is None) or torch.allclose(k1, k2)
+    h = torch.randn(3, 12, 16, dtype=torch.float64, requires_grad=True)
+    for kind, eos, bias in itertools.product(("softmax", "st", "nmst"), (0, 9, 29), (True, False)):
+        head = Head(kind, 16, 30, eos, 1e-3, bias=bias).double()
+        y = torch.randint(0, 30, (3, 12))
+        y[:, 4] = eos
+        full, k1 = head(h, -3)
+        full = full.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        part, k2 = head.target_log_probs(h, y, -3)
+        torch.testing.assert_close(part, full)
+        assert (k1 is None and k2 is None) or torch.allclose(k1, k2)
+        u = torch.randn(3, 12, dtype=torch.float64)
+        torch.testing.assert_close(torch.autograd.grad((part * u).sum(), (h, head.proj.weight)),
+                                   torch.autograd.grad((full * u).sum(), (h, head.proj.weight)))
 
 
 @pytest.mark.parametrize("eps", [0.0, 1.0, -0.1, 1.5])
@@ -180,3 +186,39 @@ def test_math_constants():
     t_half = math.ceil(math.log(0.5) / math.log1p(-eps))
     p = nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half, 0, eps)[0, 0].exp()
     assert p > 0.5 and nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half - 1, 0, eps)[0, 0].exp() < 0.5
+
+
+@pytest.mark.parametrize("exclude", [None, 0, 17, 42])
+def test_linear_log_softmax_matches_direct_formula(monkeypatch, exclude):
+    """The blocked, fused output layer (CPU training path) against log_softmax(h U^T) in float64:
+    values, both gradients (gradcheck) and the no-grad path, with blocks that do not divide V."""
+    monkeypatch.setattr(LinearLogSoftmax, "block_elements", 7 * 6)  # 6 rows -> blocks of 7 vocabulary rows
+    torch.manual_seed(0)
+    h = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(43, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 43, (6,))
+    if exclude is not None:
+        y = y.masked_fill(y == exclude, (exclude + 1) % 43)
+    z = h @ W.t()
+    if exclude is not None:
+        z = z.index_fill(-1, torch.tensor([exclude]), float("-inf"))
+    direct = torch.log_softmax(z, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    fused = LinearLogSoftmax.apply(h, W, y, exclude)
+    torch.testing.assert_close(fused, direct, rtol=0, atol=1e-12)
+    u = torch.randn(6, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad((fused * u).sum(), (h, W)),
+                               torch.autograd.grad((direct * u).sum(), (h, W)), rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda h, W: LinearLogSoftmax.apply(h, W, y, exclude), (h, W))
+    with torch.no_grad():
+        torch.testing.assert_close(LinearLogSoftmax.apply(h, W, y, exclude), direct, rtol=0, atol=1e-12)
+    # the dispatcher gives the same numbers on its fallback path (bias, as on GPU)
+    torch.testing.assert_close(linear_log_softmax(h, W, y, exclude, bias=torch.zeros(43, dtype=torch.float64)),
+                               direct, rtol=0, atol=1e-12)
+
+
+def test_project_equals_linear():
+    torch.manual_seed(0)
+    W = torch.randn(301, 16)
+    for shape in ((1, 16), (3, 1, 16), (8, 16), (40, 3, 16)):  # 1, 3, 8 and 120 rows
+        h = torch.randn(*shape)
+        torch.testing.assert_close(project(h, W), torch.nn.functional.linear(h, W), rtol=1e-5, atol=1e-5)
