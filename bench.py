@@ -4,11 +4,13 @@
     python bench.py train_hf  # train-step tokens/s: nanogen GPT vs HF GPT2LMHeadModel, same config
     python bench.py decode    # batched greedy and beam-4 continuation tokens/s: nanogen vs HF generate()
     python bench.py insnet    # InsNet paper Fig. 12: time per training epoch vs length, InsNet / IT / L2R
+    python bench.py table4 --ckpts VA ST NMST   # NMST paper Table 4: r_nt(1000) x 6 decoders, timed
 
 Every figure is measured on the machine that runs it; the README lists the ones we measured,
 with the hardware and the command.
 """
 import argparse
+import os
 import time
 
 import torch
@@ -207,9 +209,62 @@ def bench_insnet(args):
         print(f"wrote {args.plot}")
 
 
+TABLE4 = (("top-2", "topk", dict(k=2)), ("top-4", "topk", dict(k=4)), ("nucleus-0.2", "nucleus", dict(p=0.2)),
+          ("nucleus-0.4", "nucleus", dict(p=0.4)), ("beam-2", "beam", dict(beam_size=2)),
+          ("beam-4", "beam", dict(beam_size=4)))
+
+
+def bench_table4(args):
+    """NMST paper Table 4: r_nt(L) of every checkpoint (VA / ST / NMST) under top-{2,4},
+    nucleus-{0.2,0.4} and beam-{2,4} on the validation contexts, mean +- std over --runs seeds
+    (beam search is deterministic: run once), with the wall time of every cell and of the grid."""
+    import statistics
+    from types import SimpleNamespace
+
+    from data.loader import load
+    from evaluate import decoding_study, detokenizer
+    from model import load_checkpoint, model_from_checkpoint
+    if not args.ckpts:
+        raise SystemExit("bench.py table4 needs --ckpts CKPT [CKPT ...] (e.g. the VA, ST and NMST checkpoints)")
+    device = resolve_device(args.device)
+    cells, seconds = {}, {}
+    grid_t0 = time.perf_counter()
+    for path in args.ckpts:
+        ckpt = load_checkpoint(path)
+        meta, splits = load(ckpt["args"]["dataset"], args.data_dir)
+        split, lm = splits["valid"], model_from_checkpoint(ckpt).to(device).eval()
+        cfg = ckpt["config"]
+        row = cfg["head"] + ("" if cfg["head"] == "softmax" else f" {cfg['epsilon']:.0e}")
+        detok = detokenizer(meta, os.path.dirname(split.tokens.filename))
+        for name, decoder, kw in TABLE4:
+            t0, r_nt = time.perf_counter(), []
+            for seed in range(1 if decoder == "beam" else args.runs):
+                study_args = SimpleNamespace(limit=args.limit, L=[args.L], seed=seed, decode_batch=args.decode_batch,
+                                             decoder=decoder, k=kw.get("k"), p=kw.get("p"),
+                                             beam_size=kw.get("beam_size"), temperature=1.0, consistent=False,
+                                             length_penalty=0.0, examples=0)
+                stats = decoding_study(lm, split, study_args, meta["context_len"], detok, device)
+                r_nt.append(stats["r_nt"][args.L])
+            cells[row, name] = r_nt
+            seconds[row, name] = time.perf_counter() - t0
+            print(f"{row} {name}: r_nt({args.L}) {statistics.mean(r_nt):.3f} ({seconds[row, name]:.0f} s)", flush=True)
+    total = time.perf_counter() - grid_t0
+    rows = list(dict.fromkeys(r for r, _ in cells))
+    print(f"\nTable 4: r_nt({args.L}), mean +- std over {args.runs} run(s) (beam: 1), "
+          f"{args.limit or 'all'} validation contexts, device {device}, threads {torch.get_num_threads()}")
+    print(f"{'head':12s} " + " ".join(f"{name:>13s}" for name, _, _ in TABLE4))
+    for r in rows:
+        print(f"{r:12s} " + " ".join(f"{statistics.mean(v):6.3f}+-{statistics.pstdev(v):.3f}"
+                                     for v in (cells[r, name] for name, _, _ in TABLE4)))
+    print(f"{'seconds':12s} " + " ".join(f"{name:>13s}" for name, _, _ in TABLE4))
+    for r in rows:
+        print(f"{r:12s} " + " ".join(f"{seconds[r, name]:13.0f}" for name, _, _ in TABLE4))
+    print(f"grid: {len(cells)} cells in {total:.0f} s ({total / 60:.1f} min)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["train", "train_hf", "decode", "insnet"])
+    p.add_argument("what", choices=["train", "train_hf", "decode", "insnet", "table4"])
     p.add_argument("--device", default="auto")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="train_hf: alternating rounds, the best one counts")
@@ -225,8 +280,15 @@ def main():
     p.add_argument("--seqs", type=int, default=16, help="insnet: sequences per epoch and length (paper 25000)")
     p.add_argument("--it_batch", type=int, default=2, help="insnet: IT-vanilla batch (it encodes every canvas)")
     p.add_argument("--plot", default=None, help="insnet: write the Fig. 12 curves to this PNG")
+    p.add_argument("--ckpts", nargs="+", default=None, help="table4: the checkpoints (VA, ST, NMST)")
+    p.add_argument("--limit", type=int, default=None, help="table4: first N validation contexts (default all)")
+    p.add_argument("--L", type=int, default=1000, help="table4: maximum continuation length")
+    p.add_argument("--runs", type=int, default=1, help="table4: seeds per sampling decoder (paper: 10)")
+    p.add_argument("--decode_batch", type=int, default=64, help="table4: prompts decoded together")
+    p.add_argument("--data_dir", default=None, help="table4: local dataset folder (default: $NANOGEN_DATA, else download)")
     args = p.parse_args()
-    {"train": bench_train, "train_hf": bench_train_hf, "decode": bench_decode, "insnet": bench_insnet}[args.what](args)
+    {"train": bench_train, "train_hf": bench_train_hf, "decode": bench_decode, "insnet": bench_insnet,
+     "table4": bench_table4}[args.what](args)
 
 
 if __name__ == "__main__":
