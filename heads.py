@@ -265,9 +265,9 @@ def linear_log_softmax(h, W, targets, exclude=None, bias=None):
     if h.device.type == "cpu" and bias is None and h.dtype == W.dtype and y.numel() > 0 \
             and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu"):
         return LinearLogSoftmax.apply(h2.contiguous(), W, y, exclude).view(shape)
-    logits = F.linear(h2, W, bias)
-    if exclude is not None:
-        logits = logits.index_fill(-1, torch.tensor([exclude], device=h.device), float("-inf"))
+    logits = F.linear(h2, W, bias)  # (N, V)
+    if exclude is not None:  # in place: linear's backward does not read its output
+        logits[:, exclude] = float("-inf")
     return -F.cross_entropy(logits, y, reduction="none").view(shape)
 
 
