@@ -285,7 +285,8 @@ def main():
     p.add_argument("--L", type=int, default=1000, help="table4: maximum continuation length")
     p.add_argument("--runs", type=int, default=1, help="table4: seeds per sampling decoder (paper: 10)")
     p.add_argument("--decode_batch", type=int, default=64, help="table4: prompts decoded together")
-    p.add_argument("--data_dir", default=None, help="table4: local dataset folder (default: $NANOGEN_DATA, else download)")
+    p.add_argument("--data_dir", default=None,
+                   help="table4: local dataset folder (default: $NANOGEN_DATA, else download)")
     args = p.parse_args()
     {"train": bench_train, "train_hf": bench_train_hf, "decode": bench_decode, "insnet": bench_insnet,
      "table4": bench_table4}[args.what](args)

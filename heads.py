@@ -193,12 +193,15 @@ class LinearLogSoftmax(torch.autograd.Function):
     are computed and, while still in cache, folded into a running max m_b and sum of
     exponentials (an online logsumexp); e_b = exp(z_b - m_b) is what is kept for the backward
     pass, which walks the blocks again: softmax = e_b exp(m_b - lse) enters its two matrix
-    products (dL/dh += g^T U_b, dL/dU_b = g h) with the per-row factor exp(m_b - lse) times
-    the incoming gradient applied on the small (N, D) side.  Against linear + cross_entropy (which writes logits,
-    log-probs, a zero-filled one-hot gradient and the logits' gradient, each (N, V)) this halves
-    the head's time on CPU.  `exclude` drops one vocabulary entry from the normaliser: the
-    non-eos factor exp(z_v) / sum_{v' != eos} exp(z_v') of eq. 9 / 10.  Targets must differ
-    from `exclude`.  h (N, D), W (V, D), targets (N,) -> log p(targets) (N,)."""
+    products (dL/dh += g^T U_b, dL/dU_b = g h), with the per-row factor exp(m_b - lse) times the
+    incoming gradient applied on the small (N, D) side.  Against linear + cross_entropy (which
+    writes logits, log-probs, a zero-filled one-hot gradient and the logits' gradient, each
+    (N, V)) this takes 0.51-0.57 s instead of 0.70 s for N = 1024, D = 256, V = 50257, forward +
+    backward, on the 2-core CPU (0.95 s without train.py's allocator setting).
+
+    `exclude` drops one vocabulary entry from the normaliser: the non-eos factor
+    exp(z_v) / sum_{v' != eos} exp(z_v') of eq. 9 / 10.  Targets must differ from `exclude`.
+    h (N, D), W (V, D), targets (N,) -> log p(targets) (N,)."""
 
     block_elements = 1 << 20  # logits per vocabulary block: 4 MB in fp32, cache-sized
 
@@ -232,6 +235,7 @@ class LinearLogSoftmax(torch.autograd.Function):
         return z_target - lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):  # grad (N,) = dL/dlog p(y)
         h, W, targets, kept, block_max, lse = ctx.saved_tensors
         V, N = kept.shape
