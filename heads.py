@@ -340,10 +340,10 @@ class Head(nn.Module):
 
         It never builds the (B, T, V) log-probabilities: on CPU every extra pass over them costs
         as much as the matrix product.  For ST / NMST the eos row of U is projected on its own
-        (z_eos, (B, T)) and the other V-1 rows feed one fused cross entropy, which *is* the
+        (z_eos, (B, T)) and linear_log_softmax with eos left out of the normaliser gives the
         non-eos factor  exp(z_v) / sum_{v' != eos} exp(z_v')  of eq. 9 / 10; the eos part
-        reuses nmst_log_alpha / st_log_alpha.  So ST / NMST cost the same as softmax.  On CPU both
-        go through LinearLogSoftmax (no (B, T, V) tensor but the logits themselves)."""
+        reuses nmst_log_alpha / st_log_alpha.  So ST / NMST cost the same as softmax; on CPU
+        both run through LinearLogSoftmax."""
         B, T = targets.shape
         if self.kind in ("mos", "ct", "ctmos"):  # mixtures / per-token temperatures: the full distribution
             return self(h, t)[0].gather(-1, targets.unsqueeze(-1)).squeeze(-1), None
