@@ -165,6 +165,14 @@ def test_head_target_log_probs_equal_gather():
         u = torch.randn(3, 12, dtype=torch.float64)
         torch.testing.assert_close(torch.autograd.grad((part * u).sum(), (h, head.proj.weight)),
                                    torch.autograd.grad((full * u).sum(), (h, head.proj.weight)))
+    for bias in (True, False):  # the softmax head's constant temperature (CT paper Table 3 baseline)
+        head = Head("softmax", 16, 30, 0, bias=bias, temperature=2.5).double()
+        y = torch.randint(0, 30, (3, 12))
+        full = head(h, 1)[0].gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        part = head.target_log_probs(h, y, 1)[0]
+        torch.testing.assert_close(part, full)
+        torch.testing.assert_close(torch.autograd.grad(part.sum(), (h, head.proj.weight)),
+                                   torch.autograd.grad(full.sum(), (h, head.proj.weight)))
 
 
 @pytest.mark.parametrize("eps", [0.0, 1.0, -0.1, 1.5])
