@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import Block, GPT
+from model import GPT, Block, Dropout
 
 
 def offset_matrix(order):
@@ -147,7 +147,7 @@ class InsertionModel(nn.Module):
         self.cfg = dict(cfg)
         V, D = cfg["vocab_size"], cfg["d_model"]
         self.wte = nn.Embedding(V, D)
-        self.drop = nn.Dropout(cfg["dropout"])
+        self.drop = Dropout(cfg["dropout"])
         self.h = nn.ModuleList([Block(D, cfg["n_head"], cfg["dropout"], True) for _ in range(cfg["n_layer"])])
         self.ln_f = nn.LayerNorm(D)
         self.slot_proj = nn.Linear(self.n_parts * D, D)  # shallow aggregation (section 3.2)

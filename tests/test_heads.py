@@ -197,13 +197,23 @@ def test_math_constants():
 
 
 @pytest.mark.parametrize("exclude", [None, 0, 17, 42])
-def test_linear_log_softmax_matches_direct_formula(monkeypatch, exclude):
+@pytest.mark.parametrize("far", [False, True])
+def test_linear_log_softmax_matches_direct_formula(monkeypatch, exclude, far):
     """The blocked, fused output layer (CPU training path) against log_softmax(h U^T) in float64:
-    values, both gradients (gradcheck) and the no-grad path, with blocks that do not divide V."""
+    values, both gradients (gradcheck) and the no-grad path, with blocks that do not divide V.
+    far: later blocks hold logits far above the first block's maxima, so the shift moves (runs
+    of blocks with different shifts in the backward pass)."""
     monkeypatch.setattr(LinearLogSoftmax, "block_elements", 7 * 6)  # 6 rows -> blocks of 7 vocabulary rows
     torch.manual_seed(0)
-    h = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
-    W = torch.randn(43, 5, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(6, 5, dtype=torch.float64)
+    W = torch.randn(43, 5, dtype=torch.float64)
+    if far:  # rows 20 and 36 (3rd and 6th blocks) get logits hundreds of nats away
+        W[20] *= 40
+        W[36] *= 80
+        z0 = (h @ W.t())
+        assert ((z0[:, 14:] - z0[:, :7].amax(-1, keepdim=True)) > 50).any(), "the test must move the shift"
+    h.requires_grad_()
+    W.requires_grad_()
     y = torch.randint(0, 43, (6,))
     if exclude is not None:
         y = y.masked_fill(y == exclude, (exclude + 1) % 43)
@@ -230,3 +240,22 @@ def test_project_equals_linear():
     for shape in ((1, 16), (3, 1, 16), (8, 16), (40, 3, 16)):  # 1, 3, 8 and 120 rows
         h = torch.randn(*shape)
         torch.testing.assert_close(project(h, W), torch.nn.functional.linear(h, W), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_log_softmax_float32_large_logits(monkeypatch):
+    """float32 with logits spread over hundreds of nats, the largest in late blocks (the shift
+    moves several times): finite, and equal to the float64 formula to float32 precision."""
+    monkeypatch.setattr(LinearLogSoftmax, "block_elements", 16 * 8)  # blocks of 16 vocabulary rows
+    torch.manual_seed(0)
+    h = torch.randn(8, 6)
+    W = torch.randn(100, 6) * torch.linspace(1, 60, 100).unsqueeze(1)  # |logits| up to ~400
+    y = torch.randint(0, 100, (8,))
+    h32, W32 = h.clone().requires_grad_(), W.clone().requires_grad_()
+    h64, W64 = h.double().requires_grad_(), W.double().requires_grad_()
+    fused = LinearLogSoftmax.apply(h32, W32, y, None)
+    direct = torch.log_softmax(h64 @ W64.t(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(fused.double(), direct, rtol=1e-5, atol=1e-3)
+    fused.sum().backward()
+    direct.sum().backward()
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(W32.grad.double(), W64.grad, rtol=1e-4, atol=1e-3)

@@ -123,3 +123,77 @@ def test_compiled_model_matches_eager():
     for g_c, g_e in zip(grads[1][1], grads[0][1]):
         torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-5)
     assert list(compiled.state_dict()) == list(eager.state_dict())
+
+
+def test_dropout_mask_rate_scale_gradient_and_seed():
+    from model import Dropout, dropout
+    x = torch.ones(400, 1000, dtype=torch.float64, requires_grad=True)
+    assert dropout(x, 0.3, training=False) is x and dropout(x, 0.0) is x
+    torch.manual_seed(1)
+    y = dropout(x, 0.3)
+    assert y.dtype == torch.float64
+    kept = y != 0
+    rate = 1 - kept.double().mean().item()
+    assert abs(rate - 0.3) < 5 * (0.3 * 0.7 / y.numel()) ** 0.5  # 5 sigma
+    assert torch.equal(y[kept], torch.full_like(y[kept], 1 / 0.7))  # survivors scaled by 1 / (1 - p)
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d y / d x = mask / (1 - p)
+    torch.manual_seed(1)
+    assert torch.equal(dropout(x, 0.3), y)  # torch.manual_seed makes it reproducible
+    for p in (0.02, 0.5, 0.9):  # other rates: the threshold maps p to the integer range correctly
+        r = 1 - (dropout(torch.ones(200_000), p) != 0).double().mean().item()
+        assert abs(r - p) < 5 * (p * (1 - p) / 200_000) ** 0.5, (p, r)
+    assert dropout(torch.ones(5), 1.0).eq(0).all()
+    m = Dropout(0.5)
+    assert isinstance(m, torch.nn.Dropout) and m.eval()(x) is x
+
+
+@pytest.mark.parametrize("mask", ["causal", "none", "padded", "additive"])
+def test_math_attention_equals_sdpa(mask):
+    """The CPU training path with dropout (CausalSelfAttention._math_attention) is sdpa's
+    attention: with a drop probability below 2^-32 nothing is dropped, and values and gradients
+    equal sdpa's without dropout (float64)."""
+    import torch.nn.functional as F
+    from model import CausalSelfAttention
+    torch.manual_seed(0)
+    B, H, T, S, hd = 2, 3, 5, 7, 4
+    q = torch.randn(B, H, T, hd, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, H, S if mask != "causal" else T, hd, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    if mask == "causal":
+        attn_mask, ref = "causal", dict(is_causal=True)
+    elif mask == "none":
+        attn_mask = None
+        ref = dict(attn_mask=None)
+    elif mask == "padded":  # cache of 2 + 5 new tokens, row 1 padded after 3 keys
+        causal = torch.arange(S) <= (2 + torch.arange(T)).unsqueeze(1)
+        valid = torch.tensor([[True] * S, [True] * 3 + [False] * (S - 3)])
+        attn_mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)
+        ref = dict(attn_mask=attn_mask)
+    else:  # a float bias with -inf entries, as InsNet's relative-position attention passes
+        causal = torch.arange(S) <= (2 + torch.arange(T)).unsqueeze(1)
+        attn_mask = torch.randn(B, H, T, S, dtype=torch.float64).masked_fill(~causal, float("-inf"))
+        attn_mask.requires_grad_()  # the bias is learned: its gradient must match too
+        ref = dict(attn_mask=attn_mask)
+    ours = CausalSelfAttention._math_attention(q, k, v, attn_mask, 1e-15)
+    theirs = F.scaled_dot_product_attention(q, k, v, **ref)
+    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
+    g = torch.randn_like(ours)
+    inputs = (q, k, v) + ((attn_mask,) if mask == "additive" else ())
+    grads = torch.autograd.grad(ours, inputs, g)
+    for a, b in zip(grads, torch.autograd.grad(theirs, inputs, g)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    # a row with no visible key (what a zero-length padded row gives) stays finite
+    empty = torch.zeros(1, 1, T, k.size(2), dtype=torch.bool)
+    assert torch.isfinite(CausalSelfAttention._math_attention(q, k, v, empty, 0.1)).all()
+
+
+def test_gpt_training_dropout_on_cpu_drops_attention_weights():
+    """In training mode on CPU the GPT takes the math path: outputs differ between two forward
+    passes (dropout), and with dropout 0 training equals evaluation."""
+    lm = make("gpt", dropout=0.3).float().train()
+    idx = torch.randint(0, V, (2, 12))
+    a, b = lm.backbone(idx)[0], lm.backbone(idx)[0]
+    assert not torch.allclose(a, b)
+    lm0 = make("gpt", dropout=0.0).float().train()
+    torch.testing.assert_close(lm0.backbone(idx)[0], lm0.eval().backbone(idx)[0])
