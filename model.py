@@ -44,10 +44,10 @@ def dropout(x, p, training=True):
     kept iff r >= round(p 2^32) - 2^31: the drop probability is exact to 2^-32, and drawing it
     this way is 2x faster than torch's bernoulli_ mask here (1.0 vs 2.0 ms forward for a
     (1024, 256) tensor on the 2-core CPU), which matters: a GPT step has 4 n_layer + 1 of them.
-    Elsewhere (CUDA) F.dropout's fused kernel."""
+    Elsewhere (CUDA, or under torch.compile) F.dropout."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or p >= 1.0:
+    if x.device.type != "cpu" or p >= 1.0 or torch.compiler.is_compiling():  # (inductor fuses its own)
         return F.dropout(x, p, True)
     n = x.numel()
     r = torch.empty((n + 1) // 2, dtype=torch.int64).random_(-2 ** 63, None)  # full 64-bit range
@@ -134,7 +134,7 @@ class CausalSelfAttention(nn.Module):
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         p = self.dropout if self.training else 0.0
-        if p > 0 and x.device.type == "cpu":  # what sdpa runs on CPU with dropout, with `dropout`'s mask
+        if p > 0 and x.device.type == "cpu" and not torch.compiler.is_compiling():  # sdpa's CPU math, faster mask
             y = self._math_attention(q, k, v, attn_mask, p)
         elif isinstance(attn_mask, str):  # "causal": a fresh sequence, no cache, no padding
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -225,8 +225,9 @@ class GPT(nn.Module):
         else:
             kv, key_valid, pos0 = state
         pos = pos0.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T) absolute positions
-        if int(pos.max()) >= self.block_size:
-            raise ValueError(f"sequence of {int(pos.max()) + 1} tokens exceeds the GPT context window "
+        last = T if state is None else int(pos.max()) + 1  # a fresh sequence: no device sync
+        if last > self.block_size:
+            raise ValueError(f"sequence of {last} tokens exceeds the GPT context window "
                              f"(block_size={self.block_size})")
         Tc = key_valid.size(1)
         key_valid = torch.cat([key_valid, new_valid], dim=1)  # (B, Tc + T)

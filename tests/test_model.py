@@ -112,6 +112,7 @@ def test_compiled_model_matches_eager():
     eager, compiled = LanguageModel(cfg), LanguageModel(cfg)
     compiled.load_state_dict(eager.state_dict())
     compiled.compile()
+    torch._dynamo.utils.counters.clear()
     assert compiled._compiled_call_impl is not None  # calls now go through torch.compile
     x = torch.randint(0, 50, (2, 12))
     grads = []
@@ -123,6 +124,15 @@ def test_compiled_model_matches_eager():
     for g_c, g_e in zip(grads[1][1], grads[0][1]):
         torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-5)
     assert list(compiled.state_dict()) == list(eager.state_dict())
+    assert not torch._dynamo.utils.counters["graph_break"]  # the training path is one graph
+
+
+def test_dropout_under_compile_is_one_graph():
+    """Under torch.compile `dropout` hands over to F.dropout (inductor's own fused mask) instead
+    of breaking the graph at random_."""
+    from model import dropout
+    f = torch.compile(lambda x: dropout(x, 0.5), fullgraph=True)  # fullgraph: a graph break raises
+    assert set(f(torch.ones(1000)).unique().tolist()) == {0.0, 2.0}
 
 
 def test_dropout_mask_rate_scale_gradient_and_seed():
