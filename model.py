@@ -86,8 +86,7 @@ class Recurrent(nn.Module):
         time, as in AWD-LSTM; CT paper eq. 8's regularised setting) with --locked_dropout."""
         if not self.locked or not self.training or self.p == 0:
             return self.drop(x)
-        mask = torch.empty(x.size(0), 1, x.size(2), device=x.device, dtype=x.dtype).bernoulli_(1 - self.p)
-        return x * mask / (1 - self.p)
+        return x * dropout(x.new_ones(x.size(0), 1, x.size(2)), self.p)  # (B, 1, D): one mask per sequence
 
     def forward(self, idx, state=None, lengths=None):
         x = self._dropout(self.wte(idx))  # (B, T, D)
