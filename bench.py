@@ -1,7 +1,8 @@
 """Benchmarks that print side-by-side tables (nanoGPT style).  Not tests: figures, not asserts.
 
     python bench.py train     # train-step tokens/s: LSTM and GPT x softmax / ST / NMST heads
-    python bench.py train_hf  # train-step tokens/s: nanogen GPT vs HF GPT2LMHeadModel, same config
+    python bench.py train_hf  # train-step tokens/s: nanogen GPT vs HF GPT2LMHeadModel, same config (--parts:
+                              # the body and the output layer, each timed alone)
     python bench.py decode    # batched greedy and beam-4 continuation tokens/s: nanogen vs HF generate()
     python bench.py insnet    # InsNet paper Fig. 12: time per training epoch vs length, InsNet / IT / L2R
     python bench.py table4 --ckpts VA ST NMST   # NMST paper Table 4: r_nt(1000) x 6 decoders, timed
@@ -114,6 +115,52 @@ def bench_train_hf(args):
     print(f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} {'min':>6s} {'max':>6s}  (medians over rounds)")
     print(f"{B * T / median(times['nanogen']):14.0f} {B * T / median(times['HF']):10.0f} {median(ratios):8.2f} "
           f"{ratios[0]:6.2f} {ratios[-1]:6.2f}")
+    if args.parts:
+        train_step_parts(lm, hf, x[:, :T], x[:, 1:], args, device)
+
+
+def train_step_parts(lm, hf, idx, targets, args, device):
+    """--parts: where a train step's time goes, each piece timed alone (forward + backward), the
+    median of --rounds: the transformer body of both models; the output layer + loss as nanogen
+    runs it and as linear + cross_entropy (what HF's loss amounts to); the three (N, D) x (D, V)
+    matrix products any output layer has to run, and their GFLOP/s."""
+    import torch.nn.functional as F
+    N, D = idx.numel(), lm.backbone.d_model
+    h = torch.randn(N, D, device=device, requires_grad=True)
+    W = lm.head.proj.weight.detach().clone().requires_grad_()
+    y, g = targets.reshape(-1), torch.randn(*idx.shape, D, device=device)
+    V = W.size(0)
+    z = torch.empty(V, N, device=device)
+    gh, gW = torch.empty(N, D, device=device), torch.empty(V, D, device=device)
+
+    def body(model):
+        def run():
+            out = model(idx)
+            (out[0] if isinstance(out, tuple) else out.last_hidden_state).backward(g)
+            model.zero_grad(set_to_none=True)
+        return run
+
+    def head(fn):
+        def run():
+            fn().backward()
+            h.grad = W.grad = None
+        return run
+
+    def products():
+        with torch.no_grad():
+            torch.mm(W, h.t(), out=z)  # logits
+            torch.mm(z.t(), W, out=gh)  # dL/dh
+            torch.mm(z, h, out=gW)  # dL/dU
+    pieces = (("body: nanogen GPT", body(lm.backbone)), ("body: HF GPT2Model", body(hf.transformer)),
+              ("output layer: nanogen", head(lambda: -lm.head.target_log_probs(h.unsqueeze(0), y.unsqueeze(0))[0].sum())),
+              ("output layer: linear + cross_entropy", head(lambda: F.cross_entropy(F.linear(h, W), y, reduction="sum"))),
+              ("its 3 matrix products", products))
+    print(f"\nparts (forward + backward, ms, median of {args.rounds} x {args.iters}):")
+    for name, fn in pieces:
+        fn()
+        ms = 1e3 * statistics.median(timed(fn, 0, args.iters, device) for _ in range(args.rounds))
+        extra = f"  ({3 * 2 * N * D * V / ms / 1e6:.0f} GFLOP/s)" if fn is products else ""
+        print(f"  {name:38s} {ms:8.1f}{extra}")
 
 
 def bench_decode(args):
@@ -224,7 +271,6 @@ def bench_table4(args):
     """NMST paper Table 4: r_nt(L) of every checkpoint (VA / ST / NMST) under top-{2,4},
     nucleus-{0.2,0.4} and beam-{2,4} on the validation contexts, mean +- std over --runs seeds
     (beam search is deterministic: run once), with the wall time of every cell and of the grid."""
-    import statistics
     from types import SimpleNamespace
 
     from data.loader import load
@@ -274,6 +320,7 @@ def main():
     p.add_argument("--device", default="auto")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=9, help="train_hf: alternating rounds; the median round's speedup counts")
+    p.add_argument("--parts", action="store_true", help="train_hf: also time the body and output layer alone")
     p.add_argument("--models", nargs="+", default=["lstm", "gpt"])
     p.add_argument("--batch", type=int, default=32, help="sequences per batch (train: LSTM; train_hf: GPT)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (train: LSTM; train_hf: GPT)")

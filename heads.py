@@ -204,9 +204,9 @@ class LinearLogSoftmax(torch.autograd.Function):
     twice as fast as exp on CPU (0.36 vs 0.73 ms per 2^20 floats here).
 
     Against linear + cross_entropy (which writes logits, log-probs, a zero-filled one-hot
-    gradient and the logits' gradient, each (N, V)) this takes 0.50 s instead of 0.61 s for
+    gradient and the logits' gradient, each (N, V)) this takes 0.52 s instead of 0.63 s for
     N = 1024, D = 256, V = 50257, forward + backward, on the 2-core CPU, where the three matrix
-    products alone take 0.46 s.
+    products alone take 0.48 s (`python bench.py train_hf --parts`, README).
 
     `exclude` drops one vocabulary entry from the normaliser: the non-eos factor
     exp(z_v) / sum_{v' != eos} exp(z_v') of eq. 9 / 10.  Targets must differ from `exclude`.
