@@ -1,29 +1,35 @@
 """Benchmarks that print side-by-side tables (nanoGPT style).  Not tests: figures, not asserts.
 
-    python bench.py train     # train-step tokens/s: LSTM and GPT x softmax / ST / NMST heads
-    python bench.py train_hf  # train-step tokens/s: nanogen GPT vs HF GPT2LMHeadModel, same config (--parts:
-                              # the body and the output layer, each timed alone)
-    python bench.py decode    # batched greedy and beam-4 continuation tokens/s: nanogen vs HF generate()
-    python bench.py insnet    # InsNet paper Fig. 12: time per training epoch vs length, InsNet / IT / L2R
-    python bench.py table4 --ckpts VA ST NMST   # NMST paper Table 4: r_nt(1000) x 6 decoders, timed
+    python bench.py train       # train-step tokens/s: LSTM and GPT x softmax / ST / NMST heads
+    python bench.py train_hf    # train step: nanogen GPT vs HF GPT2LMHeadModel (--parts: the body
+                                # and the output layer, each timed alone)
+    python bench.py decode      # greedy and beam-4 tokens/s: nanogen vs HF generate()
+    python bench.py fast        # every fast path of fast.py on vs off (what each one pays)
+    python bench.py checkpoint  # writing a checkpoint: time, peak extra memory, file size
+    python bench.py insnet      # InsNet paper Fig. 12: epoch time vs length, InsNet / IT / L2R
+    python bench.py table4 --ckpts VA ST NMST   # NMST paper Table 4: r_nt(1000) x 6 decoders
+    python bench.py arch        # the survey's RNN / LSTM / GCNN / GPT comparison (costs, speed)
+    python bench.py code        # the code itself: lines, longest / most complex functions
 
 Every figure is measured on the machine that runs it; the README lists the ones we measured,
 with the hardware and the command.
 """
-import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
-from evaluate import resolve_device
+import cli
+import fast
 from model import LanguageModel
 
 
 def cfg_for(model, head, V, **kw):
-    cfg = dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=2, d_model=512,
-               dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True)
+    cfg = dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=2,
+               d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True)
     cfg.update(kw)
     return cfg
 
@@ -41,82 +47,115 @@ def timed(fn, warmup, iters, device):
     return (time.perf_counter() - t0) / iters
 
 
+def alternating(fns, rounds, iters, device):
+    """Time every fn `rounds` times, alternating them and who goes first (this box drifts by
+    +-5 % within minutes): -> {name: [seconds per call, one per round]}."""
+    for fn in fns.values():  # warm-up
+        fn()
+    times = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            times[name].append(timed(fns[name], 0, iters, device))
+    return times
+
+
+def steps(first, shape):
+    return (first + torch.arange(shape[-1])).expand(*shape)
+
+
+def train_step(lm, x, y, t=None):
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-4, fused=True)  # as train.py
+
+    def step():
+        loss = -lm.target_log_probs(x, y, t).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+# --------------------------------------------------------------------------------------------
+# train steps: the heads, and nanogen vs HuggingFace
+# --------------------------------------------------------------------------------------------
 def bench_train(args):
-    device = resolve_device(args.device)
-    setups = [("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq),  # paper's WikiText-2 LSTM
-              ("gpt", dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads), 50257, 1, 1024)]
-    print(f"train step, device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"{'model':6s} {'shape':>22s} {'V':>6s} {'tokens/step':>11s} " +
-          " ".join(f"{h + ' tok/s':>14s}" for h in ("softmax", "st", "nmst")) + f" {'st/sm':>6s} {'nmst/sm':>7s}")
+    device = cli.resolve_device(args.device)
+    setups = [("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq),  # WikiText-2
+              ("gpt", dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads),
+               50257, 1, 1024)]
+    print(f"train step, device {device}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}")
+    print(f"{'model':6s} {'shape':>12s} {'V':>6s} {'tokens/step':>11s} " +
+          " ".join(f"{h + ' tok/s':>14s}" for h in ("softmax", "st", "nmst")) +
+          f" {'st/sm':>6s} {'nmst/sm':>7s}")
     for model, kw, V, B, T in setups:
         if model not in args.models:
             continue
-        rates = []
+        fns = {}
         for head in ("softmax", "st", "nmst"):
             torch.manual_seed(0)
             lm = LanguageModel(cfg_for(model, head, V, **kw)).to(device).train()
-            opt = torch.optim.AdamW(lm.parameters(), lr=1e-4, fused=True)  # as train.py
-            x = torch.randint(0, V - 1, (B, T), device=device)
-            y = torch.randint(0, V, (B, T), device=device)
-
-            def step():
-                loss = -lm.target_log_probs(x, y, -8).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            dt = timed(step, 1, args.iters, device)
-            rates.append(B * T / dt)
+            x, y = (torch.randint(0, V - 1, (B, T), device=device) for _ in range(2))
+            fns[head] = train_step(lm, x, y, steps(-8, (B, T)).to(device))
+        times = alternating(fns, args.rounds, args.iters, device)
+        sec = {h: statistics.median(v) for h, v in times.items()}
         shape = f"{kw['n_layer']}x{kw['d_model']}" + (f" h{kw['n_head']}" if model == "gpt" else "")
-        print(f"{model:6s} {shape:>22s} {V:6d} {B * T:11d} " + " ".join(f"{r:14.0f}" for r in rates) +
-              f" {rates[0] / rates[1]:6.2f} {rates[0] / rates[2]:7.2f}")
-    print("(st/sm, nmst/sm: time of a step relative to the softmax head's)")
+        print(f"{model:6s} {shape:>12s} {V:6d} {B * T:11d} " +
+              " ".join(f"{B * T / sec[h]:14.0f}" for h in sec) +
+              f" {sec['st'] / sec['softmax']:6.2f} {sec['nmst'] / sec['softmax']:7.2f}")
+    print("(st/sm, nmst/sm: time of a step relative to the softmax head's, medians of "
+          f"{args.rounds} alternating rounds)")
+
+
+def hf_models(args, device, dropout):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from checkpoint import gpt_state_from_hf
+    V, L, D, H = 50257, args.gpt_layers, args.gpt_dim, args.gpt_heads
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=1024, n_embd=D, n_layer=L,
+                                    n_head=H, resid_pdrop=dropout, embd_pdrop=dropout,
+                                    attn_pdrop=dropout)).to(device)
+    lm = LanguageModel(cfg_for("gpt", "softmax", V, eos_id=50256, n_layer=L, d_model=D,
+                               n_head=H, dropout=dropout)).to(device)
+    lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
+    return hf, lm
 
 
 def bench_train_hf(args):
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        print("bench.py train_hf compares against HuggingFace transformers: pip install transformers")
+    if not has_transformers():
         return
-    device = resolve_device(args.device)
-    V, B, T = 50257, args.batch, args.seq
-    L, D, H = args.gpt_layers, args.gpt_dim, args.gpt_heads
-    torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=1024, n_embd=D, n_layer=L, n_head=H)).to(device).train()
-    lm = LanguageModel(cfg_for("gpt", "softmax", V, eos_id=50256, n_layer=L, d_model=D, n_head=H,
-                               dropout=0.1)).to(device).train()
-    x = torch.randint(0, V, (B, T + 1), device=device)
-    steps = {}
-    for name, model in (("nanogen", lm), ("HF", hf)):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # train.py's optimizer, for both
+    device = cli.resolve_device(args.device)
+    hf, lm = hf_models(args, device, 0.1)
+    B, T = args.batch, args.seq
+    x = torch.randint(0, 50257, (B, T + 1), device=device)
+    opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
 
-        def step(model=model, opt=opt):
-            if model is hf:
-                loss = model(x[:, :T], labels=x[:, :T]).loss  # HF shifts the labels itself
-            else:
-                loss = -model.target_log_probs(x[:, :T], x[:, 1:], 1).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        steps[name] = step
-    # alternate the two, `--rounds` times: this box's speed drifts by +-5 % within minutes
-    # (other tenants, turbo), more than the difference measured, so each round compares the two
-    # under the same conditions, and the median round's ratio is the figure
-    for name in steps:  # warm-up
-        steps[name]()
-    times = {name: [] for name in steps}
-    for r in range(args.rounds):
-        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):  # who goes first alternates too
-            times[name].append(timed(steps[name], 0, args.iters, device))
+    def hf_step():
+        loss = hf(x[:, :T], labels=x[:, :T]).loss  # HF shifts the labels itself
+        opt_hf.zero_grad(set_to_none=True)
+        loss.backward()
+        opt_hf.step()
+    times = alternating({"nanogen": train_step(lm.train(), x[:, :T], x[:, 1:]),
+                         "HF": hf_step}, args.rounds, args.iters, device)
     ratios = sorted(h / n for n, h in zip(times["nanogen"], times["HF"]))
-    median = statistics.median
-    print(f"train step, GPT-2 shape {L}x{D} h{H}, V={V}, batch {B} x {T} tokens, dropout 0.1, device {device}, "
-          f"threads {torch.get_num_threads()}, {args.rounds} alternating rounds of {args.iters} steps")
-    print(f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} {'min':>6s} {'max':>6s}  (medians over rounds)")
-    print(f"{B * T / median(times['nanogen']):14.0f} {B * T / median(times['HF']):10.0f} {median(ratios):8.2f} "
-          f"{ratios[0]:6.2f} {ratios[-1]:6.2f}")
+    med = statistics.median
+    print(f"train step, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, "
+          f"V=50257, batch {B} x {T} tokens, dropout 0.1, device {device}, threads "
+          f"{torch.get_num_threads()}, {args.rounds} alternating rounds of {args.iters} steps")
+    print(f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} {'min':>6s} {'max':>6s}  "
+          f"(medians over rounds)")
+    print(f"{B * T / med(times['nanogen']):14.0f} {B * T / med(times['HF']):10.0f} "
+          f"{med(ratios):8.2f} {ratios[0]:6.2f} {ratios[-1]:6.2f}")
     if args.parts:
         train_step_parts(lm, hf, x[:, :T], x[:, 1:], args, device)
+
+
+def has_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("this benchmark compares against HuggingFace transformers: pip install transformers")
+        return False
+    return True
 
 
 def train_step_parts(lm, hf, idx, targets, args, device):
@@ -129,9 +168,8 @@ def train_step_parts(lm, hf, idx, targets, args, device):
     h = torch.randn(N, D, device=device, requires_grad=True)
     W = lm.head.proj.weight.detach().clone().requires_grad_()
     y, g = targets.reshape(-1), torch.randn(*idx.shape, D, device=device)
-    V = W.size(0)
-    z = torch.empty(V, N, device=device)
-    gh, gW = torch.empty(N, D, device=device), torch.empty(V, D, device=device)
+    z = torch.empty(W.size(0), N, device=device)
+    gh, gW = torch.empty(N, D, device=device), torch.empty_like(W)
 
     def body(model):
         def run():
@@ -151,40 +189,35 @@ def train_step_parts(lm, hf, idx, targets, args, device):
             torch.mm(W, h.t(), out=z)  # logits
             torch.mm(z.t(), W, out=gh)  # dL/dh
             torch.mm(z, h, out=gW)  # dL/dU
-    pieces = (("body: nanogen GPT", body(lm.backbone)), ("body: HF GPT2Model", body(hf.transformer)),
-              ("output layer: nanogen", head(lambda: -lm.head.target_log_probs(h.unsqueeze(0), y.unsqueeze(0))[0].sum())),
-              ("output layer: linear + cross_entropy", head(lambda: F.cross_entropy(F.linear(h, W), y, reduction="sum"))),
+    pieces = (("body: nanogen GPT", body(lm.backbone)),
+              ("body: HF GPT2Model", body(hf.transformer)),
+              ("output layer: nanogen", head(lambda: -lm.head.target_log_probs(
+                  h.unsqueeze(0), y.unsqueeze(0))[0].sum())),
+              ("output layer: linear + cross_entropy", head(
+                  lambda: F.cross_entropy(F.linear(h, W), y, reduction="sum"))),
               ("its 3 matrix products", products))
     print(f"\nparts (forward + backward, ms, median of {args.rounds} x {args.iters}):")
     for name, fn in pieces:
         fn()
         ms = 1e3 * statistics.median(timed(fn, 0, args.iters, device) for _ in range(args.rounds))
-        extra = f"  ({3 * 2 * N * D * V / ms / 1e6:.0f} GFLOP/s)" if fn is products else ""
+        extra = f"  ({6 * N * D * W.size(0) / ms / 1e6:.0f} GFLOP/s)" if fn is products else ""
         print(f"  {name:38s} {ms:8.1f}{extra}")
 
 
 def bench_decode(args):
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        print("bench.py decode compares against HuggingFace transformers: pip install transformers")
+    if not has_transformers():
         return
     from decode import decode
-    from model import gpt_state_from_hf
-    device = resolve_device(args.device)
-    V = 50257
-    torch.manual_seed(0)
-    hf_cfg = GPT2Config(vocab_size=V, n_positions=1024, n_embd=args.gpt_dim, n_layer=args.gpt_layers,
-                        n_head=args.gpt_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    hf = GPT2LMHeadModel(hf_cfg).to(device).eval()
-    lm = LanguageModel(cfg_for("gpt", "softmax", V, eos_id=50256, n_layer=args.gpt_layers, d_model=args.gpt_dim,
-                               n_head=args.gpt_heads)).to(device).eval()
-    lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
-    prompts = torch.randint(0, V - 1, (args.prompts, 10), device=device)
+    device = cli.resolve_device(args.device)
+    hf, lm = hf_models(args, device, 0.0)
+    hf.eval(), lm.eval()
+    prompts = torch.randint(0, 50256, (args.prompts, 10), device=device)
     N = args.new_tokens
-    print(f"decode, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, V={V}, {args.prompts} prompts x 10 "
-          f"tokens, {N} new tokens, device {device}, threads {torch.get_num_threads()}")
-    print(f"{'decoder':8s} {'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} {'same tokens':>12s}")
+    print(f"decode, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, V=50257, "
+          f"{args.prompts} prompts x 10 tokens, {N} new tokens, device {device}, threads "
+          f"{torch.get_num_threads()}")
+    print(f"{'decoder':8s} {'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} "
+          f"{'same tokens':>12s}")
     for name, beams in (("greedy", 1), ("beam-4", 4)):
         res = {}
 
@@ -194,116 +227,274 @@ def bench_decode(args):
 
         def theirs():
             with torch.no_grad():
-                res["hf"] = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=N,
-                                        min_new_tokens=N if beams == 1 else 0, do_sample=False, num_beams=beams,
-                                        pad_token_id=50256, eos_token_id=50256,
-                                        early_stopping=True if beams > 1 else False)
-        t_ours = timed(ours, 1, args.iters, device)
-        t_hf = timed(theirs, 1, args.iters, device)
+                res["hf"] = hf.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                        max_new_tokens=N, min_new_tokens=N if beams == 1 else 0,
+                                        do_sample=False, num_beams=beams, pad_token_id=50256,
+                                        eos_token_id=50256, early_stopping=beams > 1)
+        t_ours, t_hf = timed(ours, 1, args.iters, device), timed(theirs, 1, args.iters, device)
         n_ours = sum(len(t) for t in res["ours"]["tokens"])
         n_hf = int((res["hf"][:, 10:] != -1).sum())
-        same = "-"
-        if beams == 1:
-            same = str(all(res["hf"][i, 10:10 + len(t)].tolist() == t for i, t in enumerate(res["ours"]["tokens"])))
-        print(f"{name:8s} {n_ours / t_ours:14.0f} {n_hf / t_hf:10.0f} {(n_ours / t_ours) / (n_hf / t_hf):8.2f} "
-              f"{same:>12s}")
+        same = "-" if beams > 1 else str(all(res["hf"][i, 10:10 + len(t)].tolist() == t
+                                             for i, t in enumerate(res["ours"]["tokens"])))
+        print(f"{name:8s} {n_ours / t_ours:14.0f} {n_hf / t_hf:10.0f} "
+              f"{(n_ours / t_ours) / (n_hf / t_hf):8.2f} {same:>12s}")
 
 
+# --------------------------------------------------------------------------------------------
+# fast.py: what each fast path pays
+# --------------------------------------------------------------------------------------------
+def with_switch(name, on, make):
+    """make() -> fn, built and run with fast.<name> = on (model.Dropout follows its switch;
+    the other switches are read at call time), everything else on."""
+    import model
+
+    def apply(value):
+        setattr(fast, name, value)
+        model.Dropout = fast.Dropout if fast.INTEGER_DROPOUT else torch.nn.Dropout
+    apply(on)
+    fn = make()
+    apply(True)
+
+    def run():
+        apply(on)
+        try:
+            fn()
+        finally:
+            apply(True)
+    return run
+
+
+def bench_fast(args):
+    """Each switch of fast.py on vs off, everything else on: a GPT train step (output layer,
+    dropout, attention), decoding (the few-row projection), and the allocator setting in a
+    fresh process (glibc's setting cannot be undone in one)."""
+    device = cli.resolve_device("cpu")
+    V, B, T = 50257, args.batch, args.seq
+    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads,
+                 dropout=0.1)
+    x = torch.randint(0, V, (B, T + 1))
+
+    def gpt_step():
+        torch.manual_seed(0)
+        return train_step(LanguageModel(cfg_for("gpt", "softmax", V, **shape)).train(),
+                          x[:, :T], x[:, 1:])
+
+    def greedy():
+        from decode import decode
+        torch.manual_seed(0)
+        lm = LanguageModel(cfg_for("gpt", "softmax", V, **dict(shape, dropout=0.0))).eval()
+        return lambda: decode(lm, x[:args.prompts, :10], args.new_tokens)
+    rows = [("FUSED_OUTPUT_LAYER", gpt_step, "GPT train step"),
+            ("INTEGER_DROPOUT", gpt_step, "GPT train step"),
+            ("MATH_ATTENTION", gpt_step, "GPT train step"),
+            ("FEW_ROW_PROJECTION", greedy, f"greedy, {args.prompts} prompts")]
+    print(f"fast.py switches on vs off, GPT-2 shape {args.gpt_layers}x{args.gpt_dim}, V={V}, "
+          f"batch {B} x {T}, cpu, threads {torch.get_num_threads()}, medians of {args.rounds} "
+          f"alternating rounds of {args.iters}")
+    print(f"{'switch':20s} {'measured on':24s} {'on (ms)':>9s} {'off (ms)':>9s} {'off/on':>7s}")
+    for name, make, what in rows:
+        times = alternating({on: with_switch(name, on, make) for on in (True, False)},
+                            args.rounds, args.iters, device)
+        on, off = (1e3 * statistics.median(times[k]) for k in (True, False))
+        print(f"{name:20s} {what:24s} {on:9.1f} {off:9.1f} {off / on:7.2f}", flush=True)
+    on, off = (allocator_run(keep, args) for keep in (True, False))
+    print(f"{'KEEP_FREED_MEMORY':20s} {'LSTM V=33278 eval':24s} {on:9.1f} {off:9.1f} "
+          f"{off / on:7.2f}")
+
+
+ALLOCATOR_CHILD = """
+import statistics, sys, torch, fast, bench
+from model import LanguageModel
+if {keep}:
+    fast.tune_cpu_allocator()
+torch.manual_seed(0)
+lm = LanguageModel(bench.cfg_for("lstm", "softmax", 33278, d_model=64)).eval()
+x = torch.randint(0, 33277, (16, 121))
+def step():
+    with torch.no_grad():
+        lm(x[:, :-1], None)
+print(1e3 * statistics.median(bench.timed(step, 1, {iters}, "cpu") for _ in range({rounds})))
+"""
+
+
+def allocator_run(keep, args):
+    """ms per full-distribution forward (16 x 120 tokens x V: what decoding and the MoS / CT
+    heads allocate), in a fresh process with or without the allocator setting."""
+    code = ALLOCATOR_CHILD.format(keep=keep, iters=args.iters, rounds=args.rounds)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints: the streaming writer against the format-1 one
+# --------------------------------------------------------------------------------------------
+CHECKPOINT_CHILD = """
+import hashlib, io, os, resource, sys, time, torch
+sys.path.insert(0, {root!r})
+import checkpoint
+state = dict(model={{f"w{{i}}": torch.randn({numel}) for i in range(10)}},
+             config={{"model": "gpt"}})
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+if {writer!r} == "torch.save":
+    with open({path!r}, "wb") as f:
+        torch.save(state, f); f.flush(); os.fsync(f.fileno())
+elif {writer!r} == "format 1":  # the writer before the streaming one: pickled to bytes, twice
+    buf = io.BytesIO(); torch.save(state, buf); payload = buf.getvalue()
+    with open({path!r}, "wb") as f:
+        torch.save(dict(format="nanogen-checkpoint-1", sha256=hashlib.sha256(payload).hexdigest(),
+                        payload=payload), f); f.flush(); os.fsync(f.fileno())
+else:
+    checkpoint.save(state, {path!r})
+dt = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+if {writer!r} != "torch.save":
+    checkpoint.load({path!r})
+print(dt, (peak - base) / 1024, os.path.getsize({path!r}) / 2 ** 20, time.perf_counter() - t0)
+"""
+
+
+def bench_checkpoint(args):
+    """Writing a --mb state (ten tensors) with plain torch.save, the format-1 writer and
+    checkpoint.save (format 2), each in a fresh process: seconds, peak resident memory above
+    the state's, file size, and the time to load it back with the integrity check."""
+    import tempfile
+    numel = int(args.mb * 2 ** 20 / 4 / 10)
+    root = os.path.dirname(os.path.abspath(__file__))
+    print(f"checkpoint of a {args.mb} MB state (10 float32 tensors), {tempfile.gettempdir()}, "
+          f"one fresh process per writer")
+    print(f"{'writer':14s} {'write s':>8s} {'peak extra MB':>14s} {'file MB':>8s} {'load s':>7s}")
+    for writer in ("torch.save", "format 1", "format 2"):
+        with tempfile.TemporaryDirectory() as d:
+            code = CHECKPOINT_CHILD.format(root=root, numel=numel, writer=writer,
+                                           path=os.path.join(d, "ckpt.pt"))
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True)
+        dt, extra, size, load = map(float, out.stdout.split())
+        load_s = "-" if writer == "torch.save" else f"{load:7.2f}"
+        print(f"{writer:14s} {dt:8.2f} {extra:14.0f} {size:8.1f} {load_s:>7s}")
+
+
+# --------------------------------------------------------------------------------------------
+# InsNet paper Fig. 12, NMST paper Table 4
+# --------------------------------------------------------------------------------------------
 def bench_insnet(args):
-    """InsNet paper Fig. 12 (section 5.1): seconds per training epoch (forward, backward, AdamW) on
-    the synthetic benchmark (V = 30000, random sequences) at each length, for InsNet, IT-vanilla
-    and the L2R GPT of the same shape, side by side; --plot PATH draws the curves."""
-    from data.stories import synthetic
-    from evaluate import story_model, story_nll
-    device = resolve_device(args.device)
-    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads, dropout=0.0, block_size=256)
+    """InsNet paper Fig. 12 (section 5.1): seconds per training epoch (forward, backward, AdamW)
+    on the synthetic benchmark (V = 30000, random sequences) at each length, for InsNet,
+    IT-vanilla and the L2R GPT of the same shape, side by side; --plot PATH draws the curves."""
+    device = cli.resolve_device(args.device)
+    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads,
+                 dropout=0.0, block_size=256)
     cfgs = dict(insnet=dict(shape, model="insnet", vocab_size=30000, max_offset=256),
                 insertion_transformer=dict(shape, model="insertion_transformer", vocab_size=30000),
                 gpt=cfg_for("gpt", "softmax", 30000, eos_id=2, **shape))
-    print(f"seconds per epoch of {args.seqs} sequences (batch {args.batch}, mean of {args.iters} epochs after one "
-          f"warm-up; IT-vanilla batch {args.it_batch}, one epoch), "
-          f"{shape['n_layer']} x {shape['d_model']}, V=30000, device {device}, threads {torch.get_num_threads()}")
-    print(f"{'length':>6s} {'InsNet':>9s} {'IT-vanilla':>11s} {'L2R':>9s} {'InsNet/L2R':>11s} {'IT/InsNet':>10s}")
+    print(f"seconds per epoch of {args.seqs} sequences (batch {args.batch}, mean of {args.iters} "
+          f"epochs after one warm-up; IT-vanilla batch {args.it_batch}, one epoch), "
+          f"{shape['n_layer']} x {shape['d_model']}, V=30000, device {device}, threads "
+          f"{torch.get_num_threads()}")
+    print(f"{'length':>6s} {'InsNet':>9s} {'IT-vanilla':>11s} {'L2R':>9s} {'InsNet/L2R':>11s} "
+          f"{'IT/InsNet':>10s}")
     rows = []
     for n in args.lengths:
-        data = synthetic(args.seqs, lengths=(n,), seed=n)
-        t = {}
-        for name, cfg in cfgs.items():
-            torch.manual_seed(0)
-            model = story_model(cfg).to(device).train()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            bs = args.it_batch if name == "insertion_transformer" else args.batch
-            g = torch.Generator().manual_seed(0)
-
-            def epoch():
-                for i in range(0, len(data), bs):
-                    nll, events = story_nll(model, data[i:i + bs], "random", g, device)
-                    opt.zero_grad(set_to_none=True)
-                    (nll.sum() / events.sum()).backward()
-                    opt.step()
-
-            it = name == "insertion_transformer"  # minutes per epoch at length 160: timed once
-            t[name] = timed(epoch, 0 if it else 1, 1 if it else args.iters, device)
+        t = {name: insnet_epoch_time(name, cfg, n, args, device) for name, cfg in cfgs.items()}
         rows.append((n, t["insnet"], t["insertion_transformer"], t["gpt"]))
         print(f"{n:6d} {t['insnet']:9.2f} {t['insertion_transformer']:11.2f} {t['gpt']:9.2f} "
-              f"{t['insnet'] / t['gpt']:11.2f} {t['insertion_transformer'] / t['insnet']:10.1f}", flush=True)
+              f"{t['insnet'] / t['gpt']:11.2f} {t['insertion_transformer'] / t['insnet']:10.1f}",
+              flush=True)
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
-            ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
-        ax.set(xlabel="sequence length", ylabel="seconds per epoch", yscale="log",
-               title=f"{args.seqs} sequences / epoch, {shape['n_layer']}x{shape['d_model']}, CPU")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}")
+        plot_insnet(rows, args, shape)
 
 
-TABLE4 = (("top-2", "topk", dict(k=2)), ("top-4", "topk", dict(k=4)), ("nucleus-0.2", "nucleus", dict(p=0.2)),
-          ("nucleus-0.4", "nucleus", dict(p=0.4)), ("beam-2", "beam", dict(beam_size=2)),
-          ("beam-4", "beam", dict(beam_size=4)))
+def insnet_epoch_time(name, cfg, n, args, device):
+    from data.stories import synthetic
+    from tasks import build_model, story_batch, story_nll
+    data = synthetic(args.seqs, lengths=(n,), seed=n)
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    it = name == "insertion_transformer"  # minutes per epoch at length 160: timed once
+    bs = args.it_batch if it else args.batch
+    g = torch.Generator().manual_seed(0)
+
+    def epoch():
+        for i in range(0, len(data), bs):
+            nll, events = story_nll(model, story_batch(data[i:i + bs], cfg["model"], "random", g,
+                                                       device))
+            opt.zero_grad(set_to_none=True)
+            (nll.sum() / events.sum()).backward()
+            opt.step()
+    return timed(epoch, 0 if it else 1, 1 if it else args.iters, device)
+
+
+def plot_insnet(rows, args, shape):
+    plt = cli.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
+        ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
+    ax.set(xlabel="sequence length", ylabel="seconds per epoch", yscale="log",
+           title=f"{args.seqs} sequences / epoch, {shape['n_layer']}x{shape['d_model']}, CPU")
+    ax.legend()
+    fig.tight_layout()
+    cli.save_figure(fig, args.plot)
+
+
+TABLE4 = (("top-2", "topk", dict(k=2)), ("top-4", "topk", dict(k=4)),
+          ("nucleus-0.2", "nucleus", dict(p=0.2)), ("nucleus-0.4", "nucleus", dict(p=0.4)),
+          ("beam-2", "beam", dict(beam_size=2)), ("beam-4", "beam", dict(beam_size=4)))
 
 
 def bench_table4(args):
     """NMST paper Table 4: r_nt(L) of every checkpoint (VA / ST / NMST) under top-{2,4},
     nucleus-{0.2,0.4} and beam-{2,4} on the validation contexts, mean +- std over --runs seeds
-    (beam search is deterministic: run once), with the wall time of every cell and of the grid."""
+    (beam search is deterministic: run once), with the wall time of every cell and the grid."""
+    if not args.ckpts:
+        raise ValueError("bench.py table4 needs --ckpts CKPT [CKPT ...] (e.g. the VA, ST and "
+                         "NMST checkpoints)")
+    device = cli.resolve_device(args.device)
+    cells, seconds, t0 = {}, {}, time.perf_counter()
+    for path in args.ckpts:
+        row, lm, split, detok = table4_model(path, args, device)
+        for name, decoder, kw in TABLE4:
+            t1 = time.perf_counter()
+            cells[row, name] = [table4_cell(lm, split, detok, decoder, kw, seed, args, device)
+                                for seed in range(1 if decoder == "beam" else args.runs)]
+            seconds[row, name] = time.perf_counter() - t1
+            print(f"{row} {name}: r_nt({args.L}) {statistics.mean(cells[row, name]):.3f} "
+                  f"({seconds[row, name]:.0f} s)", flush=True)
+    print_table4(cells, seconds, time.perf_counter() - t0, args, device)
+
+
+def table4_model(path, args, device):
+    from checkpoint import load
+    from tasks import load_task, model_from_checkpoint
+    ckpt = load(path)
+    task = load_task(dict(ckpt["args"], train_seqs=0, eval_seqs=0), args.data_dir, verbose=False)
+    cfg = ckpt["config"]
+    row = cfg["head"] + ("" if cfg["head"] == "softmax" else f" {cfg['epsilon']:.0e}")
+    lm = model_from_checkpoint(ckpt, path).to(device).eval()
+    return row, lm, task.splits["valid"], task.tokenizer().decode
+
+
+def table4_cell(lm, split, detok, decoder, kw, seed, args, device):
     from types import SimpleNamespace
 
-    from data.loader import load
-    from evaluate import decoding_study, detokenizer
-    from model import load_checkpoint, model_from_checkpoint
-    if not args.ckpts:
-        raise SystemExit("bench.py table4 needs --ckpts CKPT [CKPT ...] (e.g. the VA, ST and NMST checkpoints)")
-    device = resolve_device(args.device)
-    cells, seconds = {}, {}
-    grid_t0 = time.perf_counter()
-    for path in args.ckpts:
-        ckpt = load_checkpoint(path)
-        meta, splits = load(ckpt["args"]["dataset"], args.data_dir)
-        split, lm = splits["valid"], model_from_checkpoint(ckpt).to(device).eval()
-        cfg = ckpt["config"]
-        row = cfg["head"] + ("" if cfg["head"] == "softmax" else f" {cfg['epsilon']:.0e}")
-        detok = detokenizer(meta, os.path.dirname(split.tokens.filename))
-        for name, decoder, kw in TABLE4:
-            t0, r_nt = time.perf_counter(), []
-            for seed in range(1 if decoder == "beam" else args.runs):
-                study_args = SimpleNamespace(limit=args.limit, L=[args.L], seed=seed, decode_batch=args.decode_batch,
-                                             decoder=decoder, k=kw.get("k"), p=kw.get("p"),
-                                             beam_size=kw.get("beam_size"), temperature=1.0, consistent=False,
-                                             length_penalty=0.0, examples=0)
-                stats = decoding_study(lm, split, study_args, meta["context_len"], detok, device)
-                r_nt.append(stats["r_nt"][args.L])
-            cells[row, name] = r_nt
-            seconds[row, name] = time.perf_counter() - t0
-            print(f"{row} {name}: r_nt({args.L}) {statistics.mean(r_nt):.3f} ({seconds[row, name]:.0f} s)", flush=True)
-    total = time.perf_counter() - grid_t0
+    from evaluate import decoding_study
+    study_args = SimpleNamespace(limit=args.limit, L=[args.L], seed=seed, decoder=decoder,
+                                 decode_batch=args.decode_batch, k=kw.get("k"), p=kw.get("p"),
+                                 beam_size=kw.get("beam_size"), temperature=1.0,
+                                 consistent=False, length_penalty=0.0, examples=0)
+    return decoding_study(lm, split, study_args, detok, device)["r_nt"][args.L]
+
+
+def print_table4(cells, seconds, total, args, device):
     rows = list(dict.fromkeys(r for r, _ in cells))
     print(f"\nTable 4: r_nt({args.L}), mean +- std over {args.runs} run(s) (beam: 1), "
-          f"{args.limit or 'all'} validation contexts, device {device}, threads {torch.get_num_threads()}")
+          f"{args.limit or 'all'} validation contexts, device {device}, threads "
+          f"{torch.get_num_threads()}")
     print(f"{'head':12s} " + " ".join(f"{name:>13s}" for name, _, _ in TABLE4))
     for r in rows:
         print(f"{r:12s} " + " ".join(f"{statistics.mean(v):6.3f}+-{statistics.pstdev(v):.3f}"
@@ -314,36 +505,120 @@ def bench_table4(args):
     print(f"grid: {len(cells)} cells in {total:.0f} s ({total / 60:.1f} min)")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["train", "train_hf", "decode", "insnet", "table4"])
+# --------------------------------------------------------------------------------------------
+# the code itself
+# --------------------------------------------------------------------------------------------
+CODE = ("train.py", "recipes.py", "tasks.py", "model.py", "heads.py", "fast.py", "decode.py",
+        "insnet.py", "evaluate.py", "checkpoint.py", "cli.py", "sample.py", "reproduce.py",
+        "bench.py", "data/prepare.py", "data/loader.py", "data/stories.py")
+
+
+def complexity(fn):
+    """McCabe cyclomatic complexity as radon counts it (if, loops (+1 with an else), except
+    clauses, boolean operators, comprehensions, asserts); nested functions count on their own."""
+    import ast
+    c, stack = 1, list(ast.iter_child_nodes(fn))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.If, ast.IfExp, ast.Assert)):
+            c += 1
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            c += 1 + bool(node.orelse)
+        elif isinstance(node, ast.Try):
+            c += len(node.handlers) + bool(node.orelse)
+        elif isinstance(node, ast.BoolOp):
+            c += len(node.values) - 1
+        elif isinstance(node, ast.comprehension):
+            c += 1 + len(node.ifs)
+        stack.extend(ast.iter_child_nodes(node))
+    return c
+
+
+def functions(tree, prefix=""):
+    import ast
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+            yield from functions(node, prefix + node.name + ".")
+        elif isinstance(node, ast.ClassDef):
+            yield from functions(node, prefix + node.name + ".")
+
+
+def bench_code(args):
+    """Lines per file, lines over 100 columns, the longest and the most complex functions, and
+    private names (_x) imported across modules: the limits of the design card, measured."""
+    import ast
+    root, rows, private = os.path.dirname(os.path.abspath(__file__)), [], []
+    print(f"{'file':18s} {'lines':>6s} {'> 100 cols':>10s}")
+    for name in args.files or CODE:
+        path = os.path.join(root, name)
+        if not os.path.exists(path):
+            continue
+        src = open(path).read()
+        tree = ast.parse(src)
+        print(f"{name:18s} {len(src.splitlines()):6d} "
+              f"{sum(len(x) > 100 for x in src.splitlines()):10d}")
+        rows += [(f.end_lineno - f.lineno + 1, complexity(f), f"{name}:{n}")
+                 for n, f in functions(tree)]
+        private += [f"{name}: from {n.module} import {a.name}" for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom) for a in n.names if a.name.startswith("_")]
+    print("\nlongest functions (lines, complexity):")
+    for n, c, name in sorted(rows, reverse=True)[:args.top]:
+        print(f"  {n:4d} {c:3d}  {name}")
+    print("most complex functions (lines, complexity):")
+    for n, c, name in sorted(rows, key=lambda r: (-r[1], -r[0]))[:args.top]:
+        print(f"  {n:4d} {c:3d}  {name}")
+    print("private names imported across modules: " + ("; ".join(private) or "none"))
+
+
+# --------------------------------------------------------------------------------------------
+def build_parser():
+    p = cli.CLIParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["train", "train_hf", "decode", "fast", "checkpoint", "insnet",
+                                    "table4", "arch", "code"])
     p.add_argument("--device", default="auto")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=9, help="train_hf: alternating rounds; the median round's speedup counts")
-    p.add_argument("--parts", action="store_true", help="train_hf: also time the body and output layer alone")
-    p.add_argument("--models", nargs="+", default=["lstm", "gpt"])
-    p.add_argument("--batch", type=int, default=32, help="sequences per batch (train: LSTM; train_hf: GPT)")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (train: LSTM; train_hf: GPT)")
-    p.add_argument("--gpt_layers", type=int, default=12)
-    p.add_argument("--gpt_dim", type=int, default=768)
-    p.add_argument("--gpt_heads", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=9, help="alternating rounds (the median counts)")
+    p.add_argument("--parts", action="store_true", help="train_hf: the body / output layer alone")
+    p.add_argument("--models", nargs="+", default=["lstm", "gpt"], help="train: which models")
+    p.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--gpt_layers", type=int, default=4)
+    p.add_argument("--gpt_dim", type=int, default=256)
+    p.add_argument("--gpt_heads", type=int, default=4)
     p.add_argument("--prompts", type=int, default=8, help="decode: prompts decoded together")
-    p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens generated per prompt")
-    p.add_argument("--lengths", type=int, nargs="+", default=[20, 40, 60, 80, 100, 120, 160], help="insnet")
-    p.add_argument("--seqs", type=int, default=16, help="insnet: sequences per epoch and length (paper 25000)")
-    p.add_argument("--it_batch", type=int, default=2, help="insnet: IT-vanilla batch (it encodes every canvas)")
-    p.add_argument("--plot", default=None, help="insnet: write the Fig. 12 curves to this PNG")
-    p.add_argument("--ckpts", nargs="+", default=None, help="table4: the checkpoints (VA, ST, NMST)")
-    p.add_argument("--limit", type=int, default=None, help="table4: first N validation contexts (default all)")
+    p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens per prompt")
+    p.add_argument("--mb", type=float, default=500, help="checkpoint: the state's size in MB")
+    p.add_argument("--lengths", type=int, nargs="+", default=[20, 40, 60, 80, 100, 120, 160])
+    p.add_argument("--seqs", type=int, default=16, help="insnet: sequences per epoch and length")
+    p.add_argument("--it_batch", type=int, default=2, help="insnet: IT-vanilla batch")
+    p.add_argument("--plot", default=None, help="insnet / arch: write the figure to this PNG")
+    p.add_argument("--ckpts", nargs="+", default=None, help="table4: the checkpoints")
+    p.add_argument("--limit", type=int, default=None, help="table4: first N contexts")
     p.add_argument("--L", type=int, default=1000, help="table4: maximum continuation length")
-    p.add_argument("--runs", type=int, default=1, help="table4: seeds per sampling decoder (paper: 10)")
+    p.add_argument("--runs", type=int, default=1, help="table4: seeds per sampling decoder")
     p.add_argument("--decode_batch", type=int, default=64, help="table4: prompts decoded together")
-    p.add_argument("--data_dir", default=None,
-                   help="table4: local dataset folder (default: $NANOGEN_DATA, else download)")
-    args = p.parse_args()
-    {"train": bench_train, "train_hf": bench_train_hf, "decode": bench_decode, "insnet": bench_insnet,
-     "table4": bench_table4}[args.what](args)
+    p.add_argument("--data_dir", default=None, help="table4 / arch: local dataset folder")
+    p.add_argument("--files", nargs="+", default=None, help="code: files to measure")
+    p.add_argument("--top", type=int, default=10, help="code: functions listed")
+    p.add_argument("--budget", type=float, default=120, help="arch: training seconds per model")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    for k in ("iters", "rounds", "batch", "seq", "prompts", "new_tokens", "seqs", "it_batch",
+              "runs", "decode_batch", "top", "gpt_layers", "gpt_dim", "gpt_heads", "L"):
+        if getattr(args, k) < 1:
+            raise ValueError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    if not args.mb > 0 or not args.budget > 0:
+        raise ValueError("--mb and --budget must be > 0")
+    cli.check_output(args.plot, "--plot")
+    globals()[f"bench_{args.what}"](args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_cli(main))

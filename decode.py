@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from model import eval_mode
+
 DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
 
 
@@ -34,7 +36,8 @@ DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
 # ---------------------------------------------------------------------------------------------
 def topk_mask(log_probs, k):
     """eq. 13: V_t = arg top-k p(y_t = v).  log_probs (N, V) -> bool (N, V) with exactly
-    min(k, V) True per row (ties at the boundary broken by torch.topk, any choice satisfies eq. 6)."""
+    min(k, V) True per row (ties at the boundary broken by torch.topk; any choice satisfies
+    eq. 6)."""
     k = min(int(k), log_probs.size(-1))
     idx = torch.topk(log_probs, k, dim=-1).indices
     return torch.zeros_like(log_probs, dtype=torch.bool).scatter_(-1, idx, True)
@@ -43,16 +46,20 @@ def topk_mask(log_probs, k):
 def nucleus_mask(log_probs, p):
     """eq. 15: V_t = the smallest set of most probable tokens whose total probability >= p.
     A token is kept when the mass of the tokens ranked before it is < p (up to 1e-6 of float
-    rounding), so the top token is always kept.  log_probs (N, V) -> bool (N, V)."""
+    rounding), so the top token is always kept; p = 1 keeps the whole support (every token of
+    non-zero probability), however the masses round.  log_probs (N, V) -> bool (N, V)."""
+    if p >= 1.0:
+        return log_probs > float("-inf")
     sorted_lp, order = torch.sort(log_probs, dim=-1, descending=True)
     cum = torch.cumsum(sorted_lp.double().exp(), dim=-1)
-    mass_before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)  # no cancellation
-    keep_sorted = mass_before < p - 1e-6  # a mass within 1e-6 of p has reached it (float rounding)
+    mass_before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)
+    keep_sorted = mass_before < p - 1e-6  # a mass within 1e-6 of p has reached it (rounding)
     keep_sorted[..., 0] = True
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
-def filter_log_probs(log_probs, decoder, k=None, p=None, temperature=1.0, eos_id=None, consistent=False):
+def filter_log_probs(log_probs, decoder, k=None, p=None, temperature=1.0, eos_id=None,
+                     consistent=False):
     """q(y_t = v) of eq. 12 / 14 (and plain sampling): temperature, then the candidate set,
     renormalised.  consistent=True always adds eos to V_t.  -> log q (N, V), -inf outside V_t."""
     lp = log_probs / temperature if temperature != 1.0 else log_probs
@@ -85,7 +92,8 @@ class CachedStepper:
 
     def advance(self, tokens, t):
         """tokens (N,) just chosen at step t-1 -> log p(y_t | ...) (N, V)."""
-        lp, self.state = self.lm(tokens.unsqueeze(1), t, state=self.state)
+        steps = torch.full((len(tokens), 1), t, dtype=torch.long, device=tokens.device)
+        lp, self.state = self.lm(tokens.unsqueeze(1), steps, state=self.state)
         return lp[:, 0]
 
     def reorder(self, index):
@@ -106,7 +114,8 @@ class RecomputeStepper:
     def _last(self):
         out = []
         for row, n in zip(self.rows, self.n_prompt.tolist()):
-            lp, _ = self.lm(row.unsqueeze(0), 2 - n)
+            steps = torch.arange(len(row), device=row.device).unsqueeze(0) - n + 2  # (1, L)
+            lp, _ = self.lm(row.unsqueeze(0), steps)
             out.append(lp[0, -1])
         return torch.stack(out)
 
@@ -123,16 +132,29 @@ class RecomputeStepper:
 # the decoders
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, temperature=1.0, consistent=False,
-           length_penalty=0.0, generator=None, stepper=None):
+def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, temperature=1.0,
+           consistent=False, length_penalty=0.0, generator=None, stepper=None):
     """Continue every prompt for at most L tokens.
     prompts: list of 1-D LongTensors (different lengths allowed), or an (N, P) tensor.
     -> dict(tokens: list of lists (eos included when produced), terminated: bool tensor (N,),
             lengths: long tensor (N,) = len(tokens), scores: sum of log-probs (N,))."""
     check_decoder_args(decoder, k, p, beam_size, temperature, L)
-    was_training = lm.training
-    lm.eval()
     device = next(lm.parameters()).device
+    padded, lengths = pad_prompts(prompts, device)
+    window = lm.cfg.get("block_size") if lm.cfg["model"] == "gpt" else None
+    if window is not None and int(lengths.max()) + L - 1 > window:
+        raise ValueError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the GPT context "
+                         f"window of {window} tokens: use a smaller --L")
+    with eval_mode(lm):
+        stepper = (stepper or CachedStepper)(lm)
+        if decoder == "beam":
+            return _beam(stepper, padded, lengths, L, beam_size, lm.eos_id, length_penalty)
+        return _sample(stepper, padded, lengths, L, decoder, dict(k=k, p=p, temperature=temperature,
+                       eos_id=lm.eos_id, consistent=consistent), generator)
+
+
+def pad_prompts(prompts, device):
+    """A list of 1-D prompts (or an (N, P) tensor) -> right-padded (N, P) and lengths (N,)."""
     if torch.is_tensor(prompts) and prompts.dim() == 2:
         prompts = list(prompts)
     if len(prompts) == 0:
@@ -140,20 +162,10 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     lengths = torch.tensor([len(x) for x in prompts], device=device)
     if int(lengths.min()) < 1:
         raise ValueError("every prompt needs at least one token")
-    window = lm.cfg.get("block_size") if lm.cfg["model"] == "gpt" else None
-    if window is not None and int(lengths.max()) + L - 1 > window:
-        raise ValueError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the GPT context window of "
-                         f"{window} tokens: use a smaller --L")
     padded = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
     for i, x in enumerate(prompts):
         padded[i, :len(x)] = torch.as_tensor(x, device=device)
-    stepper = (stepper or CachedStepper)(lm)
-    if decoder == "beam":
-        out = _beam(stepper, padded, lengths, L, beam_size, lm.eos_id, length_penalty)
-    else:
-        out = _sample(stepper, padded, lengths, L, decoder, k, p, temperature, lm.eos_id, consistent, generator)
-    lm.train(was_training)
-    return out
+    return padded, lengths
 
 
 def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0, L=1):
@@ -171,8 +183,9 @@ def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0,
         raise ValueError(f"--L must be >= 1, got {L}")
 
 
-def _sample(stepper, prompts, lengths, L, decoder, k, p, temperature, eos_id, consistent, generator):
-    """Greedy (eq. 8) and the sampling decoders (eq. 12-15): one token per active row per step."""
+def _sample(stepper, prompts, lengths, L, decoder, filt, generator):
+    """Greedy (eq. 8) and the sampling decoders (eq. 12-15): one token per active row per step.
+    filt: filter_log_probs's k, p, temperature, eos_id, consistent."""
     N = len(lengths)
     tokens = torch.full((N, L), -1, dtype=torch.long)
     scores = torch.zeros(N, dtype=torch.float64)
@@ -184,11 +197,12 @@ def _sample(stepper, prompts, lengths, L, decoder, k, p, temperature, eos_id, co
         if decoder == "greedy":
             choice = log_probs.argmax(-1)  # eq. 8
         else:
-            q = filter_log_probs(log_probs.float(), decoder, k, p, temperature, eos_id, consistent)
-            choice = torch.multinomial(q.exp().cpu(), 1, generator=generator).squeeze(1).to(q.device)
+            q = filter_log_probs(log_probs.float(), decoder, **filt)
+            choice = torch.multinomial(q.exp().cpu(), 1, generator=generator)
+            choice = choice.squeeze(1).to(q.device)
         tokens[active, t - 1] = choice.cpu()
         scores[active] += log_probs.gather(1, choice.unsqueeze(1)).squeeze(1).double().cpu()
-        ended = (choice == eos_id).cpu()
+        ended = (choice == filt["eos_id"]).cpu()
         out_len[active[ended]] = t
         terminated[active[ended]] = True
         if t == L:
@@ -204,15 +218,15 @@ def _sample(stepper, prompts, lengths, L, decoder, k, p, temperature, eos_id, co
 
 
 def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):
-    """Beam search, Definition A.3: keep k prefixes P_t; expand each by its top-k tokens (eq. 16-17)
-    and keep the k best of the k x k candidates by s(rho) = sum of log-probs (eq. 18).  A prefix
-    of P_t that ends with eos goes to the final set P and is not expanded; the search for a prompt
-    ends once P holds k sequences, and returns argmax_{rho in P} s(rho) (eq. 19) (with
-    length_penalty a > 0: s / |rho|^a, off by default).  If P is not full after L steps the
-    continuation is non-terminated: the best unfinished prefix (L tokens) is returned."""
+    """Beam search, Definition A.3: keep k prefixes P_t; expand each by its top-k tokens
+    (eq. 16-17) and keep the k best of the k x k candidates by s(rho) = sum of log-probs
+    (eq. 18).  A prefix of P_t that ends with eos goes to the final set P and is not expanded;
+    the search for a prompt ends once P holds k sequences, and returns argmax_{rho in P} s(rho)
+    (eq. 19) (with length_penalty a > 0: s / |rho|^a, off by default).  If P is not full after
+    L steps the continuation is non-terminated: the best unfinished prefix (L tokens)."""
     N, dev = len(lengths), prompts.device
     rows = torch.arange(N, device=dev).repeat_interleave(k)  # every prompt's k beams
-    log_probs = stepper.start(prompts, lengths)[rows]  # one encoding per prompt, then k copies of its state
+    log_probs = stepper.start(prompts, lengths)[rows]  # one encoding per prompt, k copies
     stepper.reorder(rows)
     score = torch.full((N, k), float("-inf"), dtype=torch.float64, device=dev)
     score[:, 0] = 0.0  # all beams start as the same empty prefix: expand only one of them
@@ -221,41 +235,43 @@ def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):
     n_finished = torch.zeros(N, dtype=torch.long, device=dev)
     active = torch.arange(N, device=dev)  # prompt index of each group of k rows
     for t in range(1, L + 1):
-        n = len(active)
-        V = log_probs.size(-1)
-        kk = min(k, V)
+        n, kk = len(active), min(k, log_probs.size(-1))
         top_lp, top_tok = torch.topk(log_probs, kk, dim=-1)  # eq. 17, (n*k, kk)
         cand = (score.view(n * k, 1) + top_lp.double()).view(n, k * kk)  # eq. 16
         best, pos = torch.topk(cand, k, dim=-1)  # eq. 18, (n, k)
-        beam_of = pos // kk
-        tok = top_tok.view(n, k * kk).gather(1, pos)
+        beam_of, tok = pos // kk, top_tok.view(n, k * kk).gather(1, pos)
         prefix = torch.cat([prefix.gather(1, beam_of.unsqueeze(-1).expand(-1, -1, prefix.size(-1))),
                             tok.unsqueeze(-1)], dim=-1)
         ends = (tok == eos_id) & torch.isfinite(best)
         score = best.masked_fill(ends, float("-inf"))  # finished prefixes are not expanded
-        if bool(ends.any()):
-            for g, b in ends.nonzero().tolist():
-                finished[int(active[g])].append((best[g, b].item(), prefix[g, b].tolist()))
-            n_finished.index_add_(0, active, ends.sum(1))
+        for g, b in ends.nonzero().tolist():
+            finished[int(active[g])].append((best[g, b].item(), prefix[g, b].tolist()))
+        n_finished.index_add_(0, active, ends.sum(1))
         done = n_finished[active] >= k
         if t == L or bool(done.all()):
             break
-        keep_groups = (~done).nonzero().squeeze(1)
-        src_rows = (keep_groups.unsqueeze(1) * k + beam_of[keep_groups]).reshape(-1)  # rows to continue from
-        stepper.reorder(src_rows)
-        active, score, prefix, tok = active[keep_groups], score[keep_groups], prefix[keep_groups], tok[keep_groups]
+        keep = (~done).nonzero().squeeze(1)
+        stepper.reorder((keep.unsqueeze(1) * k + beam_of[keep]).reshape(-1))  # rows to go on from
+        active, score, prefix, tok = active[keep], score[keep], prefix[keep], tok[keep]
         log_probs = stepper.advance(tok.reshape(-1), t + 1)
+    unfinished = {int(a): (score[g], prefix[g]) for g, a in enumerate(active.tolist())}
+    return _beam_result(finished, unfinished, N, L, k, length_penalty)
+
+
+def _beam_result(finished, unfinished, N, L, k, length_penalty):
+    """eq. 19 over each prompt's final set P when it holds k sequences; else the best prefix
+    still in the beam (non-terminated)."""
     tokens = torch.full((N, L), -1, dtype=torch.long)
     out_len = torch.full((N,), L, dtype=torch.long)
     terminated = torch.zeros(N, dtype=torch.bool)
     scores = torch.full((N,), float("-inf"), dtype=torch.float64)
-    unfinished = {int(a): (score[g], prefix[g]) for g, a in enumerate(active.tolist())} if len(active) else {}
+    norm = (lambda c: c[0] / len(c[1]) ** length_penalty) if length_penalty else (lambda c: c[0])
     for i in range(N):
-        if len(finished[i]) >= k:  # eq. 19 over the final set P
-            s, seq = max(finished[i], key=lambda c: c[0] / (len(c[1]) ** length_penalty if length_penalty else 1))
+        if len(finished[i]) >= k:
+            s, seq = max(finished[i], key=norm)
             tokens[i, :len(seq)] = torch.tensor(seq)
             out_len[i], terminated[i], scores[i] = len(seq), True, s
-        else:  # not terminated within L steps: the best prefix still in the beam
+        else:
             s, pre = unfinished[i]
             b = int(torch.argmax(torch.where(torch.isfinite(s), s, -1e300)))
             tokens[i] = pre[b].cpu()
@@ -264,8 +280,8 @@ def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):
 
 
 def _result(tokens, lengths, terminated, scores):
-    return dict(tokens=[row[:n].tolist() for row, n in zip(tokens, lengths.tolist())], lengths=lengths,
-                terminated=terminated, scores=scores)
+    return dict(tokens=[row[:n].tolist() for row, n in zip(tokens, lengths.tolist())],
+                lengths=lengths, terminated=terminated, scores=scores)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +295,8 @@ def non_termination_ratio(lengths, terminated, L):
 
 
 def decode_stats(result, Ls):
-    """r_nt(L) for every L, the mean length, and the share of unique non-terminated continuations."""
+    """r_nt(L) for every L, the mean length, and the share of unique non-terminated
+    continuations."""
     lengths, terminated = result["lengths"], result["terminated"]
     nonterm = [tuple(t) for t, done in zip(result["tokens"], terminated.tolist()) if not done]
     return dict(r_nt={int(L): non_termination_ratio(lengths, terminated, L) for L in Ls},

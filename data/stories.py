@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from data.prepare import DataError, _check_sha256, cache_dir, default_data_dir, download
+from data.prepare import DataError, cache_dir, check_sha256, default_data_dir, download, sha256_file
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>")
 PAD, BOS, EOS, SEP, UNK = range(len(SPECIALS))
@@ -41,50 +41,72 @@ def parse_story(line):
         title, rest = line.split("<EOT>")
         keywords, story = rest.split("<EOL>")
     except ValueError:
-        raise DataError(f"not a Plan-and-Write story line (title <EOT> keywords <EOL> story): {line[:80]!r}") from None
-    return dict(title=title.split(), keywords=keywords.split(), story=[w for w in story.split() if w != "</s>"])
+        raise DataError(f"not a Plan-and-Write story line (title <EOT> keywords <EOL> story): "
+                        f"{line[:80]!r}") from None
+    return dict(title=title.split(), keywords=keywords.split(),
+                story=[w for w in story.split() if w != "</s>"])
 
 
 def rocstories_folder(data_dir=None):
     """The folder with the Plan-and-Write files: DATA_DIR/rocstories/plan-and-write, DATA_DIR
-    itself, or the download cache (dev and test are downloaded and checked when missing)."""
+    itself, or the download cache (dev and test are downloaded when missing).  dev and test,
+    under their official names, must match their sha256 wherever they are."""
     data_dir = default_data_dir(data_dir)
-    for folder in ([os.path.join(data_dir, "rocstories", "plan-and-write"), data_dir] if data_dir else []):
+    candidates = [os.path.join(data_dir, "rocstories", "plan-and-write"), data_dir] \
+        if data_dir else []
+    for folder in candidates:
         if os.path.exists(os.path.join(folder, ROC_FILE.format(split="test"))):
-            return folder
-    folder = os.path.join(cache_dir(), "downloads", "rocstories")
+            break
+    else:
+        folder = os.path.join(cache_dir(), "downloads", "rocstories")
     for split, sha in ROC_SHA256.items():
         path = os.path.join(folder, ROC_FILE.format(split=split))
         if os.path.exists(path):
-            _check_sha256(path, sha)
-        elif os.environ.get("NANOGEN_OFFLINE"):
-            raise DataError(f"ROCStories {split} is not in {folder} and NANOGEN_OFFLINE is set: pass --data_dir DIR "
-                            f"(or set NANOGEN_DATA) to a folder with rocstories/plan-and-write/")
+            check_sha256(path, sha)
+        elif os.environ.get("NANOGEN_OFFLINE") or folder in candidates:
+            raise DataError(f"ROCStories {split} is not in {folder} (and NANOGEN_OFFLINE is set or "
+                            f"--data_dir names that folder): pass --data_dir DIR (or set "
+                            f"NANOGEN_DATA) to a folder with rocstories/plan-and-write/")
         else:
             download(ROC_URL.format(split=split), path, sha)
     return folder
 
 
+def read_stories(path):
+    """Parsed stories of one Plan-and-Write file (text that is not UTF-8 is a DataError)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [parse_story(line) for line in f if line.strip()]
+    except (UnicodeDecodeError, OSError) as e:
+        raise DataError(f"could not read {path}: {str(e)[:160]} (not a UTF-8 text file?)") from None
+
+
 def load_rocstories(data_dir=None, verbose=True):
     """-> dict(train, valid, test: lists of parsed stories, note: how the splits were made)."""
     folder = rocstories_folder(data_dir)
-    read = lambda split: [parse_story(l) for l in open(os.path.join(folder, ROC_FILE.format(split=split)),  # noqa
-                                                         encoding="utf-8") if l.strip()]
-    dev, test = read("dev"), read("test")
-    if os.path.exists(os.path.join(folder, ROC_FILE.format(split="train"))):
-        out = dict(train=read("train"), valid=dev, test=test, note="train / dev / test")
+    path = lambda split: os.path.join(folder, ROC_FILE.format(split=split))  # noqa: E731
+    dev, test = read_stories(path("dev")), read_stories(path("test"))
+    sources = {s: sha256_file(path(s)) for s in ("dev", "test")}
+    if os.path.exists(path("train")):
+        sources["train"] = sha256_file(path("train"))
+        out = dict(train=read_stories(path("train")), valid=dev, test=test,
+                   note="train / dev / test")
     else:
         out = dict(train=dev[:-HELD_OUT], valid=dev[-HELD_OUT:], test=test,
-                   note=f"no train file: training on dev[:-{HELD_OUT}], validating on dev[-{HELD_OUT}:], testing on test")
+                   note=f"no train file: training on dev[:-{HELD_OUT}], validating on "
+                        f"dev[-{HELD_OUT}:], testing on test")
+    out["sources"] = sources
     if verbose:
-        print(f"rocstories ({folder}): {out['note']}; {len(out['train'])} / {len(out['valid'])} / "
-              f"{len(out['test'])} stories")
+        print(f"rocstories ({folder}): {out['note']}; {len(out['train'])} / "
+              f"{len(out['valid'])} / {len(out['test'])} stories")
     return out
 
 
 def build_vocab(stories, min_count=2):
-    """Specials, then the words of the training stories seen >= min_count times, most frequent first."""
-    counts = collections.Counter(w for s in stories for part in ("title", "keywords", "story") for w in s[part])
+    """Specials, then the words of the training stories seen >= min_count times, most frequent
+    first."""
+    counts = collections.Counter(w for s in stories for part in ("title", "keywords", "story")
+                                 for w in s[part])
     words = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
     return list(SPECIALS) + words
 
@@ -107,10 +129,13 @@ def encode_story(story, stoi, task, model):
     title, story_ids, kw = ids(story["title"]), ids(story["story"]), ids(story["keywords"])
     if task == "storyline" and model == "gpt":  # L2R conditions on the storyline as a prefix
         prefix = [BOS, *title, SEP, *kw, SEP]
-        return dict(tokens=prefix + story_ids + [EOS], n_given=len(prefix), keyword_pos=[], keywords=kw)
+        return dict(tokens=prefix + story_ids + [EOS], n_given=len(prefix), keyword_pos=[],
+                    keywords=kw)
     prefix = [BOS, *title, SEP]
-    kpos = [len(prefix) + i for i in keyword_positions(story["story"], story["keywords"])] if task == "storyline" else []
-    return dict(tokens=prefix + story_ids + [EOS], n_given=len(prefix), keyword_pos=kpos, keywords=kw)
+    kpos = [] if task != "storyline" else \
+        [len(prefix) + i for i in keyword_positions(story["story"], story["keywords"])]
+    return dict(tokens=prefix + story_ids + [EOS], n_given=len(prefix), keyword_pos=kpos,
+                keywords=kw)
 
 
 def synthetic(n_per_length, lengths=SYNTHETIC_LENGTHS, vocab_size=SYNTHETIC_VOCAB, seed=0):
@@ -123,17 +148,26 @@ def synthetic(n_per_length, lengths=SYNTHETIC_LENGTHS, vocab_size=SYNTHETIC_VOCA
     return out
 
 
-def load_sequences(dataset, task, model, data_dir=None, min_count=2, synthetic_count=200, vocab=None, verbose=True):
-    """-> (vocab list, {split: list of encoded sequences}, stories {split: parsed} or None, note)."""
+StoryData = collections.namedtuple("StoryData", "vocab splits stories note sources")
+
+
+def load_sequences(dataset, task, model, data_dir=None, min_count=2, synthetic_count=200,
+                   vocab=None, verbose=True):
+    """-> StoryData(vocab list, {split: encoded sequences}, {split: parsed stories} or None,
+    note, sources: what the data was made from, for checkpoints to record)."""
     if dataset == "synthetic":
         words = vocab or [*SPECIALS, *(f"w{i}" for i in range(SYNTHETIC_VOCAB - len(SPECIALS)))]
-        splits = dict(train=synthetic(synthetic_count, seed=0), valid=synthetic(max(1, synthetic_count // 10), seed=1),
-                      test=synthetic(max(1, synthetic_count // 10), seed=2))
-        return words, splits, None, f"synthetic: {synthetic_count} sequences per length {SYNTHETIC_LENGTHS}"
+        n_eval = max(1, synthetic_count // 10)
+        splits = dict(train=synthetic(synthetic_count, seed=0), valid=synthetic(n_eval, seed=1),
+                      test=synthetic(n_eval, seed=2))
+        note = f"synthetic: {synthetic_count} sequences per length {SYNTHETIC_LENGTHS}"
+        return StoryData(words, splits, None, note, dict(synthetic=synthetic_count))
     if dataset != "rocstories":
-        raise ValueError(f"the insertion models train on --dataset rocstories or synthetic, not {dataset}")
+        raise ValueError(f"the insertion models train on --dataset rocstories or synthetic, "
+                         f"not {dataset}")
     stories = load_rocstories(data_dir, verbose)
     words = vocab or build_vocab(stories["train"], min_count)
     stoi = {w: i for i, w in enumerate(words)}
-    splits = {k: [encode_story(s, stoi, task, model) for s in stories[k]] for k in ("train", "valid", "test")}
-    return words, splits, stories, stories["note"]
+    splits = {k: [encode_story(s, stoi, task, model) for s in stories[k]]
+              for k in ("train", "valid", "test")}
+    return StoryData(words, splits, stories, stories["note"], stories["sources"])

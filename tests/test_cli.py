@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
+import cli
 import evaluate
-from model import load_checkpoint
 import train
+from checkpoint import load as load_checkpoint
 from tests.conftest import ROOT
 
 TINY = ["--dataset", "wikitext2", "--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--train_seqs", "400",
@@ -78,7 +79,7 @@ def run_in_process(main, argv, capsys):
     """The CLI's error path without a new interpreter: -> (exit status, stderr).  Any exception
     other than the CLI's own one-line errors propagates and fails the test."""
     try:
-        rc = evaluate.run_cli(main, argv)
+        rc = cli.run_cli(main, argv)
     except SystemExit as e:  # argparse errors (CLIParser.error)
         rc = e.code
     return rc, capsys.readouterr().err
@@ -242,8 +243,8 @@ def test_resume_with_another_head_or_model(tmp_path, wikitext2):
 
 
 def test_checkpoint_for_another_vocabulary(tmp_path, tiny_ckpt):
+    from checkpoint import save as save_checkpoint
     from data.loader import load
-    from model import save_checkpoint
     load("ptb", verbose=False)  # prepared beforehand: the CLI's only output is then the error
     ckpt = load_checkpoint(str(tiny_ckpt))
     ckpt["args"]["dataset"] = "ptb"  # a WikiText-2 model (V = 33,278) against PTB's vocabulary (10,000)

@@ -12,6 +12,7 @@ import train
 from data.loader import batchify, bptt_windows
 from heads import Head, contextual_temperature, ct_log_probs, loss_scale, mos_log_probs, softmax_log_probs
 from model import LanguageModel
+from tasks import detach
 
 torch.manual_seed(0)
 
@@ -99,9 +100,9 @@ def test_hidden_state_detached_between_windows():
     data = torch.randint(0, 30, (3, 21))
     lp1, state = lm.stream_log_probs(data[:, :10], data[:, 1:11])
     lp1.sum().backward()
-    lp2, _ = lm.stream_log_probs(data[:, 10:20], data[:, 11:21], train.detach(state))
+    lp2, _ = lm.stream_log_probs(data[:, 10:20], data[:, 11:21], detach(state))
     lp2.sum().backward()  # fine: no path into the first window's (freed) graph
-    assert all(s.grad_fn is None for s in train.detach(state))
+    assert all(s.grad_fn is None for s in detach(state))
     lp3, _ = lm.stream_log_probs(data[:, 10:20], data[:, 11:21], state)
     with pytest.raises(RuntimeError):
         lp3.sum().backward()  # without detaching, backward runs into the first window
@@ -152,7 +153,7 @@ def test_activation_regularisation_and_locked_dropout():
     cfg = dict(model="lstm", head="softmax", epsilon=1e-5, vocab_size=30, eos_id=0, n_layer=2, d_model=16,
                dropout=0.5, tie=True, locked_dropout=True)
     lm = LanguageModel(cfg).train()
-    lm(torch.randint(0, 30, (3, 9)), 1)
+    lm(torch.randint(0, 30, (3, 9)), None)
     raw, dropped = lm.backbone.last_output
     ar = (dropped ** 2).mean()
     tar = sum(((raw[:, t] - raw[:, t - 1]) ** 2).sum() for t in range(1, 9)) / (3 * 8 * 16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data import prepare as P
-from data.loader import FIRST_STEP, batches, collate, load, loss_mask
+from data.loader import batches, collate, load
 
 
 # the counts documented in README.md (section "Data"), produced by data/prepare.py
@@ -37,7 +37,7 @@ def test_wikitext2_sequences_are_the_lines(wikitext2):
     vocab = open(os.path.join(folder, "vocab.txt"), encoding="utf-8").read().split("\n")[:-1]
     assert len(vocab) == meta["vocab_size"] and "<unk>" in vocab and vocab[0] == "<eos>"
     src = P.locate("wikitext2")
-    with P._open_split(src, "wikitext2", "valid") as f:
+    with P.open_split(src, "wikitext2", "valid") as f:
         lines = [ln.split() for ln in f if len(ln.split()) > 10]
     va = splits["valid"]
     assert len(lines) == len(va)
@@ -68,7 +68,7 @@ def test_wikitext103_bpe(tmp_path):
     assert meta["tokenizer"] == "gpt2" and meta["eos_id"] == 50256 and meta["vocab_size"] == 50257
     enc = P.gpt2_encoding()
     src = P.locate("wikitext103")
-    with P._open_split(src, "wikitext103", "valid") as f:
+    with P.open_split(src, "wikitext103", "valid") as f:
         first = next(ln for ln in f if len(enc.encode_ordinary(ln.strip())) > 10)
     va = splits["valid"]
     assert enc.decode(list(va[0][:-1])) == first.strip() and va[0][-1] == 50256
@@ -180,14 +180,17 @@ def test_batches_cover_everything_once_and_respect_limits():
 
 def test_collate_and_loss_mask_select_the_continuation():
     class Split:
-        seqs = [np.arange(1, 13), np.arange(1, 16)]
+        seqs = [np.arange(1, 13), np.arange(1, 16), np.arange(1, 17)]
+        contexts = np.array([10, 10, 13])  # the third: a char-level-like longer context
 
         def __getitem__(self, i):
             return self.seqs[i]
-    b = collate(Split(), [0, 1])
-    assert b["tokens"].shape == (2, 15) and b["lengths"].tolist() == [12, 15]
-    m = loss_mask(b["lengths"], 14)
-    targets = b["tokens"][:, 1:]
+    b = collate(Split(), [0, 1, 2])
+    assert b["tokens"].shape == (3, 16) and b["lengths"].tolist() == [12, 15, 16]
+    m, t = b["mask"], b["t"]
+    targets = b["targets"]
+    assert torch.equal(targets, b["tokens"][:, 1:]) and torch.equal(b["inputs"], b["tokens"][:, :-1])
     assert targets[0][m[0]].tolist() == [11, 12] and targets[1][m[1]].tolist() == [11, 12, 13, 14, 15]
-    t = FIRST_STEP + torch.arange(14)
-    assert t[m[1]].tolist() == [1, 2, 3, 4, 5]  # t = 1 at the first continuation token
+    assert targets[2][m[2]].tolist() == [14, 15, 16]
+    assert t[1][m[1]].tolist() == [1, 2, 3, 4, 5]  # t = 1 at the first continuation token
+    assert t[1, :9].tolist() == list(range(-8, 1)) and t[0, 11:].tolist() == [0] * 4  # context, padding

@@ -11,6 +11,7 @@ from decode import (RecomputeStepper, decode, decode_stats, filter_log_probs, no
                     topk_mask)
 from heads import nmst_log_probs, softmax_log_probs
 from model import LanguageModel
+from tests.conftest import steps
 
 EOS = 2
 
@@ -61,7 +62,7 @@ def test_greedy_is_argmax_of_full_forward():
     out = decode(lm, PROMPTS, 25, "greedy")
     for x, y in zip(PROMPTS, out["tokens"]):
         seq = torch.cat([x, torch.tensor(y)])
-        lp, _ = lm(seq.unsqueeze(0), 2 - len(x))
+        lp, _ = lm(seq.unsqueeze(0), steps(2 - len(x), (1, len(seq))))
         pred = lp[0, len(x) - 1:len(seq) - 1].argmax(-1)
         assert pred.tolist() == y
 
@@ -146,7 +147,7 @@ def exact_map(lm, prompt, max_len=60):
         if len(seq) >= max_len:
             continue
         full = torch.cat([prompt, torch.tensor(seq, dtype=torch.long)])
-        lp, _ = lm(full.unsqueeze(0), 2 - len(prompt))
+        lp, _ = lm(full.unsqueeze(0), steps(2 - len(prompt), (1, len(full))))
         for v, l in enumerate(lp[0, -1].tolist()):
             heapq.heappush(heap, (neg - l, seq + (v,)))
     raise AssertionError("no finished sequence")
@@ -163,13 +164,11 @@ class BigramLM(nn.Module):
 
     def forward(self, idx, t, state=None, lengths=None):
         logits = self.table[idx]  # (B, T, V)
-        T = idx.size(1)
-        steps = torch.as_tensor(t).reshape(-1, 1) + torch.arange(T)
-        lp = softmax_log_probs(logits) if self.kind == "softmax" else nmst_log_probs(logits, steps, EOS, self.eps)
+        lp = softmax_log_probs(logits) if self.kind == "softmax" else nmst_log_probs(logits, t, EOS, self.eps)
         return lp, (None, None)
 
     def prompt(self, idx, lengths):
-        lp, state = self(idx, 2 - lengths.unsqueeze(1))
+        lp, state = self(idx, steps(2 - lengths, idx.shape))
         return lp[torch.arange(len(lengths)), lengths - 1], state
 
     def reorder_state(self, state, index):

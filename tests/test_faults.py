@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import train
-from evaluate import run_cli
-from model import CheckpointError, load_checkpoint, save_checkpoint
+from checkpoint import CheckpointError
+from checkpoint import load as load_checkpoint
+from checkpoint import save as save_checkpoint
+from cli import run_cli
 from tests.conftest import ROOT
 
 ARGS = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "wikitext2", "--d_model", "32",
@@ -31,7 +33,7 @@ def start(out_dir, kill=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if kill:
         env["NANOGEN_TEST_KILL"] = kill
-    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt_last.pt")) else []
+    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "steps.jsonl")) else []
     return subprocess.Popen([sys.executable, "train.py", *ARGS, "--out_dir", str(out_dir), *resume], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -92,7 +94,7 @@ def test_ctrl_c_writes_a_resumable_checkpoint(reference, tmp_path):
 
 def test_damaged_and_truncated_checkpoints_are_named(tmp_path):
     path = tmp_path / "ckpt_last.pt"
-    save_checkpoint(dict(model={"w": torch.randn(1000)}, config={}), str(path))
+    save_checkpoint(dict(model={"w": torch.randn(1000)}, config={"model": "lstm"}), str(path))
     raw = bytearray(path.read_bytes())
     damaged = tmp_path / "damaged.pt"
     raw[len(raw) // 2] ^= 0xFF
@@ -107,14 +109,14 @@ def test_damaged_and_truncated_checkpoints_are_named(tmp_path):
 
 def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch, capsys):
     path = tmp_path / "ckpt_last.pt"
-    save_checkpoint(dict(model={"w": torch.ones(3)}), str(path))
+    save_checkpoint(dict(model={"w": torch.ones(3)}, config={"model": "lstm"}), str(path))
     real_fsync = os.fsync
 
     def full(fd):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint.*intact"):
-        save_checkpoint(dict(model={"w": torch.zeros(3)}), str(path))
+        save_checkpoint(dict(model={"w": torch.zeros(3)}, config={"model": "lstm"}), str(path))
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert torch.equal(load_checkpoint(str(path))["model"]["w"], torch.ones(3))  # the old one survived
     assert os.listdir(tmp_path) == ["ckpt_last.pt"]

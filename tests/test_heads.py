@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from heads import (Head, LinearLogSoftmax, linear_log_softmax, log1mexp, nmst_log_probs, project, softmax_log_probs,
-                   st_log_probs)
+from heads import Head, log1mexp, nmst_log_probs, softmax_log_probs, st_log_probs
+from tests.conftest import steps
 
 torch.manual_seed(0)
 
@@ -49,7 +49,7 @@ def test_nmst_matches_eq10_float64(scale, eos):
 def test_st_matches_eq9_float64(scale, eos):
     z = torch.randn(3, 9, 12, dtype=torch.float64) * scale
     for eps in (1e-5, 1e-2, 0.3):
-        p, _ = st_log_probs(z, 1, eos, eps)
+        p, _ = st_log_probs(z, steps(1, z.shape[:-1]), eos, eps)
         torch.testing.assert_close(p.exp(), direct_st(z, 1, eos, eps), atol=1e-12, rtol=1e-9)
 
 
@@ -65,8 +65,9 @@ def test_float32_finite_and_normalised_extremes(eps, t):
     z = torch.tensor([[[100.0, -100.0, 0.0, 50.0, -100.0]], [[-100.0, 100.0, 3.0, -50.0, 100.0]],
                       [[0.0, 0.0, 0.0, 0.0, 0.0]]])  # (3, 1, 5)
     for eos in (0, 1, 4):
-        for lp in (nmst_log_probs(z, t, eos, eps), st_log_probs(z, t, eos, eps)[0],
-                   st_log_probs(z.expand(3, 50, 5).contiguous(), t, eos, eps)[0]):
+        z50 = z.expand(3, 50, 5).contiguous()
+        for lp in (nmst_log_probs(z, t, eos, eps), st_log_probs(z, steps(t, z.shape[:-1]), eos, eps)[0],
+                   st_log_probs(z50, steps(t, z50.shape[:-1]), eos, eps)[0]):
             assert lp.dtype == torch.float32
             assert not torch.isnan(lp).any()
             assert torch.isfinite(lp[..., eos]).all(), "p(eos) must never be 0"
@@ -94,7 +95,7 @@ def test_nmst_lower_bound():
 
 def test_st_p_eos_non_decreasing():
     z = torch.randn(64, 40, 9, dtype=torch.float64) * 8
-    p_eos = st_log_probs(z, 1, 2, 1e-3)[0][..., 2].exp()
+    p_eos = st_log_probs(z, steps(1, z.shape[:-1]), 2, 1e-3)[0][..., 2].exp()
     assert (p_eos[:, 1:] >= p_eos[:, :-1] - 1e-15).all()
 
 
@@ -103,17 +104,17 @@ def test_nmst_can_decrease():
     z = torch.zeros(1, 2, 4, dtype=torch.float64)
     z[0, 0, 0], z[0, 1, 0] = 5.0, -5.0  # eos logit high at t=1, low at t=2
     p_nmst = nmst_log_probs(z, 1 + torch.arange(2), 0, 1e-3)[..., 0].exp()[0]
-    p_st = st_log_probs(z, 1, 0, 1e-3)[0][..., 0].exp()[0]
+    p_st = st_log_probs(z, steps(1, z.shape[:-1]), 0, 1e-3)[0][..., 0].exp()[0]
     assert p_nmst[1] < p_nmst[0] - 0.9
     assert p_st[1] >= p_st[0]
 
 
 def test_st_incremental_equals_full():
     z = torch.randn(3, 25, 11, dtype=torch.float64) * 4
-    full, keep_full = st_log_probs(z, -4, 6, 1e-2)  # 5 context positions, then t = 1..20
+    full, keep_full = st_log_probs(z, steps(-4, z.shape[:-1]), 6, 1e-2)  # 5 context positions, then t = 1..20
     parts, keep = [], None
     for lo, hi in [(0, 3), (3, 5), (5, 6), (6, 17), (17, 25)]:
-        lp, keep = st_log_probs(z[:, lo:hi], -4 + lo, 6, 1e-2, keep)
+        lp, keep = st_log_probs(z[:, lo:hi], steps(-4 + lo, (3, hi - lo)), 6, 1e-2, keep)
         parts.append(lp)
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-12, rtol=0)
     torch.testing.assert_close(keep, keep_full)
@@ -127,9 +128,9 @@ def test_context_positions_convention():
     z = torch.randn(2, 4, 6, dtype=torch.float64)
     ctx = nmst_log_probs(z, 0, 1, 0.1)
     torch.testing.assert_close(ctx, nmst_log_probs(z, 1, 1, 0.1))
-    lp, keep = st_log_probs(z, -10, 1, 0.1)
+    lp, keep = st_log_probs(z, steps(-10, z.shape[:-1]), 1, 0.1)
     for j in range(4):
-        torch.testing.assert_close(lp[:, j], st_log_probs(z[:, j:j + 1], 1, 1, 0.1)[0][:, 0])
+        torch.testing.assert_close(lp[:, j], st_log_probs(z[:, j:j + 1], steps(1, (2, 1)), 1, 0.1)[0][:, 0])
     torch.testing.assert_close(keep, torch.zeros(2, dtype=torch.float64))
     assert torch.isfinite(lp).all() and torch.isfinite(ctx).all()
 
@@ -143,7 +144,7 @@ def test_log1mexp():
 
 def test_gradients_finite_at_extremes():
     z = (torch.randn(2, 6, 7) * 100).requires_grad_()
-    for f in (lambda z: nmst_log_probs(z, 3, 0, 1e-8), lambda z: st_log_probs(z, 1, 0, 1e-8)[0]):
+    for f in (lambda z: nmst_log_probs(z, 3, 0, 1e-8), lambda z: st_log_probs(z, steps(1, (2, 6)), 0, 1e-8)[0]):
         z.grad = None
         f(z).gather(-1, torch.randint(0, 7, (2, 6, 1))).sum().backward()
         assert torch.isfinite(z.grad).all()
@@ -157,9 +158,9 @@ def test_head_target_log_probs_equal_gather():
         head = Head(kind, 16, 30, eos, 1e-3, bias=bias).double()
         y = torch.randint(0, 30, (3, 12))
         y[:, 4] = eos
-        full, k1 = head(h, -3)
+        full, k1 = head(h, steps(-3, (3, 12)))
         full = full.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-        part, k2 = head.target_log_probs(h, y, -3)
+        part, k2 = head.target_log_probs(h, y, steps(-3, (3, 12)))
         torch.testing.assert_close(part, full)
         assert (k1 is None and k2 is None) or torch.allclose(k1, k2)
         u = torch.randn(3, 12, dtype=torch.float64)
@@ -168,8 +169,8 @@ def test_head_target_log_probs_equal_gather():
     for bias in (True, False):  # the softmax head's constant temperature (CT paper Table 3 baseline)
         head = Head("softmax", 16, 30, 0, bias=bias, temperature=2.5).double()
         y = torch.randint(0, 30, (3, 12))
-        full = head(h, 1)[0].gather(-1, y.unsqueeze(-1)).squeeze(-1)
-        part = head.target_log_probs(h, y, 1)[0]
+        full = head(h)[0].gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        part = head.target_log_probs(h, y)[0]
         torch.testing.assert_close(part, full)
         torch.testing.assert_close(torch.autograd.grad(part.sum(), (h, head.proj.weight)),
                                    torch.autograd.grad(full.sum(), (h, head.proj.weight)))
@@ -194,68 +195,3 @@ def test_math_constants():
     t_half = math.ceil(math.log(0.5) / math.log1p(-eps))
     p = nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half, 0, eps)[0, 0].exp()
     assert p > 0.5 and nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half - 1, 0, eps)[0, 0].exp() < 0.5
-
-
-@pytest.mark.parametrize("exclude", [None, 0, 17, 42])
-@pytest.mark.parametrize("far", [False, True])
-def test_linear_log_softmax_matches_direct_formula(monkeypatch, exclude, far):
-    """The blocked, fused output layer (CPU training path) against log_softmax(h U^T) in float64:
-    values, both gradients (gradcheck) and the no-grad path, with blocks that do not divide V.
-    far: later blocks hold logits far above the first block's maxima, so the shift moves (runs
-    of blocks with different shifts in the backward pass)."""
-    monkeypatch.setattr(LinearLogSoftmax, "block_elements", 7 * 6)  # 6 rows -> blocks of 7 vocabulary rows
-    torch.manual_seed(0)
-    h = torch.randn(6, 5, dtype=torch.float64)
-    W = torch.randn(43, 5, dtype=torch.float64)
-    if far:  # rows 20 and 36 (3rd and 6th blocks) get logits hundreds of nats away
-        W[20] *= 40
-        W[36] *= 80
-        z0 = (h @ W.t())
-        assert ((z0[:, 14:] - z0[:, :7].amax(-1, keepdim=True)) > 50).any(), "the test must move the shift"
-    h.requires_grad_()
-    W.requires_grad_()
-    y = torch.randint(0, 43, (6,))
-    if exclude is not None:
-        y = y.masked_fill(y == exclude, (exclude + 1) % 43)
-    z = h @ W.t()
-    if exclude is not None:
-        z = z.index_fill(-1, torch.tensor([exclude]), float("-inf"))
-    direct = torch.log_softmax(z, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    fused = LinearLogSoftmax.apply(h, W, y, exclude)
-    torch.testing.assert_close(fused, direct, rtol=0, atol=1e-12)
-    u = torch.randn(6, dtype=torch.float64)
-    torch.testing.assert_close(torch.autograd.grad((fused * u).sum(), (h, W)),
-                               torch.autograd.grad((direct * u).sum(), (h, W)), rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda h, W: LinearLogSoftmax.apply(h, W, y, exclude), (h, W))
-    with torch.no_grad():
-        torch.testing.assert_close(LinearLogSoftmax.apply(h, W, y, exclude), direct, rtol=0, atol=1e-12)
-    # the dispatcher gives the same numbers on its fallback path (bias, as on GPU)
-    torch.testing.assert_close(linear_log_softmax(h, W, y, exclude, bias=torch.zeros(43, dtype=torch.float64)),
-                               direct, rtol=0, atol=1e-12)
-
-
-def test_project_equals_linear():
-    torch.manual_seed(0)
-    W = torch.randn(301, 16)
-    for shape in ((1, 16), (3, 1, 16), (8, 16), (40, 3, 16)):  # 1, 3, 8 and 120 rows
-        h = torch.randn(*shape)
-        torch.testing.assert_close(project(h, W), torch.nn.functional.linear(h, W), rtol=1e-5, atol=1e-5)
-
-
-def test_linear_log_softmax_float32_large_logits(monkeypatch):
-    """float32 with logits spread over hundreds of nats, the largest in late blocks (the shift
-    moves several times): finite, and equal to the float64 formula to float32 precision."""
-    monkeypatch.setattr(LinearLogSoftmax, "block_elements", 16 * 8)  # blocks of 16 vocabulary rows
-    torch.manual_seed(0)
-    h = torch.randn(8, 6)
-    W = torch.randn(100, 6) * torch.linspace(1, 60, 100).unsqueeze(1)  # |logits| up to ~400
-    y = torch.randint(0, 100, (8,))
-    h32, W32 = h.clone().requires_grad_(), W.clone().requires_grad_()
-    h64, W64 = h.double().requires_grad_(), W.double().requires_grad_()
-    fused = LinearLogSoftmax.apply(h32, W32, y, None)
-    direct = torch.log_softmax(h64 @ W64.t(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(fused.double(), direct, rtol=1e-5, atol=1e-3)
-    fused.sum().backward()
-    direct.sum().backward()
-    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(W32.grad.double(), W64.grad, rtol=1e-4, atol=1e-3)

@@ -7,7 +7,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from decode import decode
-from model import LanguageModel, gpt_state_from_hf, load_checkpoint
+from checkpoint import gpt_state_from_hf
+from checkpoint import load as load_checkpoint
+from model import LanguageModel
 
 
 def pair(n_layer=2, n_embd=64, n_head=4, V=101, seed=0):
@@ -30,7 +32,7 @@ def test_logits_match_hf():
     idx = torch.randint(0, 100, (3, 40))
     with torch.no_grad():
         ref = torch.log_softmax(hf(idx).logits, -1)
-        ours, _ = lm(idx, -8)
+        ours, _ = lm(idx, None)
     assert (ours - ref).abs().max().item() < 1e-4
 
 
@@ -65,7 +67,7 @@ def test_train_init_from_hf_checkpoint(tmp_path):
 
     import train
     from data.loader import load
-    from model import GPT2_SIZES
+    from checkpoint import GPT2_SIZES
     GPT2_SIZES["tiny-test"] = (2, 2, 32)
     try:
         hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=1024, n_embd=32, n_layer=2, n_head=2))
@@ -91,7 +93,7 @@ def test_train_init_from_hf_checkpoint(tmp_path):
 def test_hub_download_path(tmp_path, monkeypatch):
     """fetch_hf_weights downloads into the cache (here from a file:// 'hub') and reuses it;
     offline with no cached copy it says to pass --weights."""
-    import model
+    import checkpoint as model
     hf, lm = pair(seed=2)
     hub = tmp_path / "hub" / "gpt2"
     hub.mkdir(parents=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model import LanguageModel
+from tests.conftest import steps
 
 V, EOS = 40, 3
 
@@ -24,21 +25,21 @@ def test_incremental_equals_full(model, head):
     lm = make(model, head)
     idx = torch.randint(0, V, (3, 30))
     with torch.no_grad():
-        full, _ = lm(idx, t=-8)
+        full, _ = lm(idx, steps(-8, (3, 30)))
         h_full, _ = lm.backbone(idx)
-        state, steps, hs = None, [], []
+        state, outs, hs = None, [], []
         for i in range(30):
             h, bstate = lm.backbone(idx[:, i:i + 1], None if state is None else state[0])
             hs.append(h)
-            lp, state = lm(idx[:, i:i + 1], t=-8 + i, state=state)
-            steps.append(lp)
+            lp, state = lm(idx[:, i:i + 1], steps(-8 + i, (3, 1)), state=state)
+            outs.append(lp)
         # uneven chunks through the same state
         state, chunks = None, []
         for lo, hi in [(0, 11), (11, 12), (12, 20), (20, 30)]:
-            lp, state = lm(idx[:, lo:hi], t=-8 + lo, state=state)
+            lp, state = lm(idx[:, lo:hi], steps(-8 + lo, (3, hi - lo)), state=state)
             chunks.append(lp)
     torch.testing.assert_close(torch.cat(hs, 1), h_full, atol=1e-6, rtol=0)
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=0)
     torch.testing.assert_close(torch.cat(chunks, 1), full, atol=1e-6, rtol=0)
 
 
@@ -49,14 +50,15 @@ def test_right_padding_lengths_and_state(model):
     idx = torch.randint(0, V, (3, 14))
     lengths = torch.tensor([14, 9, 4])
     nxt = torch.randint(0, V, (3, 1))
+    t = torch.where(torch.arange(14) < lengths.unsqueeze(1), steps(-8, (3, 14)), 0)  # 0: padding
     with torch.no_grad():
-        lp, state = lm(idx, -8, lengths=lengths)
-        lp_next, _ = lm(nxt, -8 + lengths, state=state)
+        lp, state = lm(idx, t, lengths=lengths)
+        lp_next, _ = lm(nxt, (-8 + lengths).unsqueeze(1), state=state)
         for b in range(3):
             L = int(lengths[b])
-            alone, st = lm(idx[b:b + 1, :L], -8)
+            alone, st = lm(idx[b:b + 1, :L], steps(-8, (1, L)))
             torch.testing.assert_close(lp[b, :L], alone[0], atol=1e-9, rtol=0)
-            nxt_alone, _ = lm(nxt[b:b + 1], -8 + L, state=st)
+            nxt_alone, _ = lm(nxt[b:b + 1], steps(-8 + L, (1, 1)), state=st)
             torch.testing.assert_close(lp_next[b], nxt_alone[0], atol=1e-9, rtol=0)
 
 
@@ -67,10 +69,10 @@ def test_reorder_state(model):
     nxt = torch.randint(0, V, (4, 1))
     order = torch.tensor([2, 0, 0, 1])
     with torch.no_grad():
-        _, state = lm(idx, -2)
-        a, _ = lm(nxt, 5, state=lm.reorder_state(state, order))
-        _, state2 = lm(idx[order], -2)
-        b, _ = lm(nxt, 5, state=state2)
+        _, state = lm(idx, steps(-2, (3, 6)))
+        a, _ = lm(nxt, steps(5, (4, 1)), state=lm.reorder_state(state, order))
+        _, state2 = lm(idx[order], steps(-2, (4, 6)))
+        b, _ = lm(nxt, steps(5, (4, 1)), state=state2)
     torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
 
 
@@ -81,8 +83,9 @@ def test_target_log_probs_and_normalisation(model, head):
     idx, y = torch.randint(0, V, (2, 15)), torch.randint(0, V, (2, 15))
     y[:, 12] = EOS
     with torch.no_grad():
-        lp, _ = lm(idx, -8)
-        torch.testing.assert_close(lm.target_log_probs(idx, y, -8), lp.gather(-1, y.unsqueeze(-1)).squeeze(-1))
+        lp, _ = lm(idx, steps(-8, (2, 15)))
+        torch.testing.assert_close(lm.target_log_probs(idx, y, steps(-8, (2, 15))),
+                                   lp.gather(-1, y.unsqueeze(-1)).squeeze(-1))
     torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(2, 15, dtype=torch.float64))
 
 
@@ -91,7 +94,7 @@ def test_weight_tying_and_gpt_window():
     assert lm.head.proj.weight is lm.backbone.wte.weight
     assert make("lstm", tie=False).head.proj.weight is not make("lstm", tie=False).backbone.wte.weight
     with pytest.raises(ValueError, match="context window"):
-        lm(torch.zeros(1, 49, dtype=torch.long), 1)
+        lm(torch.zeros(1, 49, dtype=torch.long), steps(1, (1, 49)))
 
 
 def test_unknown_model_rejected():
@@ -117,7 +120,7 @@ def test_compiled_model_matches_eager():
     x = torch.randint(0, 50, (2, 12))
     grads = []
     for lm in (eager, compiled):
-        log_p = lm(x[:, :-1], 1, targets=x[:, 1:])  # the training path (through forward)
+        log_p = lm(x[:, :-1], steps(1, (2, 11)), targets=x[:, 1:])  # the training path (forward)
         log_p.sum().backward()
         grads.append((log_p.detach(), [p.grad.clone() for p in lm.parameters()]))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
@@ -125,77 +128,6 @@ def test_compiled_model_matches_eager():
         torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-5)
     assert list(compiled.state_dict()) == list(eager.state_dict())
     assert not torch._dynamo.utils.counters["graph_break"]  # the training path is one graph
-
-
-def test_dropout_under_compile_is_one_graph():
-    """Under torch.compile `dropout` hands over to F.dropout (inductor's own fused mask) instead
-    of breaking the graph at random_."""
-    from model import dropout
-    f = torch.compile(lambda x: dropout(x, 0.5), fullgraph=True)  # fullgraph: a graph break raises
-    assert set(f(torch.ones(1000)).unique().tolist()) == {0.0, 2.0}
-
-
-def test_dropout_mask_rate_scale_gradient_and_seed():
-    from model import Dropout, dropout
-    x = torch.ones(400, 1000, dtype=torch.float64, requires_grad=True)
-    assert dropout(x, 0.3, training=False) is x and dropout(x, 0.0) is x
-    torch.manual_seed(1)
-    y = dropout(x, 0.3)
-    assert y.dtype == torch.float64
-    kept = y != 0
-    rate = 1 - kept.double().mean().item()
-    assert abs(rate - 0.3) < 5 * (0.3 * 0.7 / y.numel()) ** 0.5  # 5 sigma
-    assert torch.equal(y[kept], torch.full_like(y[kept], 1 / 0.7))  # survivors scaled by 1 / (1 - p)
-    y.sum().backward()
-    assert torch.equal(x.grad, y.detach())  # d y / d x = mask / (1 - p)
-    torch.manual_seed(1)
-    assert torch.equal(dropout(x, 0.3), y)  # torch.manual_seed makes it reproducible
-    for p in (0.02, 0.5, 0.9):  # other rates: the threshold maps p to the integer range correctly
-        r = 1 - (dropout(torch.ones(200_000), p) != 0).double().mean().item()
-        assert abs(r - p) < 5 * (p * (1 - p) / 200_000) ** 0.5, (p, r)
-    assert dropout(torch.ones(5), 1.0).eq(0).all()
-    m = Dropout(0.5)
-    assert isinstance(m, torch.nn.Dropout) and m.eval()(x) is x
-
-
-@pytest.mark.parametrize("mask", ["causal", "none", "padded", "additive"])
-def test_math_attention_equals_sdpa(mask):
-    """The CPU training path with dropout (CausalSelfAttention._math_attention) is sdpa's
-    attention: with a drop probability below 2^-32 nothing is dropped, and values and gradients
-    equal sdpa's without dropout (float64)."""
-    import torch.nn.functional as F
-    from model import CausalSelfAttention
-    torch.manual_seed(0)
-    B, H, T, S, hd = 2, 3, 5, 7, 4
-    q = torch.randn(B, H, T, hd, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(B, H, S if mask != "causal" else T, hd, dtype=torch.float64, requires_grad=True)
-            for _ in range(2))
-    if mask == "causal":
-        attn_mask, ref = "causal", dict(is_causal=True)
-    elif mask == "none":
-        attn_mask = None
-        ref = dict(attn_mask=None)
-    elif mask == "padded":  # cache of 2 + 5 new tokens, row 1 padded after 3 keys
-        causal = torch.arange(S) <= (2 + torch.arange(T)).unsqueeze(1)
-        valid = torch.tensor([[True] * S, [True] * 3 + [False] * (S - 3)])
-        attn_mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)
-        ref = dict(attn_mask=attn_mask)
-    else:  # a float bias with -inf entries, as InsNet's relative-position attention passes
-        causal = torch.arange(S) <= (2 + torch.arange(T)).unsqueeze(1)
-        attn_mask = torch.randn(B, H, T, S, dtype=torch.float64).masked_fill(~causal, float("-inf"))
-        attn_mask.requires_grad_()  # the bias is learned: its gradient must match too
-        ref = dict(attn_mask=attn_mask)
-    ours = CausalSelfAttention._math_attention(q, k, v, attn_mask, 1e-15)
-    theirs = F.scaled_dot_product_attention(q, k, v, **ref)
-    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
-    g = torch.randn_like(ours)
-    inputs = (q, k, v) + ((attn_mask,) if mask == "additive" else ())
-    grads = torch.autograd.grad(ours, inputs, g)
-    for a, b in zip(grads, torch.autograd.grad(theirs, inputs, g)):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
-    # a row with no visible key (what a zero-length padded row gives) stays finite
-    empty = torch.zeros(1, 1, T, k.size(2), dtype=torch.bool)
-    assert torch.isfinite(CausalSelfAttention._math_attention(q, k, v, empty, 0.1)).all()
 
 
 def test_gpt_training_dropout_on_cpu_drops_attention_weights():

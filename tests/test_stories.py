@@ -10,8 +10,9 @@ import evaluate
 import train
 from data.stories import (BOS, EOS, SEP, UNK, build_vocab, encode_story, keyword_positions, parse_story,
                           synthetic)
-from evaluate import _in_order, bleu
-from model import load_checkpoint
+from evaluate import bleu, in_order
+from checkpoint import load as load_checkpoint
+from cli import run_cli
 
 LINE = "the pet bug <EOT> oliver spotted jar hoped safe <EOL> </s> oliver was playing . </s> he spotted a bug ."
 
@@ -54,7 +55,7 @@ def test_bleu_matches_nltk():
             expected = 100 * nltk_bleu.corpus_bleu([[r] for r in refs], hyps, weights=[1 / n] * n)
             assert bleu(hyps, refs, n) == pytest.approx(expected, abs=1e-9)
     assert bleu([["x", "y"]], [["a", "b"]], 2) == 0.0
-    assert _in_order("a b c a".split(), ["a", "c", "b", "a"]) == 3
+    assert in_order("a b c a".split(), ["a", "c", "b", "a"]) == 3
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_synthetic_runs_all_three_models(tmp_path):
     (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20"),
 ])
 def test_story_bad_input(args, pattern, tmp_path, capsys):
-    assert evaluate.run_cli(train.main, args + ["--out_dir", str(tmp_path / "o")]) == 2
+    assert run_cli(train.main, args + ["--out_dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and pattern in err[0], err
 
@@ -132,8 +133,8 @@ def test_evaluate_story_bad_decoder(tmp_path, capsys):
     assert train.main(["--model", "insnet", "--dataset", "synthetic", "--synthetic_count", "1", "--n_layer", "1",
                        "--d_model", "16", "--n_head", "2", "--max_iters", "1", "--out_dir", str(out),
                        "--block_size", "200"]) == 0
-    assert evaluate.run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "beam",
+    assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "beam",
                                             "--beam_size", "2"]) == 2
     assert "decode with greedy, sample or topk" in capsys.readouterr().err
-    assert evaluate.run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "greedy"]) == 2
+    assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "greedy"]) == 2
     assert "scored against ROCStories references" in capsys.readouterr().err

@@ -1,0 +1,155 @@
+"""What every entry point shares (train.py, evaluate.py, sample.py, reproduce.py, bench.py and
+`python -m data.prepare`): one-line errors, the device, output files checked before the work and
+written atomically, and the fault-injection hook of the fault tests.
+
+The promise the CLIs keep: a user error prints one line, `error: <what is wrong and the fix>`,
+exits with status 2, prints no traceback and writes no file.
+"""
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+
+import torch
+
+
+class UserError(Exception):
+    """A problem the user can fix (a flag, a file, the data); printed as one `error:` line."""
+
+
+class CLIParser(argparse.ArgumentParser):
+    """argparse whose errors are one line ('error: ... (see PROG --help)'), exit status 2."""
+
+    def error(self, message):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def is_out_of_memory(e):
+    """torch's CPU allocator raises RuntimeError('... can't allocate memory ...'), CUDA its own."""
+    text = str(e)
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or \
+        "can't allocate memory" in text or "not enough memory" in text
+
+
+def run_cli(main, argv=None):
+    """Run a CLI main(); a user error becomes one 'error: ...' line and exit status 2, Ctrl-C
+    (outside training, which handles it itself) one line and status 130."""
+    try:
+        return main(argv) or 0
+    except (UserError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C); no result was written", file=sys.stderr)
+        return 130
+    except (RuntimeError, MemoryError) as e:
+        if not is_out_of_memory(e):
+            raise
+        print("error: out of memory: the model or batch does not fit; use smaller --d_model / "
+              "--n_layer / --batch_size / --max_tokens", file=sys.stderr)
+    return 2
+
+
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+def resolve_device(name):
+    """'auto' -> cuda when available, else cpu; an unknown or absent device is a user error."""
+    if not DEVICE.match(name or ""):
+        raise UserError(f"--device {name}: unknown device (use auto, cpu, cuda or cuda:N)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name} asked for, but CUDA is not available here "
+                            f"(use --device cpu)")
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                            f"CUDA device(s)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device mps asked for, but MPS is not available here (use --device cpu)")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# output files: checked before the work, written atomically
+# ---------------------------------------------------------------------------------------------
+def check_output(path, flag, folder=False):
+    """Fail now, not after minutes of work, when `path` (a file, or with folder=True a folder of
+    files) cannot be written.  Nothing is created."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    if os.path.exists(target) and os.path.isdir(target) != folder:
+        kind = "a folder" if os.path.isdir(target) else "a file"
+        raise UserError(f"{flag} {path} is {kind}; give a {'folder' if folder else 'file'} path")
+    existing = target if folder and os.path.isdir(target) else os.path.dirname(target)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path} cannot be written ({existing} is not a writable folder)")
+
+
+@contextlib.contextmanager
+def atomic_file(path, mode="w"):
+    """Write `path` through a temporary file in its folder, fsync-ed and renamed into place: a
+    reader never sees half a file, and an error leaves the old one (or none)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
+                               dir=folder)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"could not write {path}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path, obj):
+    with atomic_file(path) as f:
+        json.dump(obj, f, indent=1)
+
+
+def save_figure(fig, path):
+    """matplotlib figure -> PNG, atomically."""
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, dpi=120, format="png")
+    print(f"wrote {path}")
+
+
+def pyplot():
+    """matplotlib.pyplot with a file-only backend, or None (and a note) when it is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: --plot needs matplotlib (pip install matplotlib); no figures written",
+              file=sys.stderr)
+        return None
+    return plt
+
+
+# ---------------------------------------------------------------------------------------------
+# fault injection (tests/test_faults.py)
+# ---------------------------------------------------------------------------------------------
+def kill_point(name, seen={}):  # noqa: B006 (the counts live as long as the process)
+    """Test hook: NANOGEN_TEST_KILL=name:n SIGKILLs this process the n-th time it passes `name`,
+    to crash at exact moments (inside a step, an evaluation, a checkpoint write)."""
+    spec = os.environ.get("NANOGEN_TEST_KILL", "")
+    if not spec.startswith(name + ":"):
+        return
+    seen[name] = seen.get(name, 0) + 1
+    if seen[name] == int(spec.split(":")[1]):
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)

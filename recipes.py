@@ -1,0 +1,263 @@
+"""Recipes and rules: train.py's flags, the defaults of each --model as one table, and the flag
+combinations that cannot work as one list of (condition, message) rules.
+
+A recipe is a paper's setting (NMST paper section 4 and appendix D; InsNet paper section 4.3).
+A flag given on the command line always wins; defaults fill only what was not given, and
+nothing is rewritten: a combination that cannot work is an error naming the flag and the fix,
+raised before anything is read or written (train.py's `resolve`).
+"""
+import math
+import os
+from collections import ChainMap
+
+from checkpoint import GPT2_SIZES, CheckpointError
+from cli import CLIParser
+from data.prepare import DATASETS, VOCABS
+from heads import HEADS
+from model import MODELS
+from tasks import INSERTION_MODELS, STORY_DATASETS
+
+# --------------------------------------------------------------------------------------------
+# recipes: the defaults of each --model ("story": every model on rocstories / synthetic)
+# --------------------------------------------------------------------------------------------
+RECIPE_KEYS = ("n_layer", "d_model", "dropout", "lr", "lr_schedule", "batch_size", "max_tokens",
+               "max_iters", "eval_interval", "weight_decay", "decay_steps", "warmup")
+RECIPES = {  # NMST paper appendix D (rnn, lstm), section 4.2 (gpt); InsNet paper 4.3 (story)
+    "rnn":   (2, 256, 0.3, 1e-3, "plateau", 32, None, 0, 0, 0.01, 500_000, 0),
+    "lstm":  (2, 512, 0.5, 1e-3, "plateau", 32, None, 0, 0, 0.01, 500_000, 0),
+    "gpt":   (12, 768, 0.1, 5e-5, "linear", None, 1024, 300_000, 2000, 0.01, 500_000, 0),
+    "story": (12, 768, 0.1, 1e-4, "linear", 64, None, 80_000, 1000, 0.02, 80_000, 400),
+}
+ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout",
+             "no_tie", "no_bias", "init_from", "task", "n_experts", "ct_alpha", "ct_beta",
+             "ct_rank", "temperature", "locked_dropout", "order", "max_offset", "min_count",
+             "synthetic_count", "vocab", "dataset")
+RESUMABLE = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs",
+             "data_dir", "patience", "peak_flops")  # flags a --resume may change
+
+# (group, flag, argparse keywords): None defaults come from RECIPES
+FLAGS = [
+    ("run", "--model", dict(default="gpt", choices=MODELS + tuple(INSERTION_MODELS),
+                            help="backbone (default gpt); insnet / insertion_transformer: "
+                                 "insertion-based (insnet.py)")),
+    ("run", "--head", dict(default="softmax", choices=HEADS, help="softmax (VA, NMST eq. 2), st "
+                           "(eq. 9), nmst (eq. 10); mos, ct, ctmos (CT paper eq. 4, 6, 7)")),
+    ("run", "--task", dict(default=None, choices=["completion", "stream", "story", "storyline"],
+                           help="completion (default; NMST paper), stream (CT paper, rnn/lstm), "
+                                "story / storyline (default story on story data)")),
+    ("run", "--epsilon", dict(type=float, default=1e-5, help="eps of ST / NMST, in (0, 1)")),
+    ("run", "--dataset", dict(default="wikitext103", choices=sorted(DATASETS) +
+                              list(STORY_DATASETS), help="(default wikitext103)")),
+    ("run", "--vocab", dict(default="word", choices=VOCABS, help="wikitext2 / ptb: word or char")),
+    ("run", "--data_dir", dict(default=None, help="folder with the dataset files (default "
+                               "$NANOGEN_DATA, else download)")),
+    ("run", "--out_dir", dict(default=None, help="checkpoints and logs (default out/...)")),
+    ("run", "--init_from", dict(default="scratch", choices=ChainMap({"scratch": 0}, GPT2_SIZES),
+                                help="pretrained GPT-2 weights (sets the GPT-2 shape)")),
+    ("run", "--weights", dict(default=None, help="local GPT-2 weights (file or folder)")),
+    ("run", "--seed", dict(type=int, default=0)),
+    ("run", "--device", dict(default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")),
+    ("run", "--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                            help="autocast dtype on CUDA (auto: bfloat16 when supported)")),
+    ("run", "--compile", dict(action="store_true", help="torch.compile the model")),
+    ("run", "--peak_flops", dict(type=float, default=None, help="peak FLOP/s for the MFU column")),
+    ("run", "--resume", dict(action="store_true", help="continue from out_dir/ckpt_last.pt")),
+    ("architecture", "--n_layer", dict(type=int, default=None)),
+    ("architecture", "--d_model", dict(type=int, default=None, help="embedding = hidden size")),
+    ("architecture", "--n_head", dict(type=int, default=12, help="attention heads")),
+    ("architecture", "--block_size", dict(type=int, default=1024, help="GPT context window")),
+    ("architecture", "--dropout", dict(type=float, default=None)),
+    ("architecture", "--no_tie", dict(action="store_true", help="untied output embeddings")),
+    ("architecture", "--no_bias", dict(action="store_true", help="GPT without biases")),
+    ("architecture", "--n_experts", dict(type=int, default=4, help="mos / ctmos: softmaxes K")),
+    ("architecture", "--ct_alpha", dict(type=float, default=1.0, help="ct: alpha of eq. 6")),
+    ("architecture", "--ct_beta", dict(type=float, default=0.5, help="ct: beta of eq. 6")),
+    ("architecture", "--ct_rank", dict(type=int, default=0, help="ct: rank of W_tau (0: full)")),
+    ("architecture", "--temperature", dict(type=float, default=1.0,
+                                           help="softmax / mos: a constant temperature")),
+    ("architecture", "--locked_dropout", dict(action="store_true", help="rnn/lstm: variational "
+                                              "dropout on the embeddings and the output")),
+    ("stories", "--order", dict(default="random", choices=["random", "l2r"],
+                                help="insertion order of the training sequences")),
+    ("stories", "--max_offset", dict(type=int, default=256, help="insnet: offset clip K")),
+    ("stories", "--min_count", dict(type=int, default=2, help="rocstories: rarer words -> <unk>")),
+    ("stories", "--synthetic_count", dict(type=int, default=200, help="synthetic: per length")),
+    ("optimisation", "--lr", dict(type=float, default=None, help="AdamW learning rate")),
+    ("optimisation", "--beta1", dict(type=float, default=0.9)),
+    ("optimisation", "--beta2", dict(type=float, default=0.99)),
+    ("optimisation", "--weight_decay", dict(type=float, default=None, help="not on biases/norms")),
+    ("optimisation", "--grad_clip", dict(type=float, default=1.0, help="max grad norm (0: off)")),
+    ("optimisation", "--lr_schedule", dict(default=None, choices=["plateau", "linear", "constant"],
+                                           help="plateau: x --lr_decay when validation does not "
+                                                "improve; linear: to 0 over --decay_steps")),
+    ("optimisation", "--lr_decay", dict(type=float, default=0.5, help="plateau factor, (0, 1]")),
+    ("optimisation", "--decay_steps", dict(type=int, default=None, help="linear schedule length")),
+    ("optimisation", "--warmup", dict(type=int, default=None, help="linear lr warm-up steps")),
+    ("optimisation", "--patience", dict(type=int, default=10, help="early stopping: evaluations "
+                                        "without improvement")),
+    ("optimisation", "--batch_size", dict(type=int, default=None, help="sequences per batch")),
+    ("optimisation", "--max_tokens", dict(type=int, default=None, help="padded tokens per batch")),
+    ("optimisation", "--bptt", dict(type=int, default=70, help="stream: BPTT window length")),
+    ("optimisation", "--loss_scaling", dict(action="store_true", help="ct / ctmos: CT eq. 8's LS")),
+    ("optimisation", "--ar", dict(type=float, default=0.0, help="activation regularisation")),
+    ("optimisation", "--tar", dict(type=float, default=0.0, help="temporal AR (rnn/lstm)")),
+    ("optimisation", "--grad_accum", dict(type=int, default=1, help="batches per optimizer step, "
+                                          "over all processes")),
+    ("optimisation", "--max_epochs", dict(type=int, default=70)),
+    ("optimisation", "--max_iters", dict(type=int, default=None, help="step limit (0: none)")),
+    ("optimisation", "--eval_interval", dict(type=int, default=None, help="evaluate every N "
+                                             "steps (0: every epoch)")),
+    ("optimisation", "--eval_seqs", dict(type=int, default=0, help="validate on the first N")),
+    ("optimisation", "--train_seqs", dict(type=int, default=0, help="train on the first N")),
+]
+
+
+def build_parser():
+    p = CLIParser(description="Train a nanogen model (defaults per --model: RECIPES in "
+                                  "train.py).")
+    groups = {}
+    for group, flag, kw in FLAGS:
+        groups.setdefault(group, p.add_argument_group(group)).add_argument(flag, **kw)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# rules: (broken(args), message naming the flag and the fix), checked before anything is written
+# --------------------------------------------------------------------------------------------
+POSITIVE = ("n_layer", "d_model", "n_head", "block_size", "max_epochs", "grad_accum", "bptt",
+            "n_experts", "max_offset", "min_count", "synthetic_count", "decay_steps", "patience")
+NON_NEGATIVE = ("max_iters", "eval_interval", "eval_seqs", "train_seqs", "warmup", "seed",
+                "ct_rank", "grad_clip", "weight_decay", "ar", "tar", "ct_alpha")
+RECURRENT, STORY = ("rnn", "lstm"), STORY_DATASETS
+RULES = [
+    (lambda a: a.model in INSERTION_MODELS and a.dataset not in STORY,
+     "--model {model} trains on --dataset rocstories or synthetic, not {dataset}"),
+    (lambda a: a.dataset in STORY and a.model not in (*INSERTION_MODELS, "gpt"),
+     "--dataset {dataset} is for --model insnet, insertion_transformer or gpt (L2R)"),
+    (lambda a: a.dataset in STORY and a.head != "softmax", "--head {head} is an output head of the "
+     "left-to-right models on the NMST / CT data; the story runs use the softmax head"),
+    (lambda a: a.dataset in STORY and a.task == "stream", "--task stream is for the recurrent "
+     "models; story tasks: --task story or storyline"),
+    (lambda a: a.dataset in STORY and a.task == "completion", "--task completion is for the "
+     "WikiText / PTB data; story runs take --task story or storyline"),
+    (lambda a: a.task == "storyline" and a.dataset != "rocstories",
+     "--task storyline needs ROCStories' storylines (--dataset rocstories)"),
+    (lambda a: a.task in ("story", "storyline") and a.dataset not in STORY,
+     "--task {task} is for --dataset rocstories"),
+    (lambda a: a.dataset in STORY and (a.init_from != "scratch" or a.weights), "--init_from / "
+     "--weights load GPT-2 weights for the WikiText-103 recipe, not for story runs"),
+    (lambda a: a.order != "random" and a.model not in INSERTION_MODELS,
+     "--order is the insertion order of --model insnet / insertion_transformer"),
+    (lambda a: a.dataset in STORY and a.max_tokens is not None,
+     "story runs batch by --batch_size sequences, not --max_tokens"),
+    (lambda a: a.init_from != "scratch" and a.model != "gpt",
+     "--init_from {init_from} loads GPT-2 weights: use it with --model gpt"),
+    (lambda a: a.weights and a.init_from == "scratch",
+     "--weights is for --init_from gpt2 / gpt2-medium / gpt2-large / gpt2-xl"),
+    (lambda a: a.task == "stream" and a.model not in RECURRENT,
+     "--task stream runs the recurrent models (CT paper): use --model rnn or lstm"),
+    (lambda a: a.task == "stream" and a.head in ("st", "nmst"),
+     "--head {head} models the end of a sequence: use it with --task completion"),
+    (lambda a: a.temperature != 1.0 and a.head not in ("softmax", "mos"),
+     "a constant --temperature is the baseline of the softmax / mos heads, not of {head}"),
+    (lambda a: a.loss_scaling and a.head not in ("ct", "ctmos"),
+     "--loss_scaling scales by the contextual temperature: use --head ct or ctmos"),
+    (lambda a: (a.ar or a.tar or a.locked_dropout) and a.model not in RECURRENT,
+     "--ar / --tar / --locked_dropout act on the recurrent models' last layer (rnn/lstm)"),
+    (lambda a: a.vocab == "char" and a.dataset not in ("wikitext2", "ptb"),
+     "--vocab char is for the word-level datasets (wikitext2, ptb), not {dataset}"),
+    *((lambda a, k=k: not getattr(a, k) >= 1, f"--{k} must be >= 1, got {{{k}}}")
+      for k in POSITIVE),
+    *((lambda a, k=k: not (0 <= getattr(a, k) < math.inf), f"--{k} must be >= 0, got {{{k}}}")
+      for k in NON_NEGATIVE),
+    (lambda a: any(v is not None and not v >= 1 for v in (a.batch_size, a.max_tokens)),
+     "--batch_size / --max_tokens must be >= 1"),
+    (lambda a: a.batch_size is not None and a.max_tokens is not None,
+     "give --batch_size (sequences per batch) or --max_tokens (tokens per batch), not both"),
+    (lambda a: not 0 < a.lr < math.inf, "--lr must be a positive number, got {lr}"),
+    (lambda a: not 0 < a.lr_decay <= 1, "--lr_decay must lie in (0, 1], got {lr_decay}"),
+    (lambda a: not 0 <= a.dropout < 1, "--dropout must lie in [0, 1), got {dropout}"),
+    (lambda a: not (0 <= a.beta1 < 1 and 0 <= a.beta2 < 1), "--beta1 / --beta2 must lie in [0, 1)"),
+    (lambda a: not (a.ct_beta > 0 and a.temperature > 0), "--ct_beta / --temperature must be > 0"),
+    (lambda a: a.peak_flops is not None and not a.peak_flops > 0, "--peak_flops must be > 0"),
+    (lambda a: a.head in ("st", "nmst") and not 0 < a.epsilon < 1,
+     "--epsilon must lie in (0, 1), got {epsilon}"),
+    (lambda a: a.model not in RECURRENT and a.d_model % a.n_head,
+     "--d_model {d_model} must be divisible by --n_head {n_head}"),
+]
+
+
+def resolve(args, explicit):
+    """Fill the defaults (RECIPES; the GPT-2 shape of --init_from; the task of the dataset),
+    then check RULES.  Explicit flags are never changed."""
+    story = args.dataset in STORY or args.model in INSERTION_MODELS
+    recipe = dict(zip(RECIPE_KEYS, RECIPES["story" if story else args.model]))
+    if "batch_size" in explicit or "max_tokens" in explicit:  # the user picked how to batch
+        recipe.update(batch_size=None, max_tokens=None)
+    if args.init_from != "scratch":
+        pretrained_shape(args, explicit)
+    for k, v in recipe.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.task is None:
+        args.task = "story" if args.dataset in STORY else "completion"
+    for broken, message in RULES:
+        if broken(args):
+            raise ValueError(message.format(**vars(args)))
+    if args.out_dir is None:
+        args.out_dir = os.path.join("out", default_run_name(args))
+    return args
+
+
+def pretrained_shape(args, explicit):
+    """--init_from gpt2*: the pretrained model's shape; a different explicit one is an error."""
+    shape = dict(zip(("n_layer", "n_head", "d_model"), GPT2_SIZES[args.init_from]))
+    for k, v in dict(shape, block_size=1024, no_bias=False, no_tie=False).items():
+        if k in explicit and explicit[k] != v:
+            raise ValueError(f"--init_from {args.init_from} has --{k} {v}; drop --{k}")
+        setattr(args, k, v)
+
+
+def default_run_name(a):
+    if a.dataset in STORY:
+        return f"{a.dataset}-{a.task}-{a.model}" + ("-l2r" if a.order == "l2r" else "")
+    return f"{a.dataset}{'-char' if a.vocab == 'char' else ''}-{a.model}-{a.head}"
+
+
+def resume_args(args, explicit, ckpt, path):
+    """On --resume the run's own arguments come back; RESUMABLE flags may be changed, any other
+    flag that differs is an error (nothing is silently ignored)."""
+    saved = dict(vars(build_parser().parse_args([])), **ckpt["args"])
+    for k, v in explicit.items():
+        if k not in RESUMABLE + ("resume", "out_dir") and saved.get(k) != v:
+            what = "a flag a resumed run cannot change" if k not in ARCH_KEYS else "its model/data"
+            raise CheckpointError(f"the checkpoint in {args.out_dir} was trained with --{k} "
+                                  f"{saved.get(k)}, not {v} ({what}); drop --{k} or use another "
+                                  f"--out_dir for a new run")
+        if k in RESUMABLE:
+            saved[k] = v
+    saved["resume"], saved["out_dir"] = True, args.out_dir  # where the folder is now
+    return type(args)(**saved)
+
+
+def model_config(args, vocab_size, eos_id):
+    """The architecture part of the arguments, as the plain dict checkpoints keep."""
+    cfg = dict(model=args.model, vocab_size=vocab_size, n_layer=args.n_layer,
+               d_model=args.d_model, dropout=args.dropout)
+    if args.model in INSERTION_MODELS:
+        cfg.update(n_head=args.n_head, block_size=args.block_size)
+        return dict(cfg, max_offset=args.max_offset) if args.model == "insnet" else cfg
+    cfg.update(head=args.head, epsilon=args.epsilon, eos_id=eos_id, tie=not args.no_tie)
+    if args.model == "gpt":
+        cfg.update(n_head=args.n_head, block_size=args.block_size, bias=not args.no_bias)
+    if args.model in RECURRENT and args.locked_dropout:
+        cfg.update(locked_dropout=True)
+    if args.head in ("mos", "ctmos"):
+        cfg.update(n_experts=args.n_experts)
+    if args.head in ("ct", "ctmos"):
+        cfg.update(ct_alpha=args.ct_alpha, ct_beta=args.ct_beta, ct_rank=args.ct_rank)
+    if args.temperature != 1.0:
+        cfg.update(temperature=args.temperature)
+    return cfg
+
+

@@ -1,0 +1,400 @@
+"""Training tasks: how batches are made, resumed and scored.  train.py's one loop runs any of
+them; evaluate.py scores checkpoints with the same code.
+
+    CompletionTask  sequence completion (NMST paper section 4): -log p(y | x) over the
+                    continuation tokens y of each line, x its first 10 words
+    StreamTask      continuous language modelling (CT paper): truncated BPTT over the
+                    concatenated corpus, the hidden state carried (and detached) across windows
+    StoryTask       stories for the insertion models (InsNet paper) and their L2R baseline:
+                    -log p over a sequence's predicted events along one insertion order
+
+Every task has the same five parts:
+    epoch(e)              -> the keys of epoch e's batches: a pure function of (seed, e), so a
+                             resumed run replays them exactly
+    batch(key, device)    -> a dict of tensors (t, the continuation step of every position, is
+                             built here, once: data/loader.collate)
+    loss(model, batch)    -> Loss(value to backpropagate, nll sum, predicted events, tokens read)
+    evaluate(model, dev)  -> the validation figures (nll per predicted event first)
+    state() / load_state  what must survive a resume besides the model (StreamTask: the hidden
+                          state)
+and `signature`, what its data was made from (checkpoints keep it; evaluate.py and --resume
+refuse other data).
+"""
+import collections
+import contextlib
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+from checkpoint import CheckpointError
+from data.loader import batches, batchify, bptt_windows, collate, load, load_stream
+from data.prepare import tokenizer_of
+from data.stories import load_sequences
+from heads import loss_scale
+from insnet import InsertionTransformer, InsNet, collate_insertions, sequence_nll
+from model import LanguageModel, eval_mode
+
+Loss = collections.namedtuple("Loss", "value nll n tokens")
+INSERTION_MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
+STORY_DATASETS = ("rocstories", "synthetic")
+
+
+def build_model(cfg):
+    """The model of a config dict: InsNet, IT-vanilla, or a LanguageModel (backbone + head)."""
+    return INSERTION_MODELS.get(cfg["model"], LanguageModel)(cfg)
+
+
+def model_from_checkpoint(ckpt, path="checkpoint"):
+    """Build the checkpoint's model and load its weights; a mismatch names the file."""
+    try:
+        model = build_model(ckpt["config"])
+        model.load_state_dict(ckpt["model"])
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: its weights do not fit its model config ({first})") \
+            from None
+    return model
+
+
+def detach(state):
+    """Cut the graph of a recurrent state (tensor or tuple of tensors)."""
+    if state is None:
+        return None
+    return tuple(s.detach() for s in state) if isinstance(state, tuple) else state.detach()
+
+
+def unwrap(model):
+    """The LanguageModel inside a DistributedDataParallel wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+class LanguageModelTask:
+    """What the completion and stream tasks share: CT paper eq. 8's penalties on the loss."""
+
+    def __init__(self, loss_scale=1.0, ar=0.0, tar=0.0):
+        self.loss_scale, self.ar, self.tar = loss_scale, ar, tar
+
+    def penalised(self, model, ce):
+        """ce * LS (eq. 8's loss scaling, a constant) + AR / TAR on the last recurrent layer."""
+        loss = ce * self.loss_scale
+        if self.ar or self.tar:
+            loss = loss + unwrap(model).backbone.activation_regularisation(self.ar, self.tar)
+        return loss
+
+    def state(self):
+        return {}
+
+    def load_state(self, state):
+        pass
+
+
+class CompletionTask(LanguageModelTask):
+    """Sequence completion (NMST paper section 4, eq. 3)."""
+    name = "completion"
+
+    def __init__(self, splits, batch_size=None, max_tokens=None, max_len=None, seed=0,
+                 train_seqs=0, eval_seqs=0, **penalties):
+        super().__init__(**penalties)
+        self.splits, self.seed, self.train_seqs, self.eval_seqs = splits, seed, train_seqs, \
+            eval_seqs
+        self.sizes = dict(batch_size=batch_size, max_tokens=max_tokens, max_len=max_len)
+
+    def epoch(self, e):
+        return batches(self.splits["train"].lengths, shuffle=True, seed=self.seed, epoch=e,
+                       limit=self.train_seqs or None, **self.sizes)
+
+    def batch(self, index, device, split="train"):
+        return collate(self.splits[split], index, device)
+
+    def loss(self, model, batch):
+        """Mean -log p over the batch's continuation tokens (eos included)."""
+        log_p = model(batch["inputs"], batch["t"], lengths=batch["lengths"] - 1,
+                      targets=batch["targets"])  # (B, T)
+        n = int(batch["mask"].sum())
+        nll = -log_p[batch["mask"]].float().sum()
+        return Loss(self.penalised(model, nll / n), nll.detach(), n,
+                    int((batch["lengths"] - 1).sum()))
+
+    @torch.no_grad()
+    def evaluate(self, lm, device, split="valid", limit=None, rank=0, world=1, autocast=None):
+        """Perplexity exactly as the NMST paper uses it: exp of the mean NLL over the
+        continuation tokens (eos included) given the context; also the mean p(eos) at the true
+        end.  Under torchrun each process scores every world-th batch and the sums are
+        all-reduced.  -> dict(nll, ppl, tokens, sequences, skipped, eos_prob_at_end)."""
+        data = self.splits[split]
+        limit = limit if limit is not None else (self.eval_seqs or None)
+        sums = torch.zeros(4, dtype=torch.float64)  # nll, tokens, p(eos) at the end, sequences
+        with eval_mode(lm):
+            for index in batches(data.lengths, limit=limit, **self.eval_sizes())[rank::world]:
+                b = collate(data, index, device)
+                with autocast or contextlib.nullcontext():
+                    log_p = self.loss_terms(lm, b)
+                last = log_p.gather(1, (b["lengths"] - 2).unsqueeze(1))  # the final eos
+                sums += torch.tensor([-log_p[b["mask"]].sum().item(), int(b["mask"].sum()),
+                                      last.exp().sum().item(), len(index)], dtype=torch.float64)
+        sums = all_reduce(sums, world, device)
+        considered = len(data) if limit is None else min(limit, len(data))
+        nll = sums[0].item() / max(sums[1].item(), 1)
+        return dict(nll=nll, ppl=math.exp(min(nll, 700.0)), tokens=int(sums[1]),
+                    sequences=int(sums[3]), skipped=considered - int(sums[3]),
+                    eos_prob_at_end=sums[2].item() / max(sums[3].item(), 1))
+
+    def eval_sizes(self):
+        """Evaluation batches: the training ones, by tokens or 32 sequences."""
+        s = dict(self.sizes)
+        if s["batch_size"] is None and s["max_tokens"] is None:
+            s["batch_size"] = 32
+        return s
+
+    @staticmethod
+    def loss_terms(lm, b):
+        return lm(b["inputs"], b["t"], lengths=b["lengths"] - 1, targets=b["targets"]).float()
+
+
+def all_reduce(sums, world, device):
+    """Sum a float64 tensor over the processes (identity for one process)."""
+    if world == 1:
+        return sums
+    import torch.distributed as dist
+    t = sums.to(device)
+    dist.all_reduce(t)
+    return t.cpu()
+
+
+class StreamTask(LanguageModelTask):
+    """Continuous language modelling (CT paper, as AWD-LSTM): the corpus cut into batch_size
+    columns, truncated BPTT windows, the hidden state carried and detached between windows and
+    reset at each epoch's start; validation on 10 columns (the usual evaluation batch)."""
+    name = "stream"
+
+    def __init__(self, folder, batch_size, bptt, eval_seqs=0, **penalties):
+        super().__init__(**penalties)
+        self.folder, self.bptt, self.hidden = folder, bptt, None
+        self.train = batchify(load_stream(folder, "train"), batch_size)
+        self.valid = batchify(load_stream(folder, "valid"), 10)
+        if eval_seqs:  # the first N tokens of each of the 10 validation columns
+            self.valid = self.valid[:, :eval_seqs + 1]
+
+    def epoch(self, e):
+        return bptt_windows(self.train.size(1), self.bptt)
+
+    def batch(self, window, device):
+        i, L = window
+        x, y = self.train[:, i:i + L], self.train[:, i + 1:i + 1 + L]
+        return dict(x=x.to(device), y=y.to(device), start=i)
+
+    def loss(self, model, batch):
+        if batch["start"] == 0:  # each epoch starts the streams afresh
+            self.hidden = None
+        log_p, hidden = model.stream_log_probs(batch["x"], batch["y"], self.hidden)
+        self.hidden = detach(hidden)  # truncated BPTT: no gradient into the past
+        n = batch["y"].numel()
+        nll = -log_p.float().sum()
+        return Loss(self.penalised(model, nll / n), nll.detach(), n, n)
+
+    def evaluate(self, lm, device, split="valid", **_):
+        data = self.valid if split == "valid" else batchify(load_stream(self.folder, split), 10)
+        return stream_perplexity(lm, data, self.bptt, device)
+
+    def state(self):
+        return dict(hidden=self.hidden)
+
+    def load_state(self, state):
+        self.hidden = state.get("hidden")
+
+
+@torch.no_grad()
+def stream_perplexity(lm, data, bptt, device="cpu"):
+    """Continuous-LM perplexity (CT paper): exp of the mean NLL over every target token of a
+    batchified stream (bsz, N), hidden state carried across BPTT windows."""
+    nll, n, state = 0.0, 0, None
+    with eval_mode(lm):
+        for i, L in bptt_windows(data.size(1), bptt):
+            x, y = data[:, i:i + L].to(device), data[:, i + 1:i + 1 + L].to(device)
+            log_p, state = lm.stream_log_probs(x, y, state)
+            nll -= log_p.double().sum().item()
+            n += y.numel()
+    return dict(nll=nll / n, ppl=math.exp(min(nll / n, 700.0)), tokens=n)
+
+
+# ---------------------------------------------------------------------------------------------
+# stories: the insertion models (insnet.py) and their L2R baseline (InsNet paper section 5)
+# ---------------------------------------------------------------------------------------------
+def story_batch(seqs, kind, order="random", generator=None, device="cpu"):
+    """A batch of encoded story sequences.  L2R (gpt): right-padded tokens and the mask of the
+    tokens after the given prefix (EOS included).  Insertion models: one insertion order per
+    sequence (`order`: random from `generator`, or l2r), insnet.collate_insertions."""
+    toks = [s["tokens"] for s in seqs]
+    if kind not in INSERTION_MODELS:
+        L = max(len(t) for t in toks)
+        tokens = torch.zeros(len(toks), L, dtype=torch.long)
+        for b, t in enumerate(toks):
+            tokens[b, :len(t)] = torch.as_tensor(t)
+        lengths = torch.tensor([len(t) for t in toks])
+        pos = torch.arange(L - 1)
+        given = torch.tensor([s["n_given"] for s in seqs])
+        mask = (pos >= (given - 1).unsqueeze(1)) & (pos < (lengths - 1).unsqueeze(1))
+        return {k: v.to(device) for k, v in dict(tokens=tokens, lengths=lengths, mask=mask).items()}
+    return collate_insertions(toks, [s["n_given"] for s in seqs], [s["keyword_pos"] for s in seqs],
+                              order, generator, device)
+
+
+def story_nll(model, batch):
+    """-log p of each sequence of a batch (B,) and its number of predicted events (B,).
+    L2R: the tokens after the given prefix.  Insertion models: the slot and token of every
+    non-given insertion plus the termination: the NLL of the (sequence, order) pair."""
+    if "order" in batch:
+        return sequence_nll(model.sequence_log_probs(**batch))
+    tokens, lengths, mask = batch["tokens"], batch["lengths"], batch["mask"]
+    log_p = model(tokens[:, :-1], None, lengths=lengths - 1, targets=tokens[:, 1:])  # (B, L-1)
+    return -(log_p.float() * mask).sum(1), mask.sum(1)
+
+
+class StoryTask:
+    """Stories (InsNet paper section 4): the loss of a batch is the mean -log p over its
+    predicted events (slot + token per insertion, termination; L2R: tokens), one fresh
+    insertion order per sequence per batch, drawn from a generator seeded by the batch's key
+    (so a resumed run draws the same orders)."""
+    name = "story"
+
+    def __init__(self, data, kind, order="random", batch_size=32, seed=0, train_seqs=0,
+                 eval_seqs=0):
+        self.data, self.kind, self.order, self.batch_size, self.seed = data, kind, order, \
+            batch_size, seed
+        self.splits = dict(data.splits, train=data.splits["train"][:train_seqs or None],
+                           valid=data.splits["valid"][:eval_seqs or None])
+
+    def epoch(self, e):
+        index = batches([len(s["tokens"]) for s in self.splits["train"]], self.batch_size,
+                        shuffle=True, seed=self.seed, epoch=e)
+        return [(ix, (self.seed * 1_000_003 + e) * 1_000_003 + j) for j, ix in enumerate(index)]
+
+    def batch(self, key, device):
+        index, order_seed = key
+        seqs = [self.splits["train"][i] for i in index]
+        return story_batch(seqs, self.kind, self.order, torch.Generator().manual_seed(order_seed),
+                           device)
+
+    def loss(self, model, batch):
+        nll, events = story_nll(model, batch)
+        n = int(events.sum())
+        return Loss(nll.sum() / n, nll.sum().detach(), n, int(batch["lengths"].sum()))
+
+    @torch.no_grad()
+    def evaluate(self, model, device, split="valid", limit=None, seed=None, **_):
+        """-> dict(nll (per event), nll_per_story, ppl (= exp nll), stories, events,
+        nll_bound_per_story).  The orders come from one generator seeded with `seed` (the run's
+        seed): the same for every call.  With random orders, nll_per_story estimates
+        E_pi[-log p(x, pi)] over the n! orders of a story's n inserted tokens, and by Jensen's
+        inequality with the uniform order distribution  -log p(x) = -log sum_pi p(x, pi) <=
+        E_pi[-log p(x, pi)] - log n!,  so nll_bound_per_story = nll_per_story - mean log n!
+        bounds -log p(story) from above and is comparable with L2R's NLL."""
+        seqs = self.splits[split][:limit]
+        g = torch.Generator().manual_seed(self.seed if seed is None else seed)
+        nll, events, log_orders = 0.0, 0, 0.0
+        random_orders = self.order == "random" and self.kind in INSERTION_MODELS
+        with eval_mode(model):
+            for index in batches([len(s["tokens"]) for s in seqs], batch_size=self.batch_size):
+                b_nll, b_events = story_nll(model, story_batch([seqs[i] for i in index], self.kind,
+                                                               self.order, g, device))
+                nll += b_nll.sum().item()
+                events += int(b_events.sum())
+                if random_orders:  # log n! with n = events - 1 insertions (then termination)
+                    log_orders += sum(math.lgamma(int(e)) for e in b_events)
+        per_event, n = nll / max(events, 1), max(len(seqs), 1)
+        return dict(nll=per_event, nll_per_event=per_event, nll_per_story=nll / n,
+                    ppl=math.exp(min(per_event, 700.0)),
+                    stories=len(seqs), events=events, nll_bound_per_story=(nll - log_orders) / n)
+
+    def state(self):
+        return {}
+
+    def load_state(self, state):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# a run's task and data, from train.py's arguments (or the ones a checkpoint keeps)
+# ---------------------------------------------------------------------------------------------
+def load_task(a, data_dir=None, vocab=None, verbose=True):
+    """The task of a run described by `a` (a dict of train.py's arguments) with its data.
+    vocab: a story checkpoint's own vocabulary.  -> task, with .vocab_size, .eos_id,
+    .signature (what the data was made from) and .note set."""
+    if a["dataset"] in STORY_DATASETS:
+        return _story_task(a, data_dir, vocab, verbose)
+    meta, splits = load(a["dataset"], data_dir, verbose=verbose, vocab=a.get("vocab") or "word")
+    folder = splits["train"].folder
+    ls = loss_scale(meta["vocab_size"], a.get("ct_alpha", 1.0), a.get("ct_beta", 0.5)) \
+        if a.get("loss_scaling") else 1.0
+    penalties = dict(loss_scale=ls, ar=a.get("ar", 0.0), tar=a.get("tar", 0.0))
+    if a.get("task") == "stream":
+        task = StreamTask(folder, a["batch_size"], a.get("bptt", 70), a.get("eval_seqs", 0),
+                          **penalties)
+    else:
+        max_len = a.get("block_size") if a["model"] == "gpt" else None
+        task = CompletionTask(splits, a.get("batch_size"), a.get("max_tokens"), max_len,
+                              a.get("seed", 0), a.get("train_seqs", 0), a.get("eval_seqs", 0),
+                              **penalties)
+    task.meta, task.vocab_size, task.eos_id = meta, meta["vocab_size"], meta["eos_id"]
+    task.tokenizer = lambda: tokenizer_of(folder, meta)
+    task.signature = dict(dataset=a["dataset"], vocab_size=meta["vocab_size"],
+                          eos_id=meta["eos_id"], tokenizer=meta["tokenizer"],
+                          source=meta["source"]["sha256"], fingerprints=meta["fingerprints"])
+    task.note = ""
+    return task
+
+
+def _story_task(a, data_dir, vocab, verbose):
+    from data.stories import EOS
+    data = load_sequences(a["dataset"], a["task"], a["model"], data_dir, a.get("min_count", 2),
+                          a.get("synthetic_count", 200), vocab=vocab, verbose=verbose)
+    task = StoryTask(data, a["model"], a.get("order", "random"), a.get("batch_size") or 32,
+                     a.get("seed", 0), a.get("train_seqs", 0), a.get("eval_seqs", 0))
+    task.vocab_size, task.eos_id, task.note = len(data.vocab), EOS, data.note
+    task.variant = a["task"]  # story / storyline
+    src = data.sources
+    if a["dataset"] == "synthetic":
+        prints = {s: f"synthetic-{src['synthetic']}-{s}" for s in ("train", "valid", "test")}
+    else:  # without a train file, train and valid both come from dev
+        prints = dict(train=src.get("train", src["dev"]), valid=src["dev"], test=src["test"])
+    prints["vocab"] = hashlib.sha256("\n".join(data.vocab).encode()).hexdigest()
+    task.signature = dict(dataset=a["dataset"], task=a["task"], vocab_size=len(data.vocab),
+                          sources=src, fingerprints=prints)
+    if a["dataset"] == "rocstories":
+        task.signature["vocab"] = data.vocab
+    return task
+
+
+def check_same_data(saved, current, splits, path):
+    """Refuse data whose content differs from what the checkpoint at `path` was made from:
+    another vocabulary, or another version of the splits it is about to read."""
+    if saved.get("vocab_size", current["vocab_size"]) != current["vocab_size"] or \
+            saved.get("eos_id", current.get("eos_id")) != current.get("eos_id"):
+        raise CheckpointError(f"{path} was trained on another vocabulary "
+                              f"(V={saved.get('vocab_size')}) than the prepared "
+                              f"{current['dataset']} (V={current['vocab_size']})")
+    old, new = saved.get("fingerprints"), current["fingerprints"]
+    if old:  # format-2 checkpoints: the vocabulary and every split read
+        for part in ("vocab", *splits):
+            if old.get(part) is not None and old.get(part) != new.get(part):
+                what = "vocabulary" if part == "vocab" else f"{part} split"
+                raise CheckpointError(
+                    f"{path} was made from other {current['dataset']} data: its {what} differs "
+                    f"from the one prepared here (point --data_dir at the data it was trained on, "
+                    f"or train a new model)")
+    elif saved.get("source") is not None and saved["source"] != current.get("source"):
+        raise CheckpointError(f"{path} was made from another {current['dataset']} source (sha256 "
+                              f"{str(saved['source'])[:24]}...) than the one found here (point "
+                              f"--data_dir at the data it was trained on)")
+
+
+def token_count(task):
+    """Training tokens per epoch (for the run summary)."""
+    if task.name == "completion":
+        lengths = task.splits["train"].lengths[:task.train_seqs or None]
+        return int(np.sum(lengths - 1))
+    if task.name == "stream":
+        return int(task.train.numel())
+    return sum(len(s["tokens"]) for s in task.splits["train"])
