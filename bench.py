@@ -14,12 +14,14 @@
 Every figure is measured on the machine that runs it; the README lists the ones we measured,
 with the hardware and the command.
 """
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 import cli
@@ -244,61 +246,50 @@ def bench_decode(args):
 # fast.py: what each fast path pays
 # --------------------------------------------------------------------------------------------
 def with_switch(name, on, make):
-    """make() -> fn, built and run with fast.<name> = on (model.Dropout follows its switch;
-    the other switches are read at call time), everything else on."""
-    import model
-
-    def apply(value):
-        setattr(fast, name, value)
-        model.Dropout = fast.Dropout if fast.INTEGER_DROPOUT else torch.nn.Dropout
-    apply(on)
-    fn = make()
-    apply(True)
-
+    """make() -> fn, built and run with fast.<name> = on, the other switches on."""
     def run():
-        apply(on)
+        setattr(fast, name, on)
         try:
             fn()
         finally:
-            apply(True)
+            setattr(fast, name, True)
+    setattr(fast, name, on)
+    fn = make()
+    setattr(fast, name, True)
     return run
 
 
 def bench_fast(args):
-    """Each switch of fast.py on vs off, everything else on: a GPT train step (output layer,
-    dropout, attention), decoding (the few-row projection), and the allocator setting in a
-    fresh process (glibc's setting cannot be undone in one)."""
+    """Each switch of fast.py on vs off, everything else on: a GPT train step (the output
+    layer), decoding (the few-row projection), and the allocator setting in fresh processes
+    (glibc's setting cannot be undone in one)."""
     device = cli.resolve_device("cpu")
     V, B, T = 50257, args.batch, args.seq
-    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads,
-                 dropout=0.1)
+    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads)
     x = torch.randint(0, V, (B, T + 1))
 
     def gpt_step():
         torch.manual_seed(0)
-        return train_step(LanguageModel(cfg_for("gpt", "softmax", V, **shape)).train(),
-                          x[:, :T], x[:, 1:])
+        lm = LanguageModel(cfg_for("gpt", "softmax", V, dropout=0.1, **shape)).train()
+        return train_step(lm, x[:, :T], x[:, 1:])
 
     def greedy():
         from decode import decode
         torch.manual_seed(0)
-        lm = LanguageModel(cfg_for("gpt", "softmax", V, **dict(shape, dropout=0.0))).eval()
+        lm = LanguageModel(cfg_for("gpt", "softmax", V, dropout=0.0, **shape)).eval()
         return lambda: decode(lm, x[:args.prompts, :10], args.new_tokens)
-    rows = [("FUSED_OUTPUT_LAYER", gpt_step, "GPT train step"),
-            ("INTEGER_DROPOUT", gpt_step, "GPT train step"),
-            ("MATH_ATTENTION", gpt_step, "GPT train step"),
-            ("FEW_ROW_PROJECTION", greedy, f"greedy, {args.prompts} prompts")]
     print(f"fast.py switches on vs off, GPT-2 shape {args.gpt_layers}x{args.gpt_dim}, V={V}, "
           f"batch {B} x {T}, cpu, threads {torch.get_num_threads()}, medians of {args.rounds} "
           f"alternating rounds of {args.iters}")
     print(f"{'switch':20s} {'measured on':24s} {'on (ms)':>9s} {'off (ms)':>9s} {'off/on':>7s}")
-    for name, make, what in rows:
+    for name, make, what in (("FUSED_OUTPUT_LAYER", gpt_step, "GPT train step"),
+                             ("FEW_ROW_PROJECTION", greedy, f"greedy, {args.prompts} prompts")):
         times = alternating({on: with_switch(name, on, make) for on in (True, False)},
                             args.rounds, args.iters, device)
         on, off = (1e3 * statistics.median(times[k]) for k in (True, False))
         print(f"{name:20s} {what:24s} {on:9.1f} {off:9.1f} {off / on:7.2f}", flush=True)
     on, off = (allocator_run(keep, args) for keep in (True, False))
-    print(f"{'KEEP_FREED_MEMORY':20s} {'LSTM V=33278 eval':24s} {on:9.1f} {off:9.1f} "
+    print(f"{'KEEP_FREED_MEMORY':20s} {'LSTM V=33278 forward':24s} {on:9.1f} {off:9.1f} "
           f"{off / on:7.2f}")
 
 
@@ -469,10 +460,10 @@ def bench_table4(args):
 
 
 def table4_model(path, args, device):
-    from checkpoint import load
-    from tasks import load_task, model_from_checkpoint
-    ckpt = load(path)
-    task = load_task(dict(ckpt["args"], train_seqs=0, eval_seqs=0), args.data_dir, verbose=False)
+    from checkpoint import check_run, load
+    from tasks import checkpoint_task, model_from_checkpoint
+    ckpt = check_run(load(path), path)
+    task = checkpoint_task(ckpt, args.data_dir, ("valid",), path)
     cfg = ckpt["config"]
     row = cfg["head"] + ("" if cfg["head"] == "softmax" else f" {cfg['epsilon']:.0e}")
     lm = model_from_checkpoint(ckpt, path).to(device).eval()
@@ -503,6 +494,116 @@ def print_table4(cells, seconds, total, args, device):
     for r in rows:
         print(f"{r:12s} " + " ".join(f"{seconds[r, name]:13.0f}" for name, _, _ in TABLE4))
     print(f"grid: {len(cells)} cells in {total:.0f} s ({total / 60:.1f} min)")
+
+
+# --------------------------------------------------------------------------------------------
+# the survey's comparison: recurrent, convolutional, attention (its sections 3.2, 4.2, 5.2)
+# --------------------------------------------------------------------------------------------
+ARCH = {  # comparable size: each body ~16 D^2 weights at D = 256 (GPT: 24 D^2 at D = 208)
+    "rnn": dict(n_layer=8, d_model=256),
+    "lstm": dict(n_layer=2, d_model=256),
+    "gcnn": dict(n_layer=2, d_model=256, kernel_size=4),
+    "gpt": dict(n_layer=2, d_model=208, n_head=4),
+}
+
+
+def arch_costs(model, s, V, T, block):
+    """The survey's costs of one architecture: parameters by formula (PyTorch's layers: two LSTM
+    bias vectors, no peepholes; GPT with biases and LayerNorms), forward FLOPs per token
+    (O(NTD^2), O(LTKD^2), O(LT^2 D) per sequence; 2 FLOPs per multiply-add, the output layer
+    2DV apart), sequential steps for a T-token sequence, the path between positions i and i+k
+    (k = 16) and the receptive field."""
+    N, D, k = s["n_layer"], s["d_model"], s.get("kernel_size", 0)
+    body = {"rnn": N * (2 * D * D + 2 * D), "lstm": N * (8 * D * D + 8 * D),
+            "gcnn": N * (2 * k * D * D + 4 * D) + block * D + 2 * D,
+            "gpt": N * (12 * D * D + 13 * D) + 2 * D + block * D}[model]
+    flops = {"rnn": 4 * N * D * D, "lstm": 16 * N * D * D, "gcnn": 4 * k * N * D * D,
+             "gpt": 24 * N * D * D + 2 * N * T * D}[model]
+    field = (k - 1) * N + 1 if model == "gcnn" else (block if model == "gpt" else "all")
+    path = {"rnn": "16", "lstm": "16", "gpt": "1"}.get(model)  # recurrent steps / attention hops
+    if model == "gcnn":  # convolution layers, each moving k-1 positions back
+        path = str(-(-16 // (k - 1))) if 16 < field else "beyond"
+    seq = {"rnn": f"{T} x {N}", "lstm": f"{T} x {N}", "gcnn": str(N), "gpt": str(N)}[model]
+    return dict(params_formula=body + V * D, flops=flops, flops_out=2 * D * V, sequential=seq,
+                path16=path, field=field)
+
+
+def bench_arch(args):
+    """RNN, LSTM, GCNN and GPT at a comparable parameter count on the same data (PTB word-level
+    sequence completion, softmax head): the survey's costs beside what they measure here: train
+    tokens/s, greedy decode tokens/s, and validation perplexity after the same wall-clock
+    training budget (--budget seconds, evaluations included).  --plot: perplexity vs time."""
+    import tempfile
+    import train
+    from checkpoint import load
+    from tasks import checkpoint_task, model_from_checkpoint
+    rows, curves = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, s in ARCH.items():
+            out = os.path.join(tmp, model)
+            flags = [f"--{k}={v}" for k, v in s.items()]
+            train.main(["--model", model, "--dataset", "ptb", "--head", "softmax", *flags,
+                        "--dropout", "0.1", "--batch_size", "32", "--lr", "2e-3",
+                        "--lr_schedule", "constant", "--block_size", "256", "--max_iters", "0",
+                        "--max_minutes", str(args.budget / 60), "--eval_interval",
+                        str(args.eval_every), "--eval_seqs", "300", "--out_dir", out,
+                        "--seed", "0", *(["--data_dir", args.data_dir] if args.data_dir else [])])
+            ckpt = load(os.path.join(out, "ckpt_last.pt"))
+            task = checkpoint_task(ckpt, args.data_dir, eval_seqs=args.limit)
+            lm = model_from_checkpoint(ckpt).eval()
+            log = [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))]
+            curves[model] = [(r["elapsed_s"], r["val_ppl"]) for r in log]
+            rows.append(arch_row(model, s, lm, task, ckpt, log, args))
+    print_arch(rows, args)
+    if args.plot:
+        plot_arch(curves, args)
+
+
+def arch_row(model, s, lm, task, ckpt, log, args):
+    from decode import decode
+    split = task.splits["valid"]
+    T = float(np.mean(task.splits["train"].lengths - 1))
+    res = task.evaluate(lm, "cpu")
+    prompts = [torch.as_tensor(split.context(i)) for i in range(16)]
+    t0 = time.perf_counter()
+    out = decode(lm, prompts, 64)
+    dec = sum(len(t) for t in out["tokens"]) / (time.perf_counter() - t0)
+    steps = ckpt["train_state"]["step"]
+    train_tps = float(np.median([r["tokens_per_s"] for r in log]))  # between evaluations
+    return dict(model=model, shape=s, counted=lm.num_params(), steps=steps, train_tps=train_tps,
+                decode_tps=dec, ppl=res["ppl"], **arch_costs(model, s, task.vocab_size, T, 256))
+
+
+def print_arch(rows, args):
+    print(f"\nthe survey's comparison on PTB (V=10000, word level, sequence completion), "
+          f"{args.budget:g} s of training each (batch 32, lr 2e-3, dropout 0.1), validation on "
+          f"the first {args.limit} sequences, cpu, threads {torch.get_num_threads()}")
+    print(f"{'model':5s} {'shape':14s} {'params (formula)':>16s} {'counted':>9s} "
+          f"{'GFLOP/tok body+out':>18s} {'seq. steps':>10s} {'path i->i+16':>12s} "
+          f"{'recept. field':>13s} {'train tok/s':>11s} {'decode tok/s':>12s} {'steps':>6s} "
+          f"{'val ppl':>8s}")
+    for r in rows:
+        s = r["shape"]
+        shape = f"{s['n_layer']}x{s['d_model']}" + (f" k{s['kernel_size']}" if "kernel_size" in s
+                                                     else "")
+        print(f"{r['model']:5s} {shape:14s} {r['params_formula']:16,d} {r['counted']:9,d} "
+              f"{r['flops'] / 1e9:8.4f}+{r['flops_out'] / 1e9:.4f} {r['sequential']:>10s} "
+              f"{r['path16']:>12s} {str(r['field']):>13s} {r['train_tps']:11.0f} "
+              f"{r['decode_tps']:12.0f} {r['steps']:6d} {r['ppl']:8.1f}")
+
+
+def plot_arch(curves, args):
+    plt = cli.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for model, pts in curves.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=model.upper())
+    ax.set(xlabel="training time (s, evaluations included)", ylabel="validation perplexity",
+           yscale="log", title="PTB, comparable sizes, CPU")
+    ax.legend()
+    fig.tight_layout()
+    cli.save_figure(fig, args.plot)
 
 
 # --------------------------------------------------------------------------------------------
@@ -604,6 +705,7 @@ def build_parser():
     p.add_argument("--files", nargs="+", default=None, help="code: files to measure")
     p.add_argument("--top", type=int, default=10, help="code: functions listed")
     p.add_argument("--budget", type=float, default=120, help="arch: training seconds per model")
+    p.add_argument("--eval_every", type=int, default=100, help="arch: steps between evaluations")
     return p
 
 
@@ -616,6 +718,8 @@ def main(argv=None):
     if not args.mb > 0 or not args.budget > 0:
         raise ValueError("--mb and --budget must be > 0")
     cli.check_output(args.plot, "--plot")
+    if cli.resolve_device(args.device) == "cpu" and fast.KEEP_FREED_MEMORY:
+        fast.tune_cpu_allocator()  # as train.py and evaluate.py do, for every model compared
     globals()[f"bench_{args.what}"](args)
     return 0
 

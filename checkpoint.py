@@ -5,8 +5,8 @@ tensors and plain containers, streamed into a temporary file in the destination 
 sha256 is taken; the digest goes into the zip's archive comment (`nanogen-checkpoint-2
 sha256=<hex>`, over the bytes torch wrote); then fsync and rename.  So a crash leaves the old
 file or the new one, never half of one; a file damaged later fails its digest on load; writing
-costs no copy of the state in memory and the file is torch.save's plus the 92-byte comment
-(python bench.py checkpoint measures it).  Loading is `torch.load(weights_only=True)`: tensors
+costs no copy of the state in memory, and the file is torch.save's plus the 92-byte comment
+and 16 bytes per tensor (python bench.py checkpoint measures it).  Loading is `torch.load(weights_only=True)`: tensors
 and plain containers only, never pickled code.
 
 Format 1 (`nanogen-checkpoint-1`, written before the streaming writer): the state pickled to
@@ -40,11 +40,15 @@ class _HashingWriter:
     """A write-only file object that hashes what passes through it (torch.save streams into it)."""
 
     def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
+        self.f, self.sha, self.error = f, hashlib.sha256(), None
 
     def write(self, b):
         self.sha.update(b)
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except OSError as e:  # torch's zip writer may hide it behind its own RuntimeError
+            self.error = e
+            raise
 
     def flush(self):
         self.f.flush()
@@ -60,7 +64,12 @@ def save(obj, path):
                                    dir=folder)
         with os.fdopen(fd, "w+b") as f:
             writer = _HashingWriter(f)
-            torch.save(obj, writer)
+            try:
+                torch.save(obj, writer)
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None
             kill_point("checkpoint-write")
             f.seek(-22, os.SEEK_END)  # torch ends the zip with an end record without a comment
             end = f.read(22)
@@ -150,6 +159,17 @@ def check_contents(ckpt, path):
         if w.is_floating_point() and not bool(torch.isfinite(w).all()):
             raise CheckpointError(f"{path} holds non-finite weights ({name}): a broken model; "
                                   f"use an earlier checkpoint")
+
+
+def check_run(ckpt, path):
+    """What evaluate.py / sample.py read besides the model: the run's arguments and counters."""
+    for key in ("args", "train_state"):
+        if not isinstance(ckpt.get(key), dict):
+            raise CheckpointError(f"{path} lacks its '{key}': it was not written by train.py")
+    if "dataset" not in ckpt["args"] or "step" not in ckpt["train_state"]:
+        raise CheckpointError(f"{path} does not say which data it was trained on: it was not "
+                              f"written by train.py")
+    return ckpt
 
 
 # ---------------------------------------------------------------------------------------------

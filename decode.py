@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from model import eval_mode
+from model import WINDOWED, eval_mode
 
 DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
 
@@ -141,10 +141,11 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     check_decoder_args(decoder, k, p, beam_size, temperature, L)
     device = next(lm.parameters()).device
     padded, lengths = pad_prompts(prompts, device)
-    window = lm.cfg.get("block_size") if lm.cfg["model"] == "gpt" else None
+    window = lm.cfg.get("block_size") if lm.cfg["model"] in WINDOWED else None
     if window is not None and int(lengths.max()) + L - 1 > window:
-        raise ValueError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the GPT context "
-                         f"window of {window} tokens: use a smaller --L")
+        raise ValueError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the "
+                         f"{lm.cfg['model'].upper()} context window of {window} tokens: use a "
+                         f"smaller --L")
     with eval_mode(lm):
         stepper = (stepper or CachedStepper)(lm)
         if decoder == "beam":

@@ -27,12 +27,12 @@ import torch
 
 import cli
 import fast
+from checkpoint import check_run
 from checkpoint import load as load_checkpoint
 from data.loader import batchify, bptt_windows, load_stream
 from decode import DECODERS, check_decoder_args, decode, decode_stats
 from model import eval_mode
-from tasks import STORY_DATASETS, check_same_data, load_task, model_from_checkpoint, \
-    stream_perplexity
+from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint, stream_perplexity
 
 
 def build_parser():
@@ -103,7 +103,7 @@ def main(argv=None):
     device = cli.resolve_device(args.device)
     if device == "cpu" and fast.KEEP_FREED_MEMORY:  # the CPU fast path (fast.py)
         fast.tune_cpu_allocator()
-    ckpt = load_checkpoint(args.ckpt)
+    ckpt = check_run(load_checkpoint(args.ckpt), args.ckpt)
     t0 = time.time()
     story = ckpt["args"]["dataset"] in STORY_DATASETS
     res = (evaluate_stories if story else evaluate_completion)(args, ckpt, device)
@@ -115,15 +115,10 @@ def main(argv=None):
 
 def load_for(args, ckpt, device):
     """The checkpoint's task (its data, checked to be the data it was made from) and model."""
-    a = dict(ckpt["args"])
-    a.update({k: getattr(args, k) for k in ("batch_size", "max_tokens") if getattr(args, k)})
-    if args.batch_size:  # the user's batching wins over the checkpoint's
-        a["max_tokens"] = None if not args.max_tokens else a["max_tokens"]
-    elif args.max_tokens:
-        a["batch_size"] = None
-    a.update(train_seqs=0, eval_seqs=0)
-    task = load_task(a, args.data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
-    check_same_data(ckpt.get("data", {}), task.signature, (args.split,), args.ckpt)
+    sizes = {k: getattr(args, k) for k in ("batch_size", "max_tokens") if getattr(args, k)}
+    if sizes:  # the user's batching replaces the checkpoint's
+        sizes = dict(dict(batch_size=None, max_tokens=None), **sizes)
+    task = checkpoint_task(ckpt, args.data_dir, (args.split,), args.ckpt, **sizes)
     return task, model_from_checkpoint(ckpt, args.ckpt).to(device)
 
 
@@ -170,8 +165,9 @@ def task_split(task, name):
 
 def perplexity_job(args, task, lm, device):
     """Completion: perplexity over the continuations; stream: continuous-LM perplexity."""
-    if task.name == "stream":
+    if task.name == "stream":  # --limit N: the first N tokens of each of the 10 columns
         data = batchify(load_stream(task.folder, args.split), 10)
+        data = data[:, :args.limit + 1] if args.limit else data
         res = stream_perplexity(lm, data, task.bptt, device)
         print(f"{args.split}: stream perplexity {res['ppl']:.2f} (nll {res['nll']:.4f} over "
               f"{res['tokens']:,} tokens, batch 10, BPTT {task.bptt})")

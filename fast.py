@@ -7,14 +7,12 @@ the plain way; each switch below puts one fast path in, at one visible line of t
                          cross_entropy, which write (N, V) logits, log-probs and gradients
     FEW_ROW_PROJECTION   heads.Head.forward: decoding's few-row projection computed as U h^T,
                          the orientation MKL is faster at for a handful of rows
-    INTEGER_DROPOUT      model.Dropout: CPU dropout masks from raw 32-bit random integers
-    MATH_ATTENTION       model.CausalSelfAttention: in CPU training with dropout, sdpa's own math
-                         path with that mask (sdpa has no fused CPU kernel with dropout)
     KEEP_FREED_MEMORY    train.py / evaluate.py on CPU: glibc keeps freed memory instead of
                          mmap-ing every large tensor anew (tune_cpu_allocator)
 
 Each is tested against its reference (tests/test_fast.py) and kept only while
-`python bench.py fast` shows it pays; the README has the figures.  Elsewhere (CUDA, autocast,
+`python bench.py fast` shows it pays; the README has the figures (two earlier ones, dropout
+masks from 32-bit integers and sdpa's math path with them, no longer paid and were removed).  Elsewhere (CUDA, autocast,
 torch.compile, float64 references) the reference path runs.
 """
 import math
@@ -25,8 +23,6 @@ import torch.nn.functional as F
 
 FUSED_OUTPUT_LAYER = True
 FEW_ROW_PROJECTION = True
-INTEGER_DROPOUT = True
-MATH_ATTENTION = True
 KEEP_FREED_MEMORY = True
 
 
@@ -161,50 +157,8 @@ def project(h, W):
 
 
 # ---------------------------------------------------------------------------------------------
-# dropout and attention in CPU training
+# the allocator
 # ---------------------------------------------------------------------------------------------
-def dropout(x, p, training=True):
-    """Inverted dropout with the keep mask drawn as raw 32-bit random integers r (uniform on
-    [-2^31, 2^31)), kept iff r >= round(p 2^32) - 2^31: the drop probability is exact to 2^-32.
-    Off the eager CPU path: F.dropout."""
-    if not training or p == 0.0:
-        return x
-    if p >= 1.0 or not eager_cpu(x):
-        return F.dropout(x, p, True)
-    n = x.numel()
-    r = torch.empty((n + 1) // 2, dtype=torch.int64).random_(-2 ** 63, None)  # 64 random bits
-    keep = r.view(torch.int32)[:n].view(x.shape) >= round(p * 2 ** 32) - 2 ** 31
-    return x * (keep * torch.tensor(1.0 / (1.0 - p), dtype=x.dtype))  # the mask in x's dtype
-
-
-class Dropout(nn.Dropout):
-    """nn.Dropout with `dropout`'s CPU mask (same module, same (empty) state dict)."""
-
-    def forward(self, x):
-        return dropout(x, self.p, self.training)
-
-
-def math_attention_applies(q, p):
-    return p > 0 and eager_cpu(q)
-
-
-def math_attention(q, k, v, attn_mask, p):
-    """dropout(softmax(q k^T / sqrt(hd) + mask)) v: what sdpa runs on CPU when there is dropout,
-    with `dropout`'s mask.  q (B, H, T, hd), k, v (B, H, S, hd); attn_mask "causal" (S = T),
-    None, bool (B, 1, T, S) or an additive float mask broadcastable to (B, H, T, S) (InsNet's
-    relative-position bias) -> (B, H, T, hd)."""
-    T, S = q.size(2), k.size(2)
-    att = torch.matmul(q * (1.0 / math.sqrt(q.size(-1))), k.transpose(-2, -1))  # (B, H, T, S)
-    if isinstance(attn_mask, str):
-        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril_()
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = attn_mask | ~attn_mask.any(-1, keepdim=True)  # a query with no visible key
-        att.masked_fill_(~attn_mask, float("-inf"))  # (a padded row): any finite output
-    elif attn_mask is not None:
-        att = att + attn_mask
-    return torch.matmul(dropout(att.softmax(-1), p), v)
-
-
 def tune_cpu_allocator():
     """Keep freed memory in glibc's heap instead of mmap/munmap-ing every large tensor, which
     page-faults each (N, V) logits tensor in anew (python bench.py fast measures it)."""

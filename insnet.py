@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, Block, Dropout, eval_mode
+from model import GPT, Block, eval_mode
 
 
 def offset_matrix(order):
@@ -148,7 +148,7 @@ class InsertionModel(nn.Module):
         self.cfg = dict(cfg)
         V, D = cfg["vocab_size"], cfg["d_model"]
         self.wte = nn.Embedding(V, D)
-        self.drop = Dropout(cfg["dropout"])
+        self.drop = nn.Dropout(cfg["dropout"])
         self.h = nn.ModuleList([Block(D, cfg["n_head"], cfg["dropout"], True)
                                 for _ in range(cfg["n_layer"])])
         self.ln_f = nn.LayerNorm(D)

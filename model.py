@@ -31,11 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-import fast
 from heads import Head
 
-MODELS = ("rnn", "lstm", "gpt")
-Dropout = fast.Dropout if fast.INTEGER_DROPOUT else nn.Dropout  # the CPU fast path (fast.py)
+MODELS = ("rnn", "lstm", "gcnn", "gpt")
+WINDOWED = ("gcnn", "gpt")  # learned positions: a context window of block_size tokens
 
 
 @contextlib.contextmanager
@@ -62,7 +61,7 @@ class Recurrent(nn.Module):
         assert cell in ("rnn", "lstm")
         self.cell, self.d_model, self.locked, self.p = cell, d_model, locked_dropout, dropout
         self.wte = nn.Embedding(vocab_size, d_model)
-        self.drop = Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
         rnn_cls = nn.LSTM if cell == "lstm" else nn.RNN
         kw = {} if cell == "lstm" else {"nonlinearity": "tanh"}
         self.rnn = rnn_cls(d_model, d_model, num_layers=n_layer, batch_first=True,
@@ -113,7 +112,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.dropout = n_head, dropout
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.resid_dropout = Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x, past=None, attn_mask=None):
         """x (B, T, C), past (k, v) cache or None, attn_mask "causal" (a fresh unpadded
@@ -125,9 +124,7 @@ class CausalSelfAttention(nn.Module):
         if past is not None:  # (B, H, Tc + T, hd)
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         p = self.dropout if self.training else 0.0
-        if fast.MATH_ATTENTION and fast.math_attention_applies(q, p):  # the CPU fast path
-            y = fast.math_attention(q, k, v, attn_mask, p)
-        elif isinstance(attn_mask, str):
+        if isinstance(attn_mask, str):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
@@ -140,7 +137,7 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
@@ -172,7 +169,7 @@ class GPT(nn.Module):
         self.block_size, self.d_model, self.n_layer = block_size, n_embd, n_layer
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
-        self.drop = Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
         self.h = nn.ModuleList([Block(n_embd, n_head, dropout, bias) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.apply(self._init_weights)
@@ -237,6 +234,75 @@ class GPT(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
+# gated convolutional LM (the survey's chapter 4; Dauphin et al. 2017)
+# ---------------------------------------------------------------------------------------------
+class GatedConv(nn.Module):
+    """One gated convolutional layer, the survey's eq. 4.1:
+        H(X) = (X * W + b) (x) sigmoid(X * V + c)
+    with W, V (k, D, D) kernels (one Conv1d of 2D output channels, [W; V]), made causal by
+    zero-padding the input with k-1 positions on the left: output t sees inputs t-k+1 .. t."""
+
+    def __init__(self, d_model, kernel_size):
+        super().__init__()
+        self.k = kernel_size
+        self.conv = nn.Conv1d(d_model, 2 * d_model, kernel_size)  # [X * W + b ; X * V + c]
+
+    def forward(self, x, past):
+        """x (B, T, D), past (B, k-1, D): the layer's previous k-1 inputs (zeros at the start)
+        -> (H (B, T, D), the padded input (B, k-1+T, D) the next call's past is cut from)."""
+        padded = torch.cat([past, x], dim=1)  # left padding: causal
+        z = self.conv(padded.transpose(1, 2)).transpose(1, 2)  # (B, T, 2D)
+        proj, gate = z.chunk(2, dim=-1)
+        return proj * torch.sigmoid(gate), padded  # eq. 4.1
+
+
+class GCNN(nn.Module):
+    """Gated convolutional LM: token + learned position embeddings, n_layer residual blocks
+    x + dropout(GatedConv(LayerNorm(x))), a final LayerNorm (the norms are nanogen's choice, for
+    stable training; Dauphin et al. use weight normalisation), tied output.  Receptive field
+    (k-1) n_layer + 1 tokens.  The incremental state is, per layer, its last k-1 inputs."""
+
+    def __init__(self, vocab_size, block_size=1024, n_layer=8, d_model=512, kernel_size=4,
+                 dropout=0.1):
+        super().__init__()
+        self.block_size, self.d_model, self.k = block_size, d_model, kernel_size
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.wpe = nn.Embedding(block_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.ln = nn.ModuleList([nn.LayerNorm(d_model) for _ in range(n_layer)])
+        self.convs = nn.ModuleList([GatedConv(d_model, kernel_size) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d_model)
+        self.apply(GPT._init_weights)
+
+    def forward(self, idx, state=None, lengths=None):
+        B, T = idx.shape
+        dev, k = idx.device, self.k
+        if state is None:
+            zeros = torch.zeros(B, k - 1, self.d_model, device=dev, dtype=self.wte.weight.dtype)
+            past, pos0 = [zeros] * len(self.convs), torch.zeros(B, dtype=torch.long, device=dev)
+        else:
+            past, pos0 = state
+        pos = pos0.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T)
+        last = T if state is None else int(pos.max()) + 1  # a fresh sequence: no device sync
+        if last > self.block_size:
+            raise ValueError(f"sequence of {last} tokens exceeds the GCNN context window "
+                             f"(block_size={self.block_size})")
+        n_real = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
+        keep = n_real.view(B, 1, 1) + torch.arange(k - 1, device=dev).view(1, -1, 1)  # (B,k-1,1)
+        x, new_past = self.drop(self.wte(idx) + self.wpe(pos)), []
+        for ln, conv, p in zip(self.ln, self.convs, past):
+            h, padded = conv(ln(x), p)
+            new_past.append(padded.gather(1, keep.expand(-1, -1, self.d_model)))  # last k-1 real
+            x = x + self.drop(h)
+        return self.ln_f(x), (new_past, pos0 + n_real)
+
+    @staticmethod
+    def reorder_state(state, index):
+        past, pos = state
+        return [p.index_select(0, index) for p in past], pos.index_select(0, index)
+
+
+# ---------------------------------------------------------------------------------------------
 # backbone + head
 # ---------------------------------------------------------------------------------------------
 def build_backbone(cfg):
@@ -245,6 +311,8 @@ def build_backbone(cfg):
     if cfg["model"] == "gpt":
         return GPT(V, cfg["block_size"], cfg["n_layer"], cfg["n_head"], D, cfg["dropout"],
                    cfg["bias"])
+    if cfg["model"] == "gcnn":
+        return GCNN(V, cfg["block_size"], cfg["n_layer"], D, cfg["kernel_size"], cfg["dropout"])
     return Recurrent(cfg["model"], V, D, cfg["n_layer"], cfg["dropout"],
                      cfg.get("locked_dropout", False))
 

@@ -22,18 +22,19 @@ from tasks import INSERTION_MODELS, STORY_DATASETS
 # --------------------------------------------------------------------------------------------
 RECIPE_KEYS = ("n_layer", "d_model", "dropout", "lr", "lr_schedule", "batch_size", "max_tokens",
                "max_iters", "eval_interval", "weight_decay", "decay_steps", "warmup")
-RECIPES = {  # NMST paper appendix D (rnn, lstm), section 4.2 (gpt); InsNet paper 4.3 (story)
+RECIPES = {  # NMST paper appendix D (rnn, lstm), 4.2 (gpt); InsNet paper 4.3 (story); gcnn: ours
     "rnn":   (2, 256, 0.3, 1e-3, "plateau", 32, None, 0, 0, 0.01, 500_000, 0),
     "lstm":  (2, 512, 0.5, 1e-3, "plateau", 32, None, 0, 0, 0.01, 500_000, 0),
+    "gcnn":  (8, 512, 0.1, 1e-3, "plateau", 32, None, 0, 0, 0.01, 500_000, 0),
     "gpt":   (12, 768, 0.1, 5e-5, "linear", None, 1024, 300_000, 2000, 0.01, 500_000, 0),
     "story": (12, 768, 0.1, 1e-4, "linear", 64, None, 80_000, 1000, 0.02, 80_000, 400),
 }
 ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout",
              "no_tie", "no_bias", "init_from", "task", "n_experts", "ct_alpha", "ct_beta",
              "ct_rank", "temperature", "locked_dropout", "order", "max_offset", "min_count",
-             "synthetic_count", "vocab", "dataset")
+             "synthetic_count", "vocab", "dataset", "kernel_size")
 RESUMABLE = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs",
-             "data_dir", "patience", "peak_flops")  # flags a --resume may change
+             "data_dir", "patience", "peak_flops", "max_minutes")  # flags a --resume may change
 
 # (group, flag, argparse keywords): None defaults come from RECIPES
 FLAGS = [
@@ -65,7 +66,8 @@ FLAGS = [
     ("architecture", "--n_layer", dict(type=int, default=None)),
     ("architecture", "--d_model", dict(type=int, default=None, help="embedding = hidden size")),
     ("architecture", "--n_head", dict(type=int, default=12, help="attention heads")),
-    ("architecture", "--block_size", dict(type=int, default=1024, help="GPT context window")),
+    ("architecture", "--block_size", dict(type=int, default=1024, help="GPT / GCNN context window")),
+    ("architecture", "--kernel_size", dict(type=int, default=4, help="gcnn: kernel width k")),
     ("architecture", "--dropout", dict(type=float, default=None)),
     ("architecture", "--no_tie", dict(action="store_true", help="untied output embeddings")),
     ("architecture", "--no_bias", dict(action="store_true", help="GPT without biases")),
@@ -105,6 +107,8 @@ FLAGS = [
                                           "over all processes")),
     ("optimisation", "--max_epochs", dict(type=int, default=70)),
     ("optimisation", "--max_iters", dict(type=int, default=None, help="step limit (0: none)")),
+    ("optimisation", "--max_minutes", dict(type=float, default=0.0, help="stop after this much "
+                                           "training time, evaluations included (0: no limit)")),
     ("optimisation", "--eval_interval", dict(type=int, default=None, help="evaluate every N "
                                              "steps (0: every epoch)")),
     ("optimisation", "--eval_seqs", dict(type=int, default=0, help="validate on the first N")),
@@ -125,9 +129,10 @@ def build_parser():
 # rules: (broken(args), message naming the flag and the fix), checked before anything is written
 # --------------------------------------------------------------------------------------------
 POSITIVE = ("n_layer", "d_model", "n_head", "block_size", "max_epochs", "grad_accum", "bptt",
-            "n_experts", "max_offset", "min_count", "synthetic_count", "decay_steps", "patience")
+            "n_experts", "max_offset", "min_count", "synthetic_count", "decay_steps", "patience",
+            "kernel_size")
 NON_NEGATIVE = ("max_iters", "eval_interval", "eval_seqs", "train_seqs", "warmup", "seed",
-                "ct_rank", "grad_clip", "weight_decay", "ar", "tar", "ct_alpha")
+                "ct_rank", "grad_clip", "weight_decay", "ar", "tar", "ct_alpha", "max_minutes")
 RECURRENT, STORY = ("rnn", "lstm"), STORY_DATASETS
 RULES = [
     (lambda a: a.model in INSERTION_MODELS and a.dataset not in STORY,
@@ -164,6 +169,8 @@ RULES = [
      "--loss_scaling scales by the contextual temperature: use --head ct or ctmos"),
     (lambda a: (a.ar or a.tar or a.locked_dropout) and a.model not in RECURRENT,
      "--ar / --tar / --locked_dropout act on the recurrent models' last layer (rnn/lstm)"),
+    (lambda a: a.kernel_size != 4 and a.model != "gcnn", "--kernel_size is the width of the "
+     "gcnn's convolutions; --model {model} has none"),
     (lambda a: a.vocab == "char" and a.dataset not in ("wikitext2", "ptb"),
      "--vocab char is for the word-level datasets (wikitext2, ptb), not {dataset}"),
     *((lambda a, k=k: not getattr(a, k) >= 1, f"--{k} must be >= 1, got {{{k}}}")
@@ -182,7 +189,7 @@ RULES = [
     (lambda a: a.peak_flops is not None and not a.peak_flops > 0, "--peak_flops must be > 0"),
     (lambda a: a.head in ("st", "nmst") and not 0 < a.epsilon < 1,
      "--epsilon must lie in (0, 1), got {epsilon}"),
-    (lambda a: a.model not in RECURRENT and a.d_model % a.n_head,
+    (lambda a: a.model in ("gpt", *INSERTION_MODELS) and a.d_model % a.n_head,
      "--d_model {d_model} must be divisible by --n_head {n_head}"),
 ]
 
@@ -250,6 +257,8 @@ def model_config(args, vocab_size, eos_id):
     cfg.update(head=args.head, epsilon=args.epsilon, eos_id=eos_id, tie=not args.no_tie)
     if args.model == "gpt":
         cfg.update(n_head=args.n_head, block_size=args.block_size, bias=not args.no_bias)
+    if args.model == "gcnn":
+        cfg.update(block_size=args.block_size, kernel_size=args.kernel_size)
     if args.model in RECURRENT and args.locked_dropout:
         cfg.update(locked_dropout=True)
     if args.head in ("mos", "ctmos"):

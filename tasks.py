@@ -34,7 +34,7 @@ from data.prepare import tokenizer_of
 from data.stories import load_sequences
 from heads import loss_scale
 from insnet import InsertionTransformer, InsNet, collate_insertions, sequence_nll
-from model import LanguageModel, eval_mode
+from model import WINDOWED, LanguageModel, eval_mode
 
 Loss = collections.namedtuple("Loss", "value nll n tokens")
 INSERTION_MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
@@ -333,7 +333,7 @@ def load_task(a, data_dir=None, vocab=None, verbose=True):
         task = StreamTask(folder, a["batch_size"], a.get("bptt", 70), a.get("eval_seqs", 0),
                           **penalties)
     else:
-        max_len = a.get("block_size") if a["model"] == "gpt" else None
+        max_len = a.get("block_size") if a["model"] in WINDOWED else None
         task = CompletionTask(splits, a.get("batch_size"), a.get("max_tokens"), max_len,
                               a.get("seed", 0), a.get("train_seqs", 0), a.get("eval_seqs", 0),
                               **penalties)
@@ -364,6 +364,16 @@ def _story_task(a, data_dir, vocab, verbose):
                           sources=src, fingerprints=prints)
     if a["dataset"] == "rocstories":
         task.signature["vocab"] = data.vocab
+    return task
+
+
+def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpoint", **given):
+    """The task of a checkpoint's run, on all of its data (no --train_seqs / --eval_seqs
+    limits), checked to be the data it was made from (for the splits to be read)."""
+    a = {"model": ckpt["config"]["model"], **ckpt["args"], "train_seqs": 0, "eval_seqs": 0,
+         **given}
+    task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
+    check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task
 
 

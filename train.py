@@ -80,7 +80,7 @@ def flops_per_token(lm, cfg, seq_len):
     projection counts, the position-embedding lookup does not) plus, for GPT, attention's
     12 L d T at the mean training length T (PaLM appendix B, as in nanoGPT)."""
     n = lm.num_params()
-    if cfg["model"] == "gpt":
+    if cfg["model"] in ("gpt", "gcnn"):
         n -= lm.backbone.wpe.weight.numel()
     if not cfg.get("tie", True):
         n -= lm.backbone.wte.weight.numel()  # the input lookup is no matmul
@@ -132,6 +132,7 @@ class TrainState:
     bad_evals: int = 0
     lr: float = 0.0
     done: str = None
+    elapsed: float = 0.0  # seconds of training, evaluations included, over all resumes
 
 
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM",
@@ -173,6 +174,9 @@ class Run:
         if held and not resuming:
             raise ValueError(f"{self.out_dir} already holds a run ({', '.join(held)}): continue "
                              f"it with --resume, or choose another --out_dir")
+        if resuming and "ckpt_last.pt" not in held:
+            print(f"note: {self.out_dir} holds no checkpoint yet (the run stopped before its "
+                  f"first one): starting again from step 0", file=sys.stderr)
         for name in os.listdir(self.out_dir):  # temporary files of an interrupted write
             if name.startswith(".ckpt_") and name.endswith(".tmp"):
                 os.remove(self.path(name))
@@ -252,6 +256,7 @@ def train(args, task, lm, model, optimizer, run, dist, save):
     last) -> clip -> step -> log, evaluate, checkpoint, stop.  The task makes and scores the
     batches (tasks.py); `run` keeps the books; `save(name)` writes a checkpoint."""
     st, autocast = run.state, autocast_context(dist.device, args.dtype)
+    run.t_start = time.time() - st.elapsed
     while not st.done:
         keys = task.epoch(st.epoch)
         n_steps = len(keys) // args.grad_accum  # the last len % grad_accum batches are skipped
@@ -267,8 +272,7 @@ def train(args, task, lm, model, optimizer, run, dist, save):
             optimizer.zero_grad(set_to_none=True)
             st.step, st.batch_in_epoch = st.step + 1, s + 1
             run.append("steps.jsonl", dict(step=st.step, loss=loss.value.item(), lr=st.lr))
-            if args.max_iters and st.step >= args.max_iters:
-                st.done = f"reached --max_iters {args.max_iters}"
+            st.done = limit_reached(args, st, run)
             if (args.eval_interval and st.step % args.eval_interval == 0) or st.done:
                 validate(args, task, lm, run, dist, save, autocast)
                 save("ckpt_last.pt")
@@ -282,6 +286,16 @@ def train(args, task, lm, model, optimizer, run, dist, save):
     save("ckpt_last.pt")
     return f"done ({st.done}) after {st.step} steps; best validation loss {st.best_val:.4f} " \
            f"(ppl {math.exp(min(st.best_val, 700)):.2f}); checkpoints in {args.out_dir}"
+
+
+def limit_reached(args, st, run):
+    """-> why the run stops after this step (--max_iters, --max_minutes), or None."""
+    st.elapsed = time.time() - run.t_start
+    if args.max_iters and st.step >= args.max_iters:
+        return f"reached --max_iters {args.max_iters}"
+    if args.max_minutes and st.elapsed >= 60 * args.max_minutes:
+        return f"reached --max_minutes {args.max_minutes:g}"
+    return None
 
 
 def accumulate(task, model, keys, run, dist, autocast):
@@ -351,7 +365,8 @@ def validate(args, task, lm, run, dist, save, autocast):
     mfu = tok_per_s * run.flops_per_token / run.peak if run.peak else None
     rec = dict(step=st.step, epoch=st.epoch, train_loss=nll / max(n, 1), val_loss=val["nll"],
                val_ppl=math.exp(min(val["nll"], 700)), lr=st.lr, tokens_per_s=tok_per_s, mfu=mfu,
-               best=improved, **{k: v for k, v in val.items() if k == "nll_per_story"})
+               best=improved, elapsed_s=time.time() - run.t_start,
+               **{k: v for k, v in val.items() if k == "nll_per_story"})
     if dist.rank == 0:
         print(f"step {st.step:7d} | epoch {st.epoch:3d} | train loss {rec['train_loss']:.4f} | "
               f"val loss {val['nll']:.4f} | val ppl {rec['val_ppl']:9.2f} | lr {st.lr:.2e} | "
@@ -405,13 +420,11 @@ def main(argv=None):
 
 def check_nothing_to_resume(out_dir):
     """--resume without ckpt_last.pt: an error, unless the folder holds only the logs of a run
-    stopped before its first checkpoint, which then starts again from step 0 (said so)."""
+    stopped before its first checkpoint, which then starts again from step 0 (Run.open says so)."""
     path = os.path.join(out_dir, "ckpt_last.pt")
     logs = [n for n in ("steps.jsonl", "log.jsonl") if os.path.exists(os.path.join(out_dir, n))]
     if not logs or os.path.exists(os.path.join(out_dir, "ckpt_best.pt")):
         raise CheckpointError(f"--resume: no checkpoint {path}; start without --resume")
-    print(f"note: {out_dir} holds no checkpoint yet (the run stopped before its first one): "
-          f"starting again from step 0", file=sys.stderr)
 
 
 def check_data_fits(args, task, dist):
@@ -494,12 +507,13 @@ def restore(ckpt, lm, optimizer, task, run, cfg, dist):
     if dist.device.startswith("cuda") and ckpt["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
     st, args = run.state, run.args
-    if st.done and st.done.startswith("reached"):  # a step / epoch limit: it may be raised
-        over = (args.max_iters and st.step >= args.max_iters) or st.epoch >= args.max_epochs
+    if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
+        over = (args.max_iters and st.step >= args.max_iters) or st.epoch >= args.max_epochs \
+            or (args.max_minutes and st.elapsed >= 60 * args.max_minutes)
         st.done = "reached the same limit again" if over else None
     if st.done and dist.rank == 0:
         print(f"{args.out_dir}: this run already finished ({st.done}); nothing to do (raise "
-              f"--max_iters / --max_epochs to go on)")
+              f"--max_iters / --max_epochs / --max_minutes to go on)")
     return not st.done
 
 

@@ -446,20 +446,26 @@ def _write_lines(lines, tok, split, max_len, writer, stream, contexts, batch=204
     return c
 
 
-def _write_split(source, dataset, split, tok, max_len, tmp, dtype):
-    """One split's files in the temporary folder; a damaged archive member (bad CRC, truncated)
+def read_split(source, dataset, split, consume):
+    """consume(lines) over one split's raw lines; a damaged archive member (bad CRC, truncated)
     or text that is not UTF-8 becomes a DataError naming the file."""
-    writer = _TokenWriter(os.path.join(tmp, f"{split}.bin"), dtype)
-    stream = _TokenWriter(os.path.join(tmp, f"{split}.stream.bin"), dtype)
-    contexts = array.array("i")
     name = source.get("path") or source["paths"][split]
     try:
         with open_split(source, dataset, split) as f:
-            counts = _write_lines(f, tok, split, max_len, writer, stream, contexts)
+            return consume(f)
     except (zipfile.BadZipFile, EOFError, OSError, UnicodeDecodeError) as e:
         raise DataError(f"could not read the {split} split of {dataset} from {name}: "
                         f"{str(e).splitlines()[0][:160]} (a damaged archive, or a file that is "
                         f"not UTF-8 text: download it again)") from None
+
+
+def _write_split(source, dataset, split, tok, max_len, tmp, dtype):
+    """One split's files in the temporary folder; -> its counts."""
+    writer = _TokenWriter(os.path.join(tmp, f"{split}.bin"), dtype)
+    stream = _TokenWriter(os.path.join(tmp, f"{split}.stream.bin"), dtype)
+    contexts = array.array("i")
+    counts = read_split(source, dataset, split,
+                        lambda f: _write_lines(f, tok, split, max_len, writer, stream, contexts))
     writer.close(os.path.join(tmp, f"{split}.idx"))
     stream.close(None)
     if tok.kind == "char":
@@ -550,8 +556,8 @@ def _build(dataset, vocab, source, tmp):
     if spec["tokenizer"] == "gpt2":
         tok, max_len = BPE(), MAX_BPE_LEN
     else:
-        with open_split(source, dataset, "train") as f:
-            tok, max_len = Vocabulary.build(vocab, f, dataset), None
+        tok = read_split(source, dataset, "train", lambda f: Vocabulary.build(vocab, f, dataset))
+        max_len = None
         tok.save(os.path.join(tmp, "vocab.txt"))
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
     counts = {s: _write_split(source, dataset, s, tok, max_len, tmp, dtype) for s in SPLITS}
@@ -578,9 +584,6 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word"):
     out = prepared_dir(dataset, source, vocab)
     if _usable(out, verbose):
         return out
-    if verbose and not source["official"]:
-        print(f"note: {source['path']} is not the official {DATASETS[dataset]['archive']}; "
-              f"using it as found (its sha256 is recorded in meta.json)", file=sys.stderr)
     make_dirs(os.path.dirname(out))
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=os.path.dirname(out))
     try:
@@ -594,6 +597,9 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word"):
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    if verbose and not source["official"]:
+        print(f"note: {source['path']} is not the official {DATASETS[dataset]['archive']}; "
+              f"used as found (its sha256 is recorded in meta.json)", file=sys.stderr)
     if verbose:
         print_counts(out)
     return out

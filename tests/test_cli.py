@@ -284,3 +284,26 @@ def test_plateau_halves_lr_and_early_stopping(tmp_path, wikitext2):
 def test_evaluate_needs_a_checkpoint():
     rc, _, err = run_cli("evaluate.py")
     assert_one_line_error(rc, err, "--ckpt")
+
+
+def test_gcnn_and_char_vocabulary_end_to_end(tmp_path):
+    """The new backbone and the new vocabulary through train.py and evaluate.py: loss falls,
+    perplexity and a decoding study read the checkpoint, the char model decodes characters."""
+    runs = {"gcnn": ["--model", "gcnn", "--n_layer", "2", "--kernel_size", "3", "--block_size",
+                     "128", "--head", "nmst"],
+            "char": ["--model", "lstm", "--vocab", "char", "--n_layer", "1"]}
+    for name, flags in runs.items():
+        out = tmp_path / name
+        assert train.main(["--dataset", "ptb", "--d_model", "32", "--batch_size", "8", "--lr",
+                           "3e-3", "--train_seqs", "200", "--eval_seqs", "20", "--max_iters", "12",
+                           "--eval_interval", "6", "--out_dir", str(out), *flags]) == 0
+        log = read_log(out)
+        assert log[1]["val_loss"] < log[0]["val_loss"]
+        res = tmp_path / f"{name}.json"
+        assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--limit", "20", "--decoder",
+                              "greedy", "--L", "5", "40", "--out", str(res)]) == 0
+        r = json.loads(res.read_text())
+        assert r["model"] == flags[1] and r["sequences"] == 20 and abs(r["nll"] - log[1]["val_loss"]) < 1e-4
+        ex = r["decoding"]["examples"][0]
+        if name == "char":  # the context: 10 words and a space, as characters
+            assert len(ex["context"].split()) == 10 and ex["context"].endswith(" ")

@@ -194,3 +194,27 @@ def test_collate_and_loss_mask_select_the_continuation():
     assert targets[2][m[2]].tolist() == [14, 15, 16]
     assert t[1][m[1]].tolist() == [1, 2, 3, 4, 5]  # t = 1 at the first continuation token
     assert t[1, :9].tolist() == list(range(-8, 1)) and t[0, 11:].tolist() == [0] * 4  # context, padding
+
+
+@pytest.mark.parametrize("dataset", ["ptb", "wikitext2"])
+def test_char_vocabulary_round_trip_and_protocol(dataset):
+    """--vocab char (the survey's section 2.1): decode(encode(text)) == text for every line of
+    the split, the same sequences as at word level (lines of > 10 words), eos at the end, and a
+    context of the first 10 words and the space after them."""
+    meta, splits = load(dataset, vocab="char", verbose=False)
+    word_meta, _ = load(dataset, verbose=False)
+    tok = P.tokenizer_of(splits["valid"].folder)
+    assert meta["tokenizer"] == "char" and meta["vocab_size"] < 300 and tok.tokens[:2] == ["<eos>", "<unk>"]
+    with P.open_split(P.locate(dataset), dataset, "valid") as f:
+        lines = [ln for ln in f if ln.strip()]
+    for line in lines:
+        ids, ctx = next(tok.encode([line]))
+        assert tok.decode(ids) == " ".join(line.split())
+    long = [ln for ln in lines if len(ln.split()) > 10]
+    va = splits["valid"]
+    assert len(va) == len(long) == word_meta["counts"]["valid"]["sequences"]
+    for i in (0, 1, len(va) - 1):
+        words = long[i].split()
+        assert tok.decode(va[i][:-1].tolist()) == " ".join(words) and va[i][-1] == 0
+        assert tok.decode(va.context(i).tolist()) == " ".join(words[:10]) + " "
+    assert meta["counts"]["valid"]["oov_to_unk"] == 0  # every valid character is seen in train

@@ -21,7 +21,7 @@ def toy(model, head, V=30, eps=0.05, eos_bias=-4.0, seed=0, d=16):
     eos_bias < 0 makes eos unlikely; for ST the eos logit is the *keep* weight sigma(z) of eq. 9,
     so the sign is flipped there."""
     cfg = dict(model=model, head=head, epsilon=eps, vocab_size=V, eos_id=EOS, n_layer=2, d_model=d, dropout=0.0,
-               tie=False, n_head=2, block_size=320, bias=True)
+               tie=False, n_head=2, block_size=320, bias=True, kernel_size=3)
     torch.manual_seed(seed)
     lm = LanguageModel(cfg).double().eval()
     lm.head.proj = nn.Linear(d, V, bias=True).double()
@@ -44,7 +44,7 @@ def unigram(logits, head="softmax", eps=0.05):
 PROMPTS = [torch.tensor(x) for x in ([5, 6, 7], [9] * 10, [3, 4, 5, 6, 7, 8, 9], [12, 13])]
 
 
-@pytest.mark.parametrize("model", ["lstm", "gpt"])
+@pytest.mark.parametrize("model", ["lstm", "gcnn", "gpt"])
 @pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
 @pytest.mark.parametrize("decoder,kw", [("greedy", {}), ("beam", dict(beam_size=3)), ("beam", dict(beam_size=1))])
 def test_cached_equals_uncached(model, head, decoder, kw):
@@ -103,6 +103,15 @@ def test_nucleus_candidate_set_eq15():
         m = nucleus_mask(q.log(), mu)[0]
         assert q[0][m].sum() >= mu - 1e-6
         assert q[0][m].sum() - q[0][m].min() < mu
+
+
+def test_nucleus_p1_keeps_the_whole_support():
+    """eq. 15 with p = 1: every token of non-zero probability, however small (a tail below the
+    1e-6 rounding slack included); tokens of probability 0 (-inf) stay out."""
+    lp = torch.log_softmax(torch.tensor([[10.0, 0.0, -9.0, -14.0, -20.0, float("-inf")]]), -1)
+    assert lp[0, 2:5].exp().sum() < 1e-6
+    assert nucleus_mask(lp, 1.0).tolist() == [[True, True, True, True, True, False]]
+    assert nucleus_mask(lp.double(), 1.0)[0, :5].all()
 
 
 def test_consistent_keeps_eos():
@@ -204,7 +213,7 @@ def t_half(eps):
     return next(t for t in range(1, 10 ** 6) if 1 - (1 - eps) ** t > 0.5)
 
 
-@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gcnn", "gpt"])
 @pytest.mark.parametrize("seed", range(3))
 def test_theorem3_nmst_terminates(model, seed):
     """Random-weight NMST models (eos pushed far down): greedy ends by t_1/2, beam-k by t_1/2 + k,

@@ -13,13 +13,13 @@ V, EOS = 40, 3
 
 def make(model, head="softmax", **kw):
     cfg = dict(model=model, head=head, epsilon=1e-2, vocab_size=V, eos_id=EOS, n_layer=2, d_model=24, dropout=0.0,
-               tie=True, n_head=4, block_size=48, bias=True)
+               tie=True, n_head=4, block_size=48, bias=True, kernel_size=3)
     cfg.update(kw)
     torch.manual_seed(0)
     return LanguageModel(cfg).double().eval()
 
 
-@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gcnn", "gpt"])
 @pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
 def test_incremental_equals_full(model, head):
     lm = make(model, head)
@@ -43,7 +43,7 @@ def test_incremental_equals_full(model, head):
     torch.testing.assert_close(torch.cat(chunks, 1), full, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gcnn", "gpt"])
 def test_right_padding_lengths_and_state(model):
     """With lengths, each row's outputs and final state equal those of the row alone."""
     lm = make(model, "st")
@@ -62,7 +62,7 @@ def test_right_padding_lengths_and_state(model):
             torch.testing.assert_close(lp_next[b], nxt_alone[0], atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gcnn", "gpt"])
 def test_reorder_state(model):
     lm = make(model, "st")
     idx = torch.randint(0, V, (3, 6))
@@ -76,7 +76,7 @@ def test_reorder_state(model):
     torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("model", ["rnn", "lstm", "gpt"])
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gcnn", "gpt"])
 @pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
 def test_target_log_probs_and_normalisation(model, head):
     lm = make(model, head)
@@ -139,3 +139,44 @@ def test_gpt_training_dropout_on_cpu_drops_attention_weights():
     assert not torch.allclose(a, b)
     lm0 = make("gpt", dropout=0.0).float().train()
     torch.testing.assert_close(lm0.backbone(idx)[0], lm0.eval().backbone(idx)[0])
+
+
+def test_gated_conv_is_eq_4_1():
+    """The survey's eq. 4.1, H = (X * W + b) (x) sigmoid(X * V + c), computed directly in
+    float64 with the k-1 zero inputs on the left, against GatedConv (and its carried past)."""
+    from model import GatedConv
+    torch.manual_seed(0)
+    B, T, D, k = 2, 9, 5, 3
+    layer = GatedConv(D, k).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    W, V = layer.conv.weight[:D], layer.conv.weight[D:]  # (D_out, D_in, k) each
+    b, c = layer.conv.bias[:D], layer.conv.bias[D:]
+    xp = torch.cat([torch.zeros(B, k - 1, D, dtype=torch.float64), x], 1)
+    direct = torch.zeros(B, T, D, dtype=torch.float64)
+    for t in range(T):
+        window = xp[:, t:t + k]  # (B, k, D): inputs t-k+1 .. t
+        proj = torch.einsum("bjd,edj->be", window, W) + b
+        gate = torch.einsum("bjd,edj->be", window, V) + c
+        direct[:, t] = proj * torch.sigmoid(gate)
+    out, padded = layer(x, torch.zeros(B, k - 1, D, dtype=torch.float64))
+    torch.testing.assert_close(out, direct, rtol=0, atol=1e-12)
+    split, _ = layer(x[:, 4:], padded[:, 4:4 + k - 1])  # the past carried across a split
+    torch.testing.assert_close(split, direct[:, 4:], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "gcnn", "gpt"])
+def test_causality_no_output_depends_on_a_later_input(model):
+    """Changing the token at position s changes no hidden state before s (and for the GCNN
+    none beyond its receptive field (k-1) L + 1 either)."""
+    lm = make(model)
+    idx = torch.randint(0, V, (1, 20))
+    with torch.no_grad():
+        h, _ = lm.backbone(idx)
+        for s in (0, 7, 19):
+            other = idx.clone()
+            other[0, s] = (other[0, s] + 1) % V
+            h2, _ = lm.backbone(other)
+            changed = (h2 - h).abs().amax(-1)[0] > 1e-12
+            assert not changed[:s].any() and changed[s]
+            if model == "gcnn":  # 2 layers, k = 3: positions s .. s+4 see the change
+                assert not changed[s + 5:].any()

@@ -58,6 +58,24 @@ def test_bleu_matches_nltk():
     assert in_order("a b c a".split(), ["a", "c", "b", "a"]) == 3
 
 
+def test_bleu_equals_sacrebleu_without_smoothing():
+    """What bleu() equals on any corpus: sacrebleu's corpus BLEU with no tokenisation and no
+    smoothing, hypotheses shorter than 4 tokens included (where nltk's corpus_bleu differs)."""
+    sacrebleu = pytest.importorskip("sacrebleu")
+    rng = random.Random(1)
+    words = "a b c d e".split()
+    for trial in range(30):
+        refs = [[rng.choice(words) for _ in range(rng.randint(1, 9))] for _ in range(6)]
+        hyps = [[rng.choice(words) for _ in range(rng.randint(1, 9))] for _ in range(6)]
+        hyps[trial % 6] = hyps[trial % 6][:2]  # always one hypothesis shorter than 4 tokens
+        for n in (1, 2, 4):
+            ref = sacrebleu.metrics.BLEU(tokenize="none", smooth_method="none", max_ngram_order=n,
+                                         effective_order=False)
+            expected = ref.corpus_score([" ".join(h) for h in hyps],
+                                        [[" ".join(r) for r in refs]]).score
+            assert bleu(hyps, refs, n) == pytest.approx(expected, abs=1e-9), (trial, n)
+
+
 @pytest.fixture(scope="module")
 def rocstories():
     from data.stories import load_rocstories

@@ -1,0 +1,417 @@
+"""Each paper result in one command: train what it needs (resumable: finished runs are reused),
+evaluate, and write the table in the paper's layout with the paper's numbers beside nanogen's,
+the figures (PNG) and the raw numbers (JSON) into --out (default results/NAME-SCALE/).
+
+    python reproduce.py nmst-table1 --scale cpu        # NMST Table 1, Fig. 2 and Fig. 7
+    python reproduce.py nmst-table4 --scale cpu        # NMST Table 4: r_nt(L) x 6 decoders
+    python reproduce.py ct-table3 --scale cpu          # CT Table 3: softmax / MoS / CT / CT-MoS
+    python reproduce.py insnet-storyline --scale cpu   # InsNet Table 3 (BLEU, inclusion), Fig. 12
+    python reproduce.py all --scale cpu
+
+Scales (the table SCALES below says what each one trains):
+    tiny   seconds: the tests' end-to-end check of every command
+    cpu    a coursework preset: <= 10 minutes each on 2 CPU cores (README: measured times),
+           small models, several seeds, settings chosen so the paper's effect can show
+    paper  the papers' own settings (GPU days; the README gives the expected time)
+"""
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import cli
+
+RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
+
+
+# --------------------------------------------------------------------------------------------
+# the settings of every result at every scale (flags of train.py / evaluate.py)
+# --------------------------------------------------------------------------------------------
+def nmst_settings(scale, table):
+    """NMST paper: Table 1 / Fig. 2, 7 (RNN, LSTM on WikiText-2) and Table 4 (GPT-2 finetuned
+    on WikiText-103).  cpu: PTB (a 10k vocabulary is cheaper than WikiText-2's 33k), small
+    models, eps = 1e-3 so that Theorem 3's bound t_1/2 = ln 2 / eps ~ 693 lies inside L = 1000
+    (at the paper's 1e-5 it is ~69,000 tokens: a 10-minute model shows nothing within L)."""
+    small = ["--d_model", "128", "--dropout", "0.1", "--lr", "3e-3", "--lr_schedule",
+             "constant", "--batch_size", "32"]
+    s = {"tiny": dict(dataset="ptb", steps=6, seeds=1, contexts=6, L=40, eps=1e-3,
+                      models={"lstm": ["--d_model", "16", "--batch_size", "8", "--n_layer", "1",
+                                       "--train_seqs", "200"]},
+                      decoders=["greedy", "topk-2", "beam-2"] if table == 4 else ["greedy"]),
+         "cpu": dict(dataset="ptb", steps=300, seeds=3, contexts=100, L=1000, eps=1e-3,
+                     models={"rnn": small, "lstm": small} if table == 1 else
+                     {"gpt": ["--n_layer", "2", "--n_head", "4", "--block_size", "1024",
+                              *small, "--lr", "1e-3"]},
+                     decoders=["greedy", "topk-2", "nucleus-0.4", "beam-2"] if table == 1 else
+                     list(TABLE4)),
+         "paper": dict(dataset="wikitext2" if table == 1 else "wikitext103", steps=None,
+                       seeds=10, contexts=None, L=1000, eps=1e-5,
+                       models={"rnn": [], "lstm": []} if table == 1 else
+                       {"gpt": ["--init_from", "gpt2"]},
+                       decoders=["greedy", *TABLE4] if table == 1 else list(TABLE4))}
+    return s[scale]
+
+
+PAPER_TABLE1 = {("rnn", "softmax"): "178.6 ± 6.3", ("rnn", "st"): "180.4 ± 3.3",
+                ("rnn", "nmst"): "177.4 ± 4.5", ("lstm", "softmax"): "101.6 ± 1.0",
+                ("lstm", "st"): "104.5 ± 1.4", ("lstm", "nmst"): "101.5 ± 0.8"}
+TABLE4 = ("topk-2", "topk-4", "nucleus-0.2", "nucleus-0.4", "beam-2", "beam-4")
+PAPER_TABLE4 = {  # r_nt(1000) in the paper's Table 4, in the order of TABLE4
+    "softmax": ("0.0 ± 0.0", "0.0 ± 0.0", "0.25 ± 0.08", "0.14 ± 0.05", "0.05 ± 0.02",
+                "0.03 ± 0.01"),
+    "st": ("0.0 ± 0.0", "0.0 ± 0.0", "0.73 ± 0.11", "0.55 ± 0.15", "0.29 ± 0.10",
+           "0.15 ± 0.07"),
+    "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02",
+             "0.01 ± 0.01")}
+HEADS = ("softmax", "st", "nmst")
+
+
+def decoder_flags(name):
+    kind, _, value = name.partition("-")
+    flag = {"topk": "--k", "nucleus": "--p", "beam": "--beam_size"}.get(kind)
+    return ["--decoder", kind] + ([flag, value] if flag else [])
+
+
+# --------------------------------------------------------------------------------------------
+# running: train (or reuse), evaluate (or reuse)
+# --------------------------------------------------------------------------------------------
+def train_once(out_dir, flags):
+    """Train into out_dir, or go on with a run stopped there, or reuse a finished one."""
+    import train
+    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "steps.jsonl")) else []
+    rc = train.main([*flags, "--out_dir", out_dir, *resume])
+    if rc:
+        raise ValueError(f"training into {out_dir} failed")
+    return os.path.join(out_dir, "ckpt_best.pt")
+
+
+def evaluate_once(ckpt, flags, path):
+    """evaluate.py's result for (ckpt, flags), reused when path holds the same request."""
+    import evaluate
+    if os.path.exists(path):
+        with open(path) as f:
+            res = json.load(f)
+        if res.get("request") == flags and os.path.getmtime(path) >= os.path.getmtime(ckpt):
+            return res
+    evaluate.main(["--ckpt", ckpt, *flags, "--out", path])
+    with open(path) as f:
+        res = json.load(f)
+    res["request"] = flags
+    cli.write_json(path, res)
+    return res
+
+
+def mean_std(values, digits=1):
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return "-"
+    sd = statistics.pstdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
+
+
+def base_flags(cfg, model, head, seed, eps):
+    steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(cfg["steps"]),
+             "--eval_seqs", "400"] if cfg["steps"] else []
+    return ["--model", model, "--head", head, "--epsilon", str(eps), "--dataset", cfg["dataset"],
+            "--seed", str(seed), *cfg["models"][model], *steps]
+
+
+# --------------------------------------------------------------------------------------------
+# NMST Table 1 + Fig. 2 / 7, NMST Table 4
+# --------------------------------------------------------------------------------------------
+def nmst_runs(table, args):
+    """Train every (model, head, seed), evaluate perplexity and decode every context with every
+    decoder (sampling decoders: the run's seed).  -> {(model, head): [per-seed results]}."""
+    cfg = nmst_settings(args.scale, table)
+    limit = ["--limit", str(cfg["contexts"])] if cfg["contexts"] else []
+    curve = [str(x) for x in sorted({1, 3, 10, 30, 100, 300, 1000, cfg["L"]}) if x <= cfg["L"]]
+    runs = {}
+    for model in cfg["models"]:
+        for head in HEADS:
+            for seed in range(cfg["seeds"]):
+                name = f"{model}-{head}-s{seed}"
+                ckpt = train_once(os.path.join(args.runs, name),
+                                  base_flags(cfg, model, head, seed, cfg["eps"]))
+                r = dict(ppl=evaluate_once(ckpt, ["--split", "valid"],
+                                           os.path.join(args.out, f"{name}-ppl.json"))["ppl"])
+                for dec in cfg["decoders"]:
+                    flags = ["--no_ppl", *decoder_flags(dec), "--L", *curve, *limit,
+                             "--seed", str(seed), "--traces", "3"]
+                    path = os.path.join(args.out, f"{name}-{dec}.json")
+                    r[dec] = evaluate_once(ckpt, flags, path)
+                runs.setdefault((model, head), []).append(r)
+    return cfg, runs
+
+
+def r_nt(results, dec, L):
+    return [res[dec]["decoding"]["r_nt"][str(L)] for res in results]
+
+
+def report_table1(cfg, runs, args):
+    lines = [f"NMST Table 1 (scale {args.scale}): validation perplexity, mean ± std over "
+             f"{cfg['seeds']} seed(s); {cfg['dataset']}, eps = {cfg['eps']:g}.  In () the paper's "
+             f"(WikiText-2, eps = 1e-5, 10 runs, converged 2x256 RNN / 2x512 LSTM).", "",
+             "| eps | " + " | ".join(f"{m.upper()} ST+ | {m.upper()} NMST+" for m in cfg["models"])
+             + " |", "|---" * (1 + 2 * len(cfg["models"])) + "|"]
+    row = [f"{cfg['eps']:g}"]
+    for m in cfg["models"]:
+        row += [f"{mean_std([r['ppl'] for r in runs[m, h]])} ({PAPER_TABLE1[m, h]})"
+                for h in ("st", "nmst")]
+    lines.append("| " + " | ".join(row) + " |")
+    va = [f"{mean_std([r['ppl'] for r in runs[m, 'softmax']])} ({PAPER_TABLE1[m, 'softmax']}) | "
+          for m in cfg["models"]]
+    lines.append("| VA+ | " + " | ".join(va) + " |")
+    lines += ["", f"Non-termination ratio r_nt(L) by decoder (mean ± std over seeds; "
+                  f"{cfg['contexts'] or 'all'} validation contexts; Fig. 2 and 7):", "",
+              "| model | head | decoder | " + " | ".join(f"r_nt({L})" for L in (10, 100, cfg["L"])
+                                                       if L <= cfg["L"]) + " | mean length |",
+              "|---|---|---|" + "---|" * (1 + sum(L <= cfg["L"] for L in (10, 100, cfg["L"])))]
+    for (m, h), res in runs.items():
+        for dec in cfg["decoders"]:
+            cells = [mean_std(r_nt(res, dec, L), 3) for L in (10, 100, cfg["L"]) if L <= cfg["L"]]
+            length = mean_std([r[dec]["decoding"]["mean_length"] for r in res])
+            lines.append(f"| {m} | {h} | {dec} | " + " | ".join(cells) + f" | {length} |")
+    return lines + verdict_table1(cfg, runs)
+
+
+def verdict_table1(cfg, runs):
+    """The paper's qualitative claim, checked on these numbers (said plainly either way)."""
+    out = [""]
+    for m in cfg["models"]:
+        va, st, nm = (statistics.mean(r_nt(runs[m, h], "greedy", cfg["L"])) for h in HEADS)
+        seen = va > 0 and st == 0 and nm == 0
+        out.append(f"- {m.upper()}, greedy: VA r_nt({cfg['L']}) = {va:.3f}, ST {st:.3f}, NMST "
+                   f"{nm:.3f}: " + ("the paper's effect shows (VA does not terminate, ST and "
+                                    "NMST do)." if seen else "the paper's effect does NOT show at "
+                                    "this scale" + (" (VA terminates here too: a small, briefly "
+                                                    "trained VA model need not loop)" if va == 0
+                                                    else "") + "."))
+    return out
+
+
+def report_table4(cfg, runs, args):
+    decs = cfg["decoders"]
+    model = next(iter(cfg["models"]))
+    lines = [f"NMST Table 4 (scale {args.scale}): r_nt({cfg['L']}), mean ± std over "
+             f"{cfg['seeds']} seed(s) (beam: the seeds' models), {cfg['contexts'] or 'all'} "
+             f"validation contexts, {model} on {cfg['dataset']}, eps = {cfg['eps']:g}.  In () the "
+             f"paper's (GPT-2 finetuned on WikiText-103, eps = 1e-5).", "",
+             "| head | " + " | ".join(decs) + " |", "|---" * (1 + len(decs)) + "|"]
+    for h in HEADS:
+        paper = dict(zip(TABLE4, PAPER_TABLE4[h]))
+        cells = [f"{mean_std(r_nt(runs[model, h], d, cfg['L']), 3)} ({paper.get(d, '-')})"
+                 for d in decs]
+        lines.append(f"| {h} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for h in HEADS:
+        worst = max(statistics.mean(r_nt(runs[model, h], d, cfg["L"])) for d in decs)
+        lines.append(f"- {h}: the largest r_nt({cfg['L']}) over these decoders is {worst:.3f}"
+                     + (" (Theorem 3: NMST terminates under all of them)" if h == "nmst" else ""))
+    return lines
+
+
+def plot_nmst(cfg, runs, args):
+    """Fig. 2 / 7: r_nt(L) against L (log-log), mean ± std over seeds, one panel per decoder
+    and model; a zero is drawn at the 1e-3 floor."""
+    plt = cli.pyplot()
+    if plt is None:
+        return
+    models, decs = list(cfg["models"]), cfg["decoders"]
+    fig, axes = plt.subplots(len(models), len(decs), figsize=(3.2 * len(decs), 2.8 * len(models)),
+                             squeeze=False)
+    style = {"softmax": ("tab:red", ":"), "st": ("tab:green", "--"), "nmst": ("tab:blue", "-")}
+    for i, m in enumerate(models):
+        for j, d in enumerate(decs):
+            ax = axes[i, j]
+            for h in HEADS:
+                curves = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
+                Ls = sorted(int(L) for L in curves[0])
+                ys = [[max(c[str(L)], 1e-3) for c in curves] for L in Ls]
+                mean = [statistics.mean(y) for y in ys]
+                sd = [statistics.pstdev(y) for y in ys]
+                ax.plot(Ls, mean, style[h][1], color=style[h][0], label=h.upper())
+                ax.fill_between(Ls, [max(a - b, 1e-3) for a, b in zip(mean, sd)],
+                                [a + b for a, b in zip(mean, sd)], color=style[h][0], alpha=0.15)
+            ax.set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}",
+                   xlabel="L" if i == len(models) - 1 else None, ylabel="r_nt(L)" if j == 0
+                   else None)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    cli.save_figure(fig, os.path.join(args.out, "r_nt.png"))
+    plt.close(fig)
+
+
+def run_nmst(table, args):
+    cfg, runs = nmst_runs(table, args)
+    lines = report_table1(cfg, runs, args) if table == 1 else report_table4(cfg, runs, args)
+    if table == 1:
+        plot_nmst(cfg, runs, args)
+    raw = {f"{m}/{h}": res for (m, h), res in runs.items()}
+    return lines, raw
+
+
+# --------------------------------------------------------------------------------------------
+# CT Table 3
+# --------------------------------------------------------------------------------------------
+CT_ROWS = (("softmax", "softmax", []), ("MoS (tau = 0.5)", "mos", ["--temperature", "0.5"]),
+           ("MoS (tau = 1.0)", "mos", []), ("MoS (tau = 4.0)", "mos", ["--temperature", "4"]),
+           ("CT", "ct", []), ("CT-MoS", "ctmos", []))
+PAPER_CT = {"softmax": "60.7 / 58.8 (AWD-LSTM, Table 1)", "MoS (tau = 0.5)": "60.73 / 58.38",
+            "MoS (tau = 1.0)": "58.08 / 55.97", "MoS (tau = 4.0)": "57.39 / 55.21",
+            "CT": "- (not reported)", "CT-MoS": "56.95 / 54.69"}
+
+
+def ct_settings(scale):
+    """CT paper Table 3 (PTB, without finetuning): the paper's 3-layer AWD-LSTM (960-960-620,
+    M = 15, AR 2 / TAR 1) is approximated at paper scale by nanogen's LSTM (one width for every
+    layer, no weight drop); cpu: a 2x128 LSTM, K = 3, 300 steps."""
+    common = ["--model", "lstm", "--task", "stream", "--dataset", "ptb"]
+    return {"tiny": dict(seeds=1, limit=["--limit", "100"], flags=[*common, "--d_model", "16",
+                                                                  "--n_layer", "1",
+                                          "--batch_size", "8", "--bptt", "20", "--max_iters", "4",
+                                          "--eval_interval", "4", "--eval_seqs", "200",
+                                          "--n_experts", "2"]),
+            "cpu": dict(seeds=3, limit=[], flags=[*common, "--d_model", "128", "--dropout", "0.2",
+                                         "--batch_size", "20", "--bptt", "35", "--lr", "3e-3",
+                                         "--lr_schedule", "constant", "--max_iters", "300",
+                                         "--eval_interval", "300", "--n_experts", "3"]),
+            "paper": dict(seeds=10, limit=[], flags=[*common, "--n_layer", "3", "--d_model", "960",
+                                           "--dropout", "0.4", "--batch_size", "12", "--bptt",
+                                           "70", "--n_experts", "15", "--ar", "2", "--tar", "1",
+                                           "--locked_dropout", "--lr", "1e-3"])}[scale]
+
+
+def run_ct(args):
+    cfg = ct_settings(args.scale)
+    runs = {}
+    for label, head, extra in CT_ROWS:
+        for seed in range(cfg["seeds"]):
+            name = f"{head}{extra[1] if extra else ''}-s{seed}"
+            ckpt = train_once(os.path.join(args.runs, name),
+                              [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)])
+            ppl = {split: evaluate_once(ckpt, ["--split", split, *cfg["limit"]],
+                                        os.path.join(args.out, f"{name}-{split}.json"))["ppl"]
+                   for split in ("valid", "test")}
+            runs.setdefault(label, []).append(ppl)
+    lines = [f"CT Table 3 (scale {args.scale}): PTB, continuous LM, perplexity valid / test, "
+             f"mean ± std over {cfg['seeds']} seed(s).  Paper: AWD-LSTM-size models without "
+             f"finetuning.", "", "| model | nanogen valid | nanogen test | paper valid / test |",
+             "|---|---|---|---|"]
+    for label, _, _ in CT_ROWS:
+        lines.append(f"| {label} | {mean_std([r['valid'] for r in runs[label]])} | "
+                     f"{mean_std([r['test'] for r in runs[label]])} | {PAPER_CT[label]} |")
+    best = min(runs, key=lambda k: statistics.mean(r["valid"] for r in runs[k]))
+    lines += ["", f"- Lowest mean validation perplexity here: {best}.  The paper's claim (CT-MoS "
+                  f"beats every constant-temperature MoS) " + ("holds at this scale." if best ==
+                                                                "CT-MoS" else "does NOT hold at "
+                                                                "this scale.")]
+    return lines, runs
+
+
+# --------------------------------------------------------------------------------------------
+# InsNet: storyline-constrained generation (Table 3) and Fig. 12
+# --------------------------------------------------------------------------------------------
+def insnet_settings(scale):
+    """InsNet Table 3 (golden storylines): InsNet-full vs L2R-PNW on ROCStories.  cpu: 2x64
+    models, 500 steps, greedy decoding of 100 test stories; the paper: base size, 80k steps."""
+    return {"tiny": dict(seeds=1, stories=3, flags=["--n_layer", "1", "--d_model", "16",
+                                                     "--n_head", "2", "--batch_size", "8",
+                                                     "--max_iters", "4", "--eval_interval", "4",
+                                                     "--eval_seqs", "16", "--train_seqs", "64",
+                                                     "--warmup", "0"], lengths=[20, 40]),
+            "cpu": dict(seeds=3, stories=100, flags=["--n_layer", "2", "--d_model", "64",
+                                                      "--n_head", "4", "--batch_size", "32",
+                                                      "--lr", "2e-3", "--warmup", "30",
+                                                      "--max_iters", "500", "--decay_steps",
+                                                      "500", "--eval_interval", "500",
+                                                      "--eval_seqs", "200"],
+                        lengths=[20, 40, 80, 120, 160]),
+            "paper": dict(seeds=3, stories=None, flags=[], lengths=[20, 40, 60, 80, 100, 120,
+                                                                    160])}[scale]
+
+
+PAPER_INSNET = {"insnet": "52.86 / 36.86 / 26.39 / 19.35, 100%",
+                "gpt": "51.74 / 35.74 / 25.64 / 18.95, 95.40%"}
+
+
+def run_insnet(args):
+    cfg = insnet_settings(args.scale)
+    limit = ["--limit", str(cfg["stories"])] if cfg["stories"] else []
+    runs = {}
+    for model in ("insnet", "gpt"):
+        for seed in range(cfg["seeds"]):
+            name = f"{model}-s{seed}"
+            ckpt = train_once(os.path.join(args.runs, name),
+                              ["--model", model, "--dataset", "rocstories", "--task", "storyline",
+                               "--seed", str(seed), *cfg["flags"]])
+            runs.setdefault(model, []).append(evaluate_once(
+                ckpt, ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
+                os.path.join(args.out, f"{name}-generation.json"))["generation"])
+    lines = [f"InsNet Table 3 (scale {args.scale}): ROCStories, golden storylines, greedy "
+             f"decoding of {cfg['stories'] or 'all'} test stories, mean ± std over "
+             f"{cfg['seeds']} seed(s).", "",
+             "| model | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | storyline inclusion | paper |",
+             "|---|---|---|---|---|---|---|"]
+    for model, label in (("insnet", "InsNet (constrained)"), ("gpt", "L2R-PNW")):
+        g = runs[model]
+        bleu = [mean_std([r["bleu"][str(n)] for r in g], 2) for n in range(1, 5)]
+        inc = mean_std([100 * r["keyword_inclusion"] for r in g], 1)
+        lines.append(f"| {label} | " + " | ".join(bleu) + f" | {inc} % | {PAPER_INSNET[model]} |")
+    lines += fig12(cfg, args)
+    return lines, runs
+
+
+def fig12(cfg, args):
+    """Fig. 12: bench.py insnet, small: seconds per epoch vs length, InsNet / IT / L2R."""
+    import subprocess
+    seqs = "4" if args.scale == "tiny" else "8"
+    cmd = [sys.executable, "bench.py", "insnet", "--gpt_layers", "2", "--gpt_dim", "64",
+           "--gpt_heads", "4", "--seqs", seqs, "--batch", "8", "--it_batch", "2", "--iters", "1",
+           "--lengths", *map(str, cfg["lengths"]), "--plot", os.path.join(args.out, "fig12.png")]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(
+        os.path.abspath(__file__)))
+    if out.returncode:
+        raise ValueError(f"bench.py insnet failed: {out.stderr.strip().splitlines()[-1]}")
+    table = [ln for ln in out.stdout.splitlines() if ln.strip() and not ln.startswith("wrote")]
+    return ["", "Fig. 12 (" + " ".join(cmd[1:]) + "):", "", "```", *table, "```"]
+
+
+# --------------------------------------------------------------------------------------------
+def build_parser():
+    p = cli.CLIParser(description="Reproduce a paper result in one command (see --help).")
+    p.add_argument("what", choices=[*RESULTS, "all"])
+    p.add_argument("--scale", default="cpu", choices=["tiny", "cpu", "paper"])
+    p.add_argument("--out", default=None, help="results folder (default results/NAME-SCALE)")
+    p.add_argument("--runs", default=None, help="training runs (default OUT/runs)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    todo = RESULTS if args.what == "all" else (args.what,)
+    base_out, base_runs = args.out, args.runs
+    for name in todo:
+        args.out = base_out if base_out and len(todo) == 1 else os.path.join(
+            base_out or "results", f"{name}-{args.scale}")
+        args.runs = base_runs or os.path.join(args.out, "runs")
+        cli.check_output(args.out, "--out", folder=True)
+        os.makedirs(args.runs, exist_ok=True)
+        t0 = time.time()
+        job = {"nmst-table1": lambda: run_nmst(1, args), "nmst-table4": lambda: run_nmst(4, args),
+               "ct-table3": lambda: run_ct(args), "insnet-storyline": lambda: run_insnet(args)}
+        lines, raw = job[name]()
+        minutes = (time.time() - t0) / 60
+        lines += ["", f"({name}, scale {args.scale}: {minutes:.1f} min on this machine)"]
+        with cli.atomic_file(os.path.join(args.out, "table.md")) as f:
+            f.write("\n".join(lines) + "\n")
+        cli.write_json(os.path.join(args.out, "results.json"),
+                       dict(result=name, scale=args.scale, minutes=minutes, runs=raw))
+        print("\n".join(lines))
+        print(f"wrote {os.path.join(args.out, 'table.md')} and results.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main))

@@ -1,0 +1,172 @@
+"""Continue your own text with a trained checkpoint, and watch where (and why) it stops.
+
+    python sample.py --ckpt out/ptb-lstm-nmst/ckpt_best.pt --prompt "the company said it"
+    python sample.py --ckpt CKPT --prompt_file prompts.txt --decoder topk --k 4 --show_eos
+    python sample.py --ckpt out/rocstories-storyline-insnet/ckpt_best.pt --title "the big game" \\
+        --keywords team practiced won
+
+Left-to-right checkpoints print each continuation and how it ended: [eos] when the model chose
+eos, [length cap L] when it was cut at --L tokens (the continuation did not terminate).  With
+--show_eos every generated token is printed with p(eos) at that step, the quantity the NMST
+paper is about (VA, ST and NMST heads model it differently).  Insertion checkpoints (InsNet,
+IT-vanilla) take a title (and storyline keywords) and print the canvas after every insertion
+with p(terminate).  Word-level prompts must be in the model's vocabulary (PTB is lower-cased);
+--allow_unk reads unknown words as <unk>.
+"""
+import sys
+
+import torch
+
+import cli
+from checkpoint import check_run
+from checkpoint import load as load_checkpoint
+from decode import DECODERS, check_decoder_args, decode
+from model import WINDOWED, eval_mode
+from tasks import INSERTION_MODELS, checkpoint_task, model_from_checkpoint
+
+
+def build_parser():
+    p = cli.CLIParser(description="Continue a prompt with a nanogen checkpoint.")
+    p.add_argument("--ckpt", required=True, help="a checkpoint written by train.py")
+    p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable)")
+    p.add_argument("--prompt_file", default=None, help="one prompt per line")
+    p.add_argument("--title", default=None, help="insertion / story checkpoints: the title")
+    p.add_argument("--keywords", nargs="*", default=[], help="storyline checkpoints: keywords")
+    p.add_argument("--decoder", default="greedy", choices=DECODERS)
+    p.add_argument("--L", type=int, default=100, help="the length cap (tokens generated)")
+    p.add_argument("--k", type=int, default=None, help="top-k")
+    p.add_argument("--p", type=float, default=None, help="nucleus threshold")
+    p.add_argument("--beam_size", type=int, default=None, help="beam width")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--show_eos", action="store_true", help="print p(eos) at every step")
+    p.add_argument("--allow_unk", action="store_true", help="read unknown words as <unk>")
+    p.add_argument("--data_dir", default=None, help="local dataset folder (for the vocabulary)")
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    prompts = read_prompts(args)
+    ckpt = check_run(load_checkpoint(args.ckpt), args.ckpt)
+    device = cli.resolve_device(args.device)
+    task = checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt)
+    model = model_from_checkpoint(ckpt, args.ckpt).to(device)
+    torch.manual_seed(args.seed)
+    if task.name == "story":
+        return sample_story(args, task, model, device)
+    if not prompts:
+        raise ValueError("give --prompt TEXT (or --prompt_file FILE) to continue")
+    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L)
+    tok = task.tokenizer()
+    ids = [encode_prompt(tok, text, args.allow_unk) for text in prompts]
+    window = ckpt["config"].get("block_size") if ckpt["config"]["model"] in WINDOWED else None
+    longest = max(len(x) for x in ids)
+    if window and longest + args.L > window:
+        raise ValueError(f"a prompt of {longest} tokens + --L {args.L} exceeds the model's "
+                         f"context window of {window} tokens: shorten it or lower --L")
+    out = decode(model, [torch.tensor(x, device=device) for x in ids], args.L, args.decoder,
+                 k=args.k, p=args.p, beam_size=args.beam_size, temperature=args.temperature,
+                 generator=torch.Generator().manual_seed(args.seed))
+    for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
+        show(model, tok, text, x, toks, done, args, device)
+    return 0
+
+
+def read_prompts(args):
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompt_file {args.prompt_file}: {e}") from None
+    if any(not p.strip() for p in prompts):
+        raise ValueError("an empty --prompt: give some text to continue")
+    return prompts
+
+
+def encode_prompt(tok, text, allow_unk):
+    """Prompt text -> token ids; word / char level: unknown pieces are an error naming them
+    (or <unk> with --allow_unk)."""
+    if tok.kind == "gpt2":
+        return tok.enc.encode_ordinary(text.strip())
+    pieces = tok.split(text)
+    unknown = sorted({w for w in pieces if w not in tok.stoi})
+    if unknown and (not allow_unk or tok.unk is None):
+        hint = "; the data is lower-cased" if any(w.lower() in tok.stoi for w in unknown) else ""
+        fix = " (or --allow_unk to read them as <unk>)" if tok.unk is not None else ""
+        raise ValueError(f"not in the model's vocabulary: {', '.join(map(repr, unknown[:12]))}"
+                         f"{hint}{fix}")
+    if unknown:
+        print(f"note: read as <unk>: {', '.join(unknown)}", file=sys.stderr)
+    return [tok.stoi.get(w, tok.unk) for w in pieces]
+
+
+@torch.no_grad()
+def show(model, tok, text, prompt_ids, toks, terminated, args, device):
+    ended = "[eos]" if terminated else f"[length cap {args.L}: not terminated]"
+    body = [t for t in toks if t != model.eos_id]
+    sep = "" if tok.kind == "char" else " "
+    print(f"{text}{sep}>>> {tok.decode(body)} {ended}")
+    if args.show_eos:
+        for t, (token, p_eos) in enumerate(zip(toks, eos_probs(model, prompt_ids, toks, device)),
+                                           start=1):
+            print(f"    t={t:4d}  p(eos)={p_eos:.4f}  {tok.decode([token])!r}")
+
+
+def eos_probs(model, prompt_ids, toks, device):
+    """p(eos | prompt, y_<t) for every generated step t: one teacher-forced pass."""
+    seq = torch.tensor([*prompt_ids, *toks[:-1]], device=device).unsqueeze(0)
+    t = (torch.arange(seq.size(1), device=device) - len(prompt_ids) + 2).unsqueeze(0)
+    with eval_mode(model):
+        lp, _ = model(seq, t)
+    return lp[0, len(prompt_ids) - 1:, model.eos_id].exp().tolist()
+
+
+def sample_story(args, task, model, device):
+    """A story checkpoint: L2R continues "title [storyline]"; an insertion model fills the
+    canvas, printed after every insertion."""
+    from data.stories import BOS, EOS, PAD, SEP, UNK
+    if not args.title:
+        raise ValueError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
+    vocab = task.data.vocab
+    stoi = {w: i for i, w in enumerate(vocab)}
+    words = args.title.lower().split() + [k.lower() for k in args.keywords]
+    unknown = [w for w in words if w not in stoi]
+    if unknown and not args.allow_unk:
+        raise ValueError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
+                         f"--allow_unk to read them as <unk>)")
+    title = [stoi.get(w, UNK) for w in args.title.lower().split()]
+    kws = [stoi.get(w.lower(), UNK) for w in args.keywords]
+    prefix = [BOS, *title, SEP] + ([*kws, SEP] if task.kind not in INSERTION_MODELS and kws else [])
+    if task.kind not in INSERTION_MODELS:
+        out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
+                     generator=torch.Generator().manual_seed(args.seed))
+        story = [vocab[t] for t in out["tokens"][0] if t not in (PAD, BOS, EOS, SEP)]
+        ended = "[eos]" if bool(out["terminated"][0]) else f"[length cap {args.L}]"
+        print(f"{args.title} >>> {' '.join(story)} {ended}")
+        return 0
+    return insertion_trace(args, model, vocab, prefix, kws, (PAD, BOS, EOS, SEP))
+
+
+def insertion_trace(args, model, vocab, prefix, kws, banned):
+    from insnet import generate
+    from data.stories import EOS
+    if args.decoder not in ("greedy", "sample", "topk"):
+        raise ValueError("insertion checkpoints decode with --decoder greedy, sample or topk")
+    trace = []
+    out = generate(model, [*prefix, *kws, EOS], len(prefix) + len(kws) + 1 + args.L,
+                   decoder=args.decoder, k=args.k, temperature=args.temperature,
+                   slot_start=len(prefix) - 1, banned=banned, trace=trace,
+                   generator=torch.Generator().manual_seed(args.seed))
+    for step, (canvas, p_end) in enumerate(trace, start=1):
+        print(f"{step:3d}  p(terminate)={p_end:.3f}  {' '.join(vocab[t] for t in canvas[1:-1])}")
+    ended = "terminated" if out["terminated"] else f"length cap {args.L}"
+    print(f"[{ended} after {out['inserted']} insertions]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main))

@@ -1,0 +1,339 @@
+"""The red-team classes of faults (issue [B]), one test per class, on real tiny runs: no silent
+wrong number, no lost work, no run that silently does nothing, no traceback, no weak message;
+plus real signals (SIGTERM, SIGHUP) and a real full disk where the machine allows it."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+import train
+from checkpoint import load as load_checkpoint
+from checkpoint import save as save_checkpoint
+from tests.conftest import ROOT
+from tests.test_cli import assert_one_line_error, run_in_process
+
+SHARED = os.environ.get("NANOGEN_DATA") or os.path.join(ROOT, "..", "shared", "data")
+TINY = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "ptb",
+        "--d_model", "16", "--dropout", "0.1", "--batch_size", "8", "--lr", "3e-3",
+        "--train_seqs", "96", "--eval_seqs", "16", "--seed", "2"]
+
+
+def tiny_run(out, iters=4, every=2, extra=()):
+    assert train.main(TINY + ["--out_dir", str(out), "--max_iters", str(iters),
+                              "--eval_interval", str(every), *extra]) == 0
+    return out
+
+
+def steps_of(out):
+    return [json.loads(line) for line in open(os.path.join(out, "steps.jsonl"))]
+
+
+def reordered_wikitext2(folder):
+    """WikiText-2 with the train lines reversed: the same words, so the same vocabulary size,
+    but ranked in another order (ties by first occurrence): every id means another word."""
+    folder.mkdir()
+    with zipfile.ZipFile(os.path.join(SHARED, "wikitext-2-v1.zip")) as z, \
+            zipfile.ZipFile(folder / "copy.zip", "w") as out:
+        for name in z.namelist():
+            data = z.read(name)
+            if name.endswith("wiki.train.tokens"):
+                data = b"\n".join(reversed(data.split(b"\n")))
+            out.writestr(name, data)
+    return folder
+
+
+def test_silent_wrong_numbers_are_refused(tmp_path, capsys):
+    """Other data behind the same vocabulary size, --limit 0, a truncated prepared cache and
+    a checkpoint with NaN weights: each is refused or repaired, never a quiet wrong figure."""
+    out = tmp_path / "run"
+    assert train.main(["--model", "lstm", "--dataset", "wikitext2", "--d_model", "8",
+                       "--batch_size", "8", "--train_seqs", "40", "--eval_seqs", "8",
+                       "--max_iters", "2", "--eval_interval", "2", "--out_dir", str(out)]) == 0
+    other = reordered_wikitext2(tmp_path / "other")
+    ckpt = str(out / "ckpt_last.pt")
+    rc, err = run_in_process(evaluate.main, ["--ckpt", ckpt, "--data_dir", str(other),
+                                             "--limit", "4"], capsys)
+    assert_one_line_error(rc, err, "was made from other wikitext2 data: its vocabulary differs")
+    rc, err = run_in_process(train.main, ["--model", "lstm", "--dataset", "wikitext2",
+                                          "--out_dir", str(out), "--resume", "--data_dir",
+                                          str(other), "--max_iters", "4"], capsys)
+    assert_one_line_error(rc, err, "its vocabulary differs")
+    rc, err = run_in_process(evaluate.main, ["--ckpt", ckpt, "--limit", "0"], capsys)
+    assert_one_line_error(rc, err, "--limit must be >= 1")
+    # a truncated valid.idx in the prepared cache: rebuilt (with a note), the full count again
+    from data.loader import load
+    meta, splits = load("wikitext2", verbose=False)
+    idx = os.path.join(splits["valid"].folder, "valid.idx")
+    with open(idx, "r+b") as f:
+        f.truncate(100 * 8)
+    meta2, splits2 = load("wikitext2", verbose=True)
+    assert len(splits2["valid"]) == 1777 and "damaged (valid.idx has 800 bytes" in \
+        capsys.readouterr().err
+    # a forged checkpoint whose weights are NaN
+    bad = load_checkpoint(ckpt)
+    bad["model"]["head.proj.weight"] = torch.full_like(bad["model"]["head.proj.weight"], np.nan)
+    save_checkpoint(bad, str(tmp_path / "nan.pt"))
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path / "nan.pt"), "--no_ppl",
+                                             "--decoder", "greedy", "--limit", "2"], capsys)
+    assert_one_line_error(rc, err, "holds non-finite weights")
+
+
+def test_lost_work_is_prevented(tmp_path, capsys):
+    """A trained model is never replaced, two runs never share a folder, a torn log line never
+    blocks a resume, and evaluate.py refuses an output path before it computes anything."""
+    out = tiny_run(tmp_path / "run")
+    os.remove(out / "ckpt_last.pt")  # only the best model is left: a new run must not replace it
+    rc, err = run_in_process(train.main, TINY + ["--out_dir", str(out), "--max_iters", "2"],
+                             capsys)
+    assert_one_line_error(rc, err, "already holds a run (ckpt_best.pt")
+    # two runs into one folder: the second is refused while the first holds the lock
+    busy = tmp_path / "busy"
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, "--out_dir", str(busy),
+                          "--max_iters", "100000", "--eval_interval", "50000"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(busy / "steps.jsonl") and time.time() < deadline:
+            time.sleep(0.2)
+        rc, err = run_in_process(train.main, TINY + ["--out_dir", str(busy)], capsys)
+        assert_one_line_error(rc, err, "is in use by another training run")
+    finally:
+        p.kill()
+        p.communicate()
+    # torn last lines (a crash or a full disk mid-write) are dropped on resume
+    torn = tiny_run(tmp_path / "torn", iters=4, every=2)
+    for name in ("steps.jsonl", "log.jsonl"):
+        with open(torn / name, "a") as f:
+            f.write('{"step": 5, "lo')
+    assert train.main(TINY + ["--out_dir", str(torn), "--max_iters", "6", "--resume"]) == 0
+    assert [r["step"] for r in steps_of(torn)] == [1, 2, 3, 4, 5, 6]
+    # evaluate.py: an --out / --plot it could not write is an error before any work
+    for flags, msg in ((["--out", str(tmp_path / "file.txt" / "res.json")], "cannot be written"),
+                       (["--plot", str(torn / "steps.jsonl")], "is a file")):
+        (tmp_path / "file.txt").write_text("x")
+        t0 = time.time()
+        rc, err = run_in_process(evaluate.main, ["--ckpt", str(torn / "ckpt_last.pt"), *flags],
+                                 capsys)
+        assert_one_line_error(rc, err, msg)
+        assert time.time() - t0 < 1.0  # refused up front, not after an evaluation
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_termination_signals_checkpoint_like_ctrl_c(sig, tmp_path):
+    """What schedulers and `docker stop` send: the step finishes, ckpt_last.pt is written, the
+    run exits 0 and resumes to the end."""
+    out = tmp_path / sig
+    args = [sys.executable, "train.py", *TINY, "--out_dir", str(out), "--max_iters", "100000",
+            "--eval_interval", "50000"]
+    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(out / "steps.jsonl") and
+                                          len(steps_of(out)) >= 3):
+        time.sleep(0.2)
+    p.send_signal(getattr(signal, sig))
+    stdout, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and f"stopped by {sig} after step" in stdout, err[-2000:]
+    assert "no ckpt_best.pt yet" in stdout  # stopped before the first evaluation: says so
+    step = load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["step"]
+    assert 3 <= step < 50000
+    assert train.main(TINY + ["--out_dir", str(out), "--max_iters", str(step + 2), "--resume",
+                              "--eval_interval", "50000"]) == 0
+    assert [r["step"] for r in steps_of(out)] == list(range(1, step + 3))
+
+
+def mount_tmpfs(path, size):
+    path.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here ({e}): no real full disk to test on")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:120]}): no real full disk")
+
+
+def test_real_full_disk(tmp_path, capsys):
+    """A 6 MB tmpfs filled up: the checkpoint that does not fit is an error naming the disk and
+    leaves the previous one intact, a log line that does not fit is an error too, and once
+    space is freed the run resumes to exactly the uninterrupted run's losses."""
+    ref = tiny_run(tmp_path / "ref", iters=6, every=2)
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "6m")
+    try:
+        out = tiny_run(disk / "run", iters=2, every=2)
+        filler = disk / "filler"
+        with open(filler, "wb") as f:  # leave ~100 KB: logs fit, a 2 MB checkpoint does not
+            f.write(b"\0" * (shutil.disk_usage(disk).free - 100_000))
+        rc, err = run_in_process(train.main, TINY + ["--out_dir", str(out), "--max_iters", "6",
+                                                     "--eval_interval", "2", "--resume"], capsys)
+        assert_one_line_error(rc, err, "No space left on device (the previous checkpoint")
+        assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["step"] == 2
+        assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+        with open(filler, "ab") as f:  # now not even a log line fits
+            f.write(b"\0" * shutil.disk_usage(disk).free)
+        rc, err = run_in_process(train.main, TINY + ["--out_dir", str(out), "--max_iters", "6",
+                                                     "--eval_interval", "2", "--resume"], capsys)
+        assert rc == 2 and "Traceback" not in err and "No space left on device" in err
+        os.remove(filler)
+        assert train.main(TINY + ["--out_dir", str(out), "--max_iters", "6", "--eval_interval",
+                                  "2", "--resume"]) == 0
+        assert steps_of(out) == steps_of(ref)  # bit for bit, as if nothing had happened
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_checkpoint_streams_with_little_memory_and_torch_save_size(tmp_path):
+    """Format 2 is written while it is pickled: the file is torch.save's (plus the 92-byte digest
+    comment and 16 bytes of zip data descriptor per tensor, what torch writes to a stream), and
+    writing a 64 MB state raises the peak resident memory by far less than the state (the
+    format-1 writer held ~3 copies and its file was 1.5x)."""
+    code = f"""
+import os, resource, sys, torch
+sys.path.insert(0, {ROOT!r})
+import checkpoint
+state = dict(model={{f"w{{i}}": torch.randn(2 ** 21) for i in range(8)}}, config={{"model": "gpt"}})
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+checkpoint.save(state, {str(tmp_path / "a.pt")!r})
+extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+torch.save(state, {str(tmp_path / "b.pt")!r})
+print(extra / 1024, os.path.getsize({str(tmp_path / "a.pt")!r}), os.path.getsize({str(tmp_path / "b.pt")!r}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    extra_mb, size_a, size_b = map(float, out.stdout.split())
+    assert extra_mb < 16, extra_mb  # the state is 64 MB
+    assert size_b <= size_a <= size_b + 92 + 16 * 9 + 256
+
+
+def test_runs_that_would_do_nothing_are_errors(tmp_path, capsys):
+    """Zero optimizer steps per epoch, a schedule that would turn the lr negative or divide by
+    zero: errors naming the flag, before anything is written."""
+    cases = [
+        (["--grad_accum", "20"], "fewer than --grad_accum 20: no optimizer step would run"),
+        (["--model", "gpt", "--n_head", "2", "--block_size", "8", "--batch_size", "8"],
+         "no optimizer step would run"),
+        (["--lr_decay", "-0.5"], "--lr_decay must lie in (0, 1]"),
+        (["--warmup", "-3", "--lr_schedule", "linear"], "--warmup must be >= 0"),
+        (["--decay_steps", "0", "--lr_schedule", "linear"], "--decay_steps must be >= 1"),
+    ]
+    for flags, msg in cases:
+        out = tmp_path / "o"
+        rc, err = run_in_process(train.main, TINY + ["--out_dir", str(out), *flags], capsys)
+        assert_one_line_error(rc, err, msg)
+        assert not out.exists(), flags
+
+
+def test_no_tracebacks(tmp_path, capsys, monkeypatch):
+    """A damaged prepared cache, a zip member with a bad CRC, text that is not UTF-8, a cache
+    path that is a file, an unknown device, absurd sizes, checkpoints with the right wrapper
+    and the wrong contents, --compare of a non-study, data.prepare / bench.py errors, Ctrl-C
+    in evaluate.py: each one line, exit 2 (130 for Ctrl-C), no traceback."""
+    from data.loader import load
+    _, splits = load("ptb", verbose=False)
+    folder = splits["train"].folder
+    for name in ("valid.bin", "vocab.txt"):  # missing files are rebuilt
+        os.remove(os.path.join(folder, name))
+        _, again = load("ptb", verbose=False)
+        assert len(again["valid"]) == 2863
+    lines = "\n".join(" ".join(f"w{i}" for i in range(12)) for _ in range(50)) + "\n"
+    bad_crc = tmp_path / "crc"
+    bad_crc.mkdir()
+    with zipfile.ZipFile(bad_crc / "copy.zip", "w") as z:  # stored, so a flipped byte stays
+        for s in ("train", "valid", "test"):
+            z.writestr(f"wikitext-2/wiki.{s}.tokens", lines)
+    raw = bytearray((bad_crc / "copy.zip").read_bytes())
+    raw[raw.index(b"w11") + 1] ^= 1
+    (bad_crc / "copy.zip").write_bytes(bytes(raw))
+    utf = tmp_path / "utf" / "wikitext-2"
+    utf.mkdir(parents=True)
+    for s in ("train", "valid", "test"):
+        (utf / f"wiki.{s}.tokens").write_bytes(lines.encode() + (b"\xff\xfe\n" if s == "valid"
+                                                                   else b""))
+    cache_file = tmp_path / "cache-is-a-file"
+    cache_file.write_text("x")
+    cases = [
+        (["--dataset", "wikitext2", "--data_dir", str(bad_crc)], {}, "Bad CRC-32"),
+        (["--dataset", "wikitext2", "--data_dir", str(utf.parent)], {}, "not UTF-8"),
+        (["--dataset", "ptb"], {"NANOGEN_CACHE": str(cache_file)}, "set NANOGEN_CACHE"),
+        (["--dataset", "ptb", "--device", "tpu"], {}, "--device tpu: unknown device"),
+        (["--dataset", "ptb", "--d_model", "100000000", "--n_layer", "1"], {}, "out of memory"),
+    ]
+    for flags, env, msg in cases:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        rc, err = run_in_process(train.main, ["--model", "lstm", *flags, "--out_dir",
+                                              str(tmp_path / "o")], capsys)
+        assert_one_line_error(rc, err, msg)
+        for k in env:
+            monkeypatch.undo()
+    wrapper_cases(tmp_path, capsys)
+    entry_points_and_interrupts(tmp_path, capsys, monkeypatch)
+
+
+def wrapper_cases(tmp_path, capsys):
+    """Checkpoints with the right wrapper and the wrong contents; --compare of a non-study."""
+    forged = {"no-config.pt": dict(model={"w": torch.zeros(2)}),
+              "wrong-shapes.pt": dict(model={"w": torch.zeros(2)}, config=dict(
+                  model="lstm", head="softmax", epsilon=1e-5, vocab_size=10, eos_id=0, n_layer=1,
+                  d_model=4, dropout=0.0, tie=True), args=dict(dataset="ptb"),
+                  train_state=dict(step=1)),
+              "no-args.pt": dict(model={"w": torch.zeros(2)}, config=dict(model="lstm"))}
+    msgs = {"no-config.pt": "has no model config", "wrong-shapes.pt": "do not fit its model",
+            "no-args.pt": "lacks its 'args'"}
+    for name, obj in forged.items():
+        save_checkpoint(obj, str(tmp_path / name))
+        rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path / name)], capsys)
+        assert_one_line_error(rc, err, msgs[name])
+    (tmp_path / "notastudy.json").write_text(json.dumps({"head": "nmst"}))
+    rc, err = run_in_process(evaluate.main, ["--compare", str(tmp_path / "notastudy.json")],
+                             capsys)
+    assert_one_line_error(rc, err, "is not an evaluate.py --decoder study")
+
+
+def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
+    for cmd, msg in (([sys.executable, "-m", "data.prepare", "--dataset", "wikitext2",
+                       "--data_dir", str(tmp_path / "nowhere")], "is not a folder"),
+                     ([sys.executable, "bench.py", "table4"], "needs --ckpts")):
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert_one_line_error(p.returncode, p.stderr, msg)
+    out = tiny_run(tmp_path / "ctrlc", iters=2, every=2)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(evaluate, "decoding_study", interrupted)
+    res = tmp_path / "never.json"
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--no_ppl",
+                                             "--decoder", "greedy", "--out", str(res)], capsys)
+    assert rc == 130 and err.strip() == "error: interrupted (Ctrl-C); no result was written"
+    assert not res.exists()
+
+
+@pytest.mark.parametrize("flag,value,msg", [
+    ("--lr", "-1", "--lr must be a positive number"), ("--lr", "nan", "--lr must be a positive"),
+    ("--patience", "0", "--patience must be >= 1"), ("--grad_clip", "-1", "--grad_clip must be"),
+    ("--weight_decay", "-0.1", "--weight_decay must be >= 0"), ("--seed", "-1", "--seed must be"),
+    ("--ar", "nan", "--ar must be >= 0"), ("--tar", "-1", "--tar must be >= 0"),
+    ("--batch_size", "0", "--batch_size / --max_tokens must be >= 1"),
+    ("--eval_seqs", "-1", "--eval_seqs must be >= 0"), ("--train_seqs", "-5", "--train_seqs must"),
+    ("--max_iters", "-1", "--max_iters must be >= 0"), ("--bptt", "0", "--bptt must be >= 1"),
+    ("--eval_interval", "-2", "--eval_interval must be"), ("--n_layer", "0", "--n_layer must"),
+    ("--dropout", "1", "--dropout must lie in [0, 1)"), ("--beta2", "1", "--beta1 / --beta2"),
+    ("--block_size", "0", "--block_size must be >= 1"), ("--epsilon", "nan", "--epsilon must"),
+    ("--max_epochs", "0", "--max_epochs must be >= 1"), ("--n_experts", "0", "--n_experts must"),
+])
+def test_bad_flag_values(flag, value, msg, tmp_path, capsys):
+    """Every numeric flag with an impossible value (NaN included): one line naming the flag,
+    exit 2, nothing written."""
+    rc, err = run_in_process(train.main, TINY + [flag, value, "--out_dir", str(tmp_path / "o")],
+                             capsys)
+    assert_one_line_error(rc, err, msg)
+    assert not (tmp_path / "o").exists()
