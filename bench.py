@@ -651,8 +651,8 @@ def bench_code(args):
     """Lines per file, lines over 100 columns, the longest and the most complex functions, and
     private names (_x) imported across modules: the limits of the design card, measured."""
     import ast
-    root, rows, private = os.path.dirname(os.path.abspath(__file__)), [], []
-    print(f"{'file':18s} {'lines':>6s} {'> 100 cols':>10s}")
+    root, rows, private = args.root or os.path.dirname(os.path.abspath(__file__)), [], []
+    print(f"{root}\n{'file':18s} {'lines':>6s} {'> 100 cols':>10s}")
     for name in args.files or CODE:
         path = os.path.join(root, name)
         if not os.path.exists(path):
@@ -704,6 +704,8 @@ def build_parser():
     p.add_argument("--data_dir", default=None, help="table4 / arch: local dataset folder")
     p.add_argument("--files", nargs="+", default=None, help="code: files to measure")
     p.add_argument("--top", type=int, default=10, help="code: functions listed")
+    p.add_argument("--root", default=None, help="code: measure another checkout (e.g. an older "
+                                                "commit's git worktree)")
     p.add_argument("--budget", type=float, default=120, help="arch: training seconds per model")
     p.add_argument("--eval_every", type=int, default=100, help="arch: steps between evaluations")
     return p

@@ -128,18 +128,11 @@ def eos_probs(model, prompt_ids, toks, device):
 def sample_story(args, task, model, device):
     """A story checkpoint: L2R continues "title [storyline]"; an insertion model fills the
     canvas, printed after every insertion."""
-    from data.stories import BOS, EOS, PAD, SEP, UNK
+    from data.stories import BOS, EOS, PAD, SEP
     if not args.title:
         raise ValueError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
     vocab = task.data.vocab
-    stoi = {w: i for i, w in enumerate(vocab)}
-    words = args.title.lower().split() + [k.lower() for k in args.keywords]
-    unknown = [w for w in words if w not in stoi]
-    if unknown and not args.allow_unk:
-        raise ValueError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
-                         f"--allow_unk to read them as <unk>)")
-    title = [stoi.get(w, UNK) for w in args.title.lower().split()]
-    kws = [stoi.get(w.lower(), UNK) for w in args.keywords]
+    title, kws = story_ids(vocab, args)
     prefix = [BOS, *title, SEP] + ([*kws, SEP] if task.kind not in INSERTION_MODELS and kws else [])
     if task.kind not in INSERTION_MODELS:
         out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
@@ -149,6 +142,19 @@ def sample_story(args, task, model, device):
         print(f"{args.title} >>> {' '.join(story)} {ended}")
         return 0
     return insertion_trace(args, model, vocab, prefix, kws, (PAD, BOS, EOS, SEP))
+
+
+def story_ids(vocab, args):
+    """--title and --keywords as ids of the story vocabulary (lower-cased, like the data)."""
+    from data.stories import UNK
+    stoi = {w: i for i, w in enumerate(vocab)}
+    words = args.title.lower().split() + [k.lower() for k in args.keywords]
+    unknown = [w for w in words if w not in stoi]
+    if unknown and not args.allow_unk:
+        raise ValueError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
+                         f"--allow_unk to read them as <unk>)")
+    return ([stoi.get(w, UNK) for w in args.title.lower().split()],
+            [stoi.get(w.lower(), UNK) for w in args.keywords])
 
 
 def insertion_trace(args, model, vocab, prefix, kws, banned):

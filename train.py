@@ -193,6 +193,19 @@ class Run:
             raise ValueError(f"could not append to {self.path(name)}: {e.strerror or e}; "
                              f"{self.last_good()}") from None
 
+    def after_step(self, loss, dist):
+        """The step's line in steps.jsonl; three steps in, on a CPU, the time an epoch will take
+        (and where to find a run sized for a laptop)."""
+        st = self.state
+        self.append("steps.jsonl", dict(step=st.step, loss=loss.value.item(), lr=st.lr))
+        if st.step == self.first_step + 3 and self.master and dist.device == "cpu":
+            r = self.since_eval
+            rate = r["tokens"] * dist.world / max(time.time() - r["t0"], 1e-9)
+            hours = self.epoch_tokens / max(rate, 1e-9) / 3600
+            print(f"\n{rate:,.0f} tokens/s on this CPU: about {hours:.1f} h per epoch"
+                  + (f"; for a run sized for a laptop see `python reproduce.py nmst-table1 "
+                     f"--scale cpu` (README, Coursework)" if hours > 1 else ""), flush=True)
+
     def last_good(self):
         last = self.path("ckpt_last.pt")
         return f"the last good checkpoint is {last}" if os.path.exists(last) else \
@@ -271,7 +284,7 @@ def train(args, task, lm, model, optimizer, run, dist, save):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             st.step, st.batch_in_epoch = st.step + 1, s + 1
-            run.append("steps.jsonl", dict(step=st.step, loss=loss.value.item(), lr=st.lr))
+            run.after_step(loss, dist)
             st.done = limit_reached(args, st, run)
             if (args.eval_interval and st.step % args.eval_interval == 0) or st.done:
                 validate(args, task, lm, run, dist, save, autocast)
@@ -474,7 +487,8 @@ def run_training(args, task, lm, cfg, ckpt, dist):
         model = DDP(lm, device_ids=ids)
     mean_len = token_count(task) / max(1, len(task.splits["train"]) if task.name != "stream" else 1)
     run.flops_per_token = flops_per_token(lm, cfg, mean_len) if task.name != "story" else 0
-    run.peak = peak_flops(args, dist.device)
+    run.peak, run.epoch_tokens = peak_flops(args, dist.device), token_count(task)
+    run.first_step = run.state.step
 
     def save(name):
         run.save(name, lm, optimizer, task, cfg, task.signature)
@@ -508,13 +522,16 @@ def restore(ckpt, lm, optimizer, task, run, cfg, dist):
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
     st, args = run.state, run.args
     if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
-        over = (args.max_iters and st.step >= args.max_iters) or st.epoch >= args.max_epochs \
-            or (args.max_minutes and st.elapsed >= 60 * args.max_minutes)
-        st.done = "reached the same limit again" if over else None
+        st.done = "reached the same limit again" if over_limits(args, st) else None
     if st.done and dist.rank == 0:
         print(f"{args.out_dir}: this run already finished ({st.done}); nothing to do (raise "
               f"--max_iters / --max_epochs / --max_minutes to go on)")
     return not st.done
+
+
+def over_limits(args, st):
+    return (args.max_iters and st.step >= args.max_iters) or st.epoch >= args.max_epochs or \
+        (args.max_minutes and st.elapsed >= 60 * args.max_minutes)
 
 
 def announce(args, task, lm, dist, ckpt):

@@ -17,6 +17,7 @@ Word-level vocabulary from the training stories (words seen >= min_count times; 
     synthetic       BOS x_1 .. x_n EOS, x uniform over V = 30000, n in {20, 40, ..., 160}
 """
 import collections
+import functools
 import os
 
 import torch
@@ -73,7 +74,14 @@ def rocstories_folder(data_dir=None):
 
 
 def read_stories(path):
-    """Parsed stories of one Plan-and-Write file (text that is not UTF-8 is a DataError)."""
+    """Parsed stories of one Plan-and-Write file (text that is not UTF-8 is a DataError); kept
+    for the process, per file version (reproduce.py reads them for every run)."""
+    stat = os.stat(path)
+    return [dict(s) for s in _parsed(path, stat.st_size, stat.st_mtime_ns)]
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(path, size, mtime):
     try:
         with open(path, encoding="utf-8") as f:
             return [parse_story(line) for line in f if line.strip()]

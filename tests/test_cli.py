@@ -120,20 +120,20 @@ def test_resume_without_checkpoint(tmp_path):
     assert_one_line_error(rc, err, "--resume: no checkpoint")
 
 
-def test_corrupt_and_foreign_checkpoints(tmp_path):
+def test_corrupt_and_foreign_checkpoints(tmp_path, capsys):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"this is not a checkpoint")
-    rc, _, err = run_cli("evaluate.py", "--ckpt", str(bad))
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(bad)], capsys)
     assert_one_line_error(rc, err, "is not a readable nanogen checkpoint")
     plain = tmp_path / "plain.pt"
     torch.save({"weights": torch.zeros(3)}, plain)
-    rc, _, err = run_cli("evaluate.py", "--ckpt", str(plain))
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(plain)], capsys)
     assert_one_line_error(rc, err, "is not a nanogen checkpoint")
     evil = tmp_path / "evil.pt"
-    torch.save({"format": "nanogen-checkpoint-1", "payload": subprocess.Popen}, evil)  # a pickled code object
-    rc, _, err = run_cli("evaluate.py", "--ckpt", str(evil))
+    torch.save({"format": "nanogen-checkpoint-1", "payload": subprocess.Popen}, evil)  # pickled code
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(evil)], capsys)
     assert_one_line_error(rc, err, "refused by safe (weights_only) loading")
-    rc, _, err = run_cli("evaluate.py", "--ckpt", str(tmp_path / "missing.pt"))
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path / "missing.pt")], capsys)
     assert_one_line_error(rc, err, "no checkpoint at")
 
 

@@ -1,0 +1,128 @@
+"""A student's first hour (issue [D]): sample.py on tiny checkpoints (word, BPE, InsNet),
+reproduce.py end to end at the tiny scale (and reused on a second run), the laptop hint of a
+CPU run, and --compare plots of runs that differ by decoder."""
+import json
+import os
+
+import pytest
+
+import evaluate
+import reproduce
+import sample
+import train
+from tests.test_cli import assert_one_line_error, run_in_process
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Tiny checkpoints of every kind sample.py reads."""
+    root = tmp_path_factory.mktemp("sample")
+    common = ["--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--max_iters", "6",
+              "--eval_interval", "6", "--eval_seqs", "16", "--train_seqs", "200"]
+    runs = {"word": ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-2", "--dataset", "ptb",
+                     "--batch_size", "8"],
+            "bpe": ["--model", "gpt", "--head", "st", "--epsilon", "1e-2", "--n_layer", "1",
+                    "--dataset", "wikitext103", "--batch_size", "4", "--block_size", "64"],
+            "insnet": ["--model", "insnet", "--dataset", "rocstories", "--task", "storyline",
+                       "--n_layer", "1", "--batch_size", "8", "--warmup", "0"]}
+    out = {}
+    for name, flags in runs.items():
+        assert train.main([*flags, *common, "--out_dir", str(root / name)]) == 0
+        out[name] = str(root / name / "ckpt_last.pt")
+    return out
+
+
+def test_sample_word_level_prompt_with_p_eos(ckpts, capsys):
+    assert sample.main(["--ckpt", ckpts["word"], "--prompt", "the company said it would",
+                        "--prompt", "stocks fell", "--L", "12", "--show_eos"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    heads = [ln for ln in out if ">>>" in ln]
+    assert len(heads) == 2 and heads[0].startswith("the company said it would >>> ")
+    assert all(ln.endswith("[eos]") or ln.endswith("[length cap 12: not terminated]")
+               for ln in heads)
+    steps = [ln for ln in out if "p(eos)=" in ln]
+    assert 2 <= len(steps) <= 24 and all(0 < float(ln.split("p(eos)=")[1].split()[0]) <= 1
+                                         for ln in steps)
+    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["word"], "--prompt", "Stocks zyzzyva"],
+                             capsys)
+    assert_one_line_error(rc, err, "not in the model's vocabulary: 'Stocks', 'zyzzyva'")
+    assert sample.main(["--ckpt", ckpts["word"], "--prompt", "zyzzyva fell", "--allow_unk",
+                        "--L", "3"]) == 0
+    assert "read as <unk>: zyzzyva" in capsys.readouterr().err
+
+
+def test_sample_bpe_prompt_and_the_window(ckpts, capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The history of the city\nIn 1990 , the band\n")
+    assert sample.main(["--ckpt", ckpts["bpe"], "--prompt_file", str(prompts), "--decoder", "topk",
+                        "--k", "3", "--L", "10"]) == 0
+    out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
+    assert len(out) == 2 and out[1].startswith("In 1990 , the band >>> ")
+    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "The history",
+                                           "--L", "100"], capsys)
+    assert_one_line_error(rc, err, "exceeds the model's context window of 64 tokens")
+
+
+def test_sample_insnet_shows_the_canvas_after_each_insertion(ckpts, capsys):
+    assert sample.main(["--ckpt", ckpts["insnet"], "--title", "the big game", "--keywords",
+                        "team", "won", "--L", "6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    steps = [ln for ln in out if "p(terminate)=" in ln]
+    assert 1 <= len(steps) <= 6 and out[-1].startswith("[")
+    assert all("team" in ln and "won" in ln for ln in steps)  # the keywords are on every canvas
+    assert len(steps[-1].split()) > len(steps[0].split()) or len(steps) == 1
+
+
+def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys):
+    """Each command end to end: the table with the paper's numbers, the raw JSON, the figures;
+    a second run reuses the finished runs (no training step is repeated)."""
+    out = tmp_path / "results"
+    assert reproduce.main(["all", "--scale", "tiny", "--out", str(out)]) == 0
+    first = capsys.readouterr().out
+    expected = {"nmst-table1": ["(101.6 ± 1.0)", "r_nt.png"],
+                "nmst-table4": ["(0.05 ± 0.02)", None],
+                "ct-table3": ["56.95 / 54.69", None],
+                "insnet-storyline": ["52.86 / 36.86 / 26.39 / 19.35", "fig12.png"]}
+    for name, (paper, figure) in expected.items():
+        folder = out / f"{name}-tiny"
+        table = (folder / "table.md").read_text()
+        assert paper in table and "scale tiny" in table
+        assert json.loads((folder / "results.json").read_text())["result"] == name
+        if figure:
+            assert (folder / figure).stat().st_size > 1000
+    assert first.count("done (reached") > 0
+    assert reproduce.main(["nmst-table1", "--scale", "tiny", "--out",
+                           str(out / "nmst-table1-tiny")]) == 0
+    again = capsys.readouterr().out
+    assert "done (reached" not in again and "already finished" in again
+
+
+def test_a_cpu_run_says_how_long_an_epoch_takes(tmp_path, capsys):
+    assert train.main(["--model", "lstm", "--dataset", "ptb", "--d_model", "16", "--batch_size",
+                       "8", "--max_iters", "4", "--eval_interval", "4", "--eval_seqs", "8",
+                       "--out_dir", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "parameters" in out and "training tokens per epoch" in out
+    assert "tokens/s on this CPU: about" in out and "h per epoch" in out
+
+
+def test_compare_runs_that_differ_by_decoder(tmp_path, ckpts, monkeypatch):
+    """--compare of studies that differ by decoder, not head: distinct colours, labels that
+    name the decoder, a title that fits all runs."""
+    import cli
+    paths = []
+    for dec in (["--decoder", "greedy"], ["--decoder", "topk", "--k", "2"]):
+        p = tmp_path / f"{dec[1]}.json"
+        assert evaluate.main(["--ckpt", ckpts["word"], "--no_ppl", *dec, "--L", "5", "20",
+                              "--limit", "6", "--traces", "1", "--out", str(p)]) == 0
+        paths.append(str(p))
+    figures = {}
+    monkeypatch.setattr(cli, "save_figure", lambda fig, path: figures.update(
+        {os.path.basename(path): fig}))
+    assert evaluate.main(["--compare", *paths, "--plot", str(tmp_path / "figs")]) == 0
+    ax = figures["r_nt.png"].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["greedy", "topk-2"]
+    assert len({line.get_color() for line in ax.get_lines()}) == 2
+    title = ax.get_title()
+    assert "ptb" in title and "lstm" in title and "greedy" not in title
