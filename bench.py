@@ -523,7 +523,7 @@ def arch_costs(model, s, V, T, block):
     path = {"rnn": "16", "lstm": "16", "gpt": "1"}.get(model)  # recurrent steps / attention hops
     if model == "gcnn":  # convolution layers, each moving k-1 positions back
         path = str(-(-16 // (k - 1))) if 16 < field else "beyond"
-    seq = {"rnn": f"{T} x {N}", "lstm": f"{T} x {N}", "gcnn": str(N), "gpt": str(N)}[model]
+    seq = str(round(T) * N) if model in ("rnn", "lstm") else str(N)  # T per layer, or layers
     return dict(params_formula=body + V * D, flops=flops, flops_out=2 * D * V, sequential=seq,
                 path16=path, field=field)
 
@@ -571,15 +571,17 @@ def arch_row(model, s, lm, task, ckpt, log, args):
     steps = ckpt["train_state"]["step"]
     train_tps = float(np.median([r["tokens_per_s"] for r in log]))  # between evaluations
     return dict(model=model, shape=s, counted=lm.num_params(), steps=steps, train_tps=train_tps,
-                decode_tps=dec, ppl=res["ppl"], **arch_costs(model, s, task.vocab_size, T, 256))
+                decode_tps=dec, ppl=res["ppl"], T=T, **arch_costs(model, s, task.vocab_size, T,
+                                                                     256))
 
 
 def print_arch(rows, args):
     print(f"\nthe survey's comparison on PTB (V=10000, word level, sequence completion), "
           f"{args.budget:g} s of training each (batch 32, lr 2e-3, dropout 0.1), validation on "
-          f"the first {args.limit} sequences, cpu, threads {torch.get_num_threads()}")
+          f"the first {args.limit} sequences, cpu, threads {torch.get_num_threads()}; "
+          f"sequential steps for a T = {rows[0]['T']:.1f}-token sequence (the mean)")
     print(f"{'model':5s} {'shape':14s} {'params (formula)':>16s} {'counted':>9s} "
-          f"{'GFLOP/tok body+out':>18s} {'seq. steps':>10s} {'path i->i+16':>12s} "
+          f"{'MFLOP/tok body + out':>20s} {'seq. steps':>10s} {'path i->i+16':>12s} "
           f"{'recept. field':>13s} {'train tok/s':>11s} {'decode tok/s':>12s} {'steps':>6s} "
           f"{'val ppl':>8s}")
     for r in rows:
@@ -587,7 +589,7 @@ def print_arch(rows, args):
         shape = f"{s['n_layer']}x{s['d_model']}" + (f" k{s['kernel_size']}" if "kernel_size" in s
                                                      else "")
         print(f"{r['model']:5s} {shape:14s} {r['params_formula']:16,d} {r['counted']:9,d} "
-              f"{r['flops'] / 1e9:8.4f}+{r['flops_out'] / 1e9:.4f} {r['sequential']:>10s} "
+              f"{r['flops'] / 1e6:10.2f} + {r['flops_out'] / 1e6:7.2f} {r['sequential']:>10s} "
               f"{r['path16']:>12s} {str(r['field']):>13s} {r['train_tps']:11.0f} "
               f"{r['decode_tps']:12.0f} {r['steps']:6d} {r['ppl']:8.1f}")
 

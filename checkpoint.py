@@ -6,8 +6,8 @@ sha256 is taken; the digest goes into the zip's archive comment (`nanogen-checkp
 sha256=<hex>`, over the bytes torch wrote); then fsync and rename.  So a crash leaves the old
 file or the new one, never half of one; a file damaged later fails its digest on load; writing
 costs no copy of the state in memory, and the file is torch.save's plus the 92-byte comment
-and 16 bytes per tensor (python bench.py checkpoint measures it).  Loading is `torch.load(weights_only=True)`: tensors
-and plain containers only, never pickled code.
+and 16 bytes per tensor (python bench.py checkpoint measures it).  Loading is
+`torch.load(weights_only=True)`: tensors and plain containers only, never pickled code.
 
 Format 1 (`nanogen-checkpoint-1`, written before the streaming writer): the state pickled to
 bytes inside an outer dict with their sha256.  Still read.

@@ -1,12 +1,14 @@
 """What every entry point shares (train.py, evaluate.py, sample.py, reproduce.py, bench.py and
-`python -m data.prepare`): one-line errors, the device, output files checked before the work and
-written atomically, and the fault-injection hook of the fault tests.
+`python -m data.prepare`): one-line errors, the device (one process or torchrun, autocast, the
+peak FLOP/s of the MFU column), output files checked before the work and written atomically,
+and the fault-injection hook of the fault tests.
 
 The promise the CLIs keep: a user error prints one line, `error: <what is wrong and the fix>`,
 exits with status 2, prints no traceback and writes no file.
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -40,6 +42,9 @@ def run_cli(main, argv=None):
     (outside training, which handles it itself) one line and status 130."""
     try:
         return main(argv) or 0
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
@@ -73,6 +78,61 @@ def resolve_device(name):
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device mps asked for, but MPS is not available here (use --device cpu)")
     return name
+
+
+def autocast_context(device, dtype):
+    """bf16 (or --dtype) autocast on CUDA; None (float32) elsewhere."""
+    if not device.startswith("cuda") or dtype == "float32":
+        return None
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return torch.autocast("cuda", dtype=getattr(torch, dtype))
+
+
+# bf16 dense tensor peak FLOP/s by device name, for MFU (TF32 is half; CPUs: pass --peak_flops)
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
+              "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+
+
+def peak_flops(args, device):
+    if args.peak_flops or not device.startswith("cuda"):
+        return args.peak_flops
+    name = torch.cuda.get_device_name(device)
+    bf16 = autocast_context(device, args.dtype) is not None
+    return next((p if bf16 else p / 2 for k, p in PEAK_FLOPS.items() if k in name), None)
+
+
+@dataclasses.dataclass
+class Dist:
+    """This process under torchrun (one process per device; gloo on CPU), or alone."""
+    rank: int = 0
+    world: int = 1
+    device: str = "cpu"
+
+    def all_sum(self, values):
+        if self.world == 1:
+            return values
+        import torch.distributed as dist
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+
+def setup_distributed(args):
+    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK: one process per device, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(0, 1, resolve_device(args.device))
+    if args.task == "stream":
+        raise ValueError("--task stream runs on one process (no torchrun)")
+    if args.grad_accum % world:
+        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world} "
+                         f"processes")
+    import torch.distributed as dist
+    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return Dist(int(os.environ["RANK"]), world, f"cuda:{local}" if cuda else "cpu")
 
 
 # ---------------------------------------------------------------------------------------------

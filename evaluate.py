@@ -518,12 +518,7 @@ def plot_r_nt(plt, results, labels, styles, shared, out_dir):
                 label=label)
     ax.set(xscale="log", yscale="log", xlabel="L", ylabel="r_nt(L)  (0 drawn at 1e-4)",
            title=f"non-termination ratio ({shared})" if shared else "non-termination ratio")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "r_nt.png")
-    cli.save_figure(fig, path)
-    plt.close(fig)
-    return path
+    return finish(plt, fig, ax, os.path.join(out_dir, "r_nt.png"))
 
 
 def plot_lengths(plt, results, labels, styles, out_dir):
@@ -538,12 +533,7 @@ def plot_lengths(plt, results, labels, styles, out_dir):
                                                                    f"at L)")
     ax.set(xlabel="continuation length", ylabel="count", yscale="log",
            title="length distribution")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "lengths.png")
-    cli.save_figure(fig, path)
-    plt.close(fig)
-    return path
+    return finish(plt, fig, ax, os.path.join(out_dir, "lengths.png"))
 
 
 def plot_traces(plt, results, labels, styles, out_dir):
@@ -558,9 +548,13 @@ def plot_traces(plt, results, labels, styles, out_dir):
             ax.plot(range(1, len(tr["p_eos"]) + 1), tr["p_eos"], ls, color=color, label=label)
         ax.set(yscale="log", ylabel="p(eos)", xlabel="t" if j == n - 1 else None)
         ax.set_title(f"validation sequence {traced[0][0]['eos_traces'][j]['index']}", fontsize=8)
-    axes[0, 0].legend(fontsize=8)
+    return finish(plt, fig, axes[0, 0], os.path.join(out_dir, "p_eos.png"))
+
+
+def finish(plt, fig, ax, path):
+    """Legend, layout, the PNG written atomically; -> its path."""
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    path = os.path.join(out_dir, "p_eos.png")
     cli.save_figure(fig, path)
     plt.close(fig)
     return path

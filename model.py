@@ -382,3 +382,15 @@ class LanguageModel(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token: 6 N for the matmul weights (forward + backward; the output
+        projection counts, the position-embedding lookup does not) plus, for GPT, attention's
+        12 L d T at the mean training length T (PaLM appendix B, as nanoGPT's estimate_mfu)."""
+        cfg, n = self.cfg, self.num_params()
+        if cfg["model"] in WINDOWED:
+            n -= self.backbone.wpe.weight.numel()
+        if not cfg.get("tie", True):
+            n -= self.backbone.wte.weight.numel()  # the input lookup is no matmul
+        attn = 12 * cfg["n_layer"] * cfg["d_model"] * seq_len if cfg["model"] == "gpt" else 0
+        return 6 * n + attn

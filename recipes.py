@@ -66,7 +66,7 @@ FLAGS = [
     ("architecture", "--n_layer", dict(type=int, default=None)),
     ("architecture", "--d_model", dict(type=int, default=None, help="embedding = hidden size")),
     ("architecture", "--n_head", dict(type=int, default=12, help="attention heads")),
-    ("architecture", "--block_size", dict(type=int, default=1024, help="GPT / GCNN context window")),
+    ("architecture", "--block_size", dict(type=int, default=1024, help="GPT / GCNN window")),
     ("architecture", "--kernel_size", dict(type=int, default=4, help="gcnn: kernel width k")),
     ("architecture", "--dropout", dict(type=float, default=None)),
     ("architecture", "--no_tie", dict(action="store_true", help="untied output embeddings")),

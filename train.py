@@ -54,72 +54,6 @@ def learning_rate(args, st):
     return args.lr * warm * max(0.0, 1.0 - st.step / args.decay_steps)
 
 
-def autocast_context(device, dtype):
-    if not device.startswith("cuda") or dtype == "float32":
-        return None
-    if dtype == "auto":
-        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return torch.autocast("cuda", dtype=getattr(torch, dtype))
-
-
-# bf16 dense tensor peak FLOP/s by device name, for MFU (TF32 is half; CPUs: pass --peak_flops)
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
-              "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
-
-
-def peak_flops(args, device):
-    if args.peak_flops or not device.startswith("cuda"):
-        return args.peak_flops
-    name = torch.cuda.get_device_name(device)
-    bf16 = autocast_context(device, args.dtype) is not None
-    return next((p if bf16 else p / 2 for k, p in PEAK_FLOPS.items() if k in name), None)
-
-
-def flops_per_token(lm, cfg, seq_len):
-    """Training FLOPs per token: 6 N for the matmul weights (forward + backward; the output
-    projection counts, the position-embedding lookup does not) plus, for GPT, attention's
-    12 L d T at the mean training length T (PaLM appendix B, as in nanoGPT)."""
-    n = lm.num_params()
-    if cfg["model"] in ("gpt", "gcnn"):
-        n -= lm.backbone.wpe.weight.numel()
-    if not cfg.get("tie", True):
-        n -= lm.backbone.wte.weight.numel()  # the input lookup is no matmul
-    attn = 12 * cfg["n_layer"] * cfg["d_model"] * seq_len if cfg["model"] == "gpt" else 0
-    return 6 * n + attn
-
-
-@dataclasses.dataclass
-class Dist:
-    """This process under torchrun (one process per device; gloo on CPU), or alone."""
-    rank: int = 0
-    world: int = 1
-    device: str = "cpu"
-
-    def all_sum(self, values):
-        if self.world == 1:
-            return values
-        import torch.distributed as dist
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-
-def setup_distributed(args):
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist(0, 1, cli.resolve_device(args.device))
-    if args.task == "stream":
-        raise ValueError("--task stream runs on one process (no torchrun)")
-    if args.grad_accum % world:
-        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world} "
-                         f"processes")
-    import torch.distributed as dist
-    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    return Dist(int(os.environ["RANK"]), world, f"cuda:{local}" if cuda else "cpu")
-
-
 # --------------------------------------------------------------------------------------------
 # run bookkeeping: the folder, its lock, logs, checkpoints and stop signals
 # --------------------------------------------------------------------------------------------
@@ -202,7 +136,8 @@ class Run:
             r = self.since_eval
             rate = r["tokens"] * dist.world / max(time.time() - r["t0"], 1e-9)
             hours = self.epoch_tokens / max(rate, 1e-9) / 3600
-            print(f"\n{rate:,.0f} tokens/s on this CPU: about {hours:.1f} h per epoch"
+            took = f"{hours:.1f} h" if hours >= 1 else f"{60 * hours:.1f} min"
+            print(f"\n{rate:,.0f} tokens/s on this CPU: about {took} per epoch"
                   + (f"; for a run sized for a laptop see `python reproduce.py nmst-table1 "
                      f"--scale cpu` (README, Coursework)" if hours > 1 else ""), flush=True)
 
@@ -268,7 +203,7 @@ def train(args, task, lm, model, optimizer, run, dist, save):
     """One loop for every task: lr -> micro-batches (gradient accumulation; DDP syncs on the
     last) -> clip -> step -> log, evaluate, checkpoint, stop.  The task makes and scores the
     batches (tasks.py); `run` keeps the books; `save(name)` writes a checkpoint."""
-    st, autocast = run.state, autocast_context(dist.device, args.dtype)
+    st, autocast = run.state, cli.autocast_context(dist.device, args.dtype)
     run.t_start = time.time() - st.elapsed
     while not st.done:
         keys = task.epoch(st.epoch)
@@ -413,7 +348,7 @@ def main(argv=None):
         args = resume_args(args, explicit, ckpt, path)
     elif args.resume:
         check_nothing_to_resume(args.out_dir)
-    dist = setup_distributed(args)
+    dist = cli.setup_distributed(args)
     master = dist.rank == 0
     torch.manual_seed(args.seed + dist.rank)  # before the model is built: its initial weights
     task = load_task(vars(args), args.data_dir, vocab=ckpt["data"].get("vocab") if ckpt else None,
@@ -486,8 +421,8 @@ def run_training(args, task, lm, cfg, ckpt, dist):
         ids = [int(dist.device.split(":")[1])] if dist.device.startswith("cuda") else None
         model = DDP(lm, device_ids=ids)
     mean_len = token_count(task) / max(1, len(task.splits["train"]) if task.name != "stream" else 1)
-    run.flops_per_token = flops_per_token(lm, cfg, mean_len) if task.name != "story" else 0
-    run.peak, run.epoch_tokens = peak_flops(args, dist.device), token_count(task)
+    run.flops_per_token = lm.flops_per_token(mean_len) if task.name != "story" else 0
+    run.peak, run.epoch_tokens = cli.peak_flops(args, dist.device), token_count(task)
     run.first_step = run.state.step
 
     def save(name):
