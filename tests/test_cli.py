@@ -1,5 +1,5 @@
-"""train.py / evaluate.py end to end on real WikiText-2 (tiny models, seconds), resume, and
-bad input: one clear error line, non-zero exit, no traceback."""
+"""train.py / evaluate.py end to end on real PTB (tiny models, seconds), resume, and bad input:
+one clear error line, non-zero exit, no traceback."""
 import json
 import os
 import subprocess
@@ -14,7 +14,7 @@ import train
 from checkpoint import load as load_checkpoint
 from tests.conftest import ROOT
 
-TINY = ["--dataset", "wikitext2", "--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--train_seqs", "400",
+TINY = ["--dataset", "ptb", "--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--train_seqs", "400",
         "--eval_seqs", "60", "--seed", "1"]
 
 
@@ -245,9 +245,9 @@ def test_resume_with_another_head_or_model(tmp_path, wikitext2):
 def test_checkpoint_for_another_vocabulary(tmp_path, tiny_ckpt):
     from checkpoint import save as save_checkpoint
     from data.loader import load
-    load("ptb", verbose=False)  # prepared beforehand: the CLI's only output is then the error
+    load("wikitext2", verbose=False)  # prepared beforehand: the CLI's only output is the error
     ckpt = load_checkpoint(str(tiny_ckpt))
-    ckpt["args"]["dataset"] = "ptb"  # a WikiText-2 model (V = 33,278) against PTB's vocabulary (10,000)
+    ckpt["args"]["dataset"] = "wikitext2"  # a PTB model (V = 10,000) against WikiText-2's (33,278)
     bad = tmp_path / "ptb.pt"
     save_checkpoint(ckpt, str(bad))
     rc, _, err = run_cli("evaluate.py", "--ckpt", str(bad))
