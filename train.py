@@ -159,6 +159,29 @@ class Run:
                              task_state=task.state(), rng=rng, args=vars(self.args), data=data),
                         self.path(name))
 
+    def restore(self, ckpt, lm, optimizer, task, cfg, dist):
+        """Model, optimizer, counters, RNG and task state from ckpt_last.pt.  -> False when the run
+        had already finished (nothing to do)."""
+        if ckpt["config"] != cfg:
+            raise CheckpointError(f"{self.path('ckpt_last.pt')} does not match this model / "
+                                  f"vocabulary")
+        lm.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        saved = dict(ckpt["train_state"])
+        task.load_state(ckpt.get("task_state") or dict(hidden=saved.pop("hidden", None)))
+        self.state = TrainState(**{f.name: saved[f.name]
+                                   for f in dataclasses.fields(TrainState) if f.name in saved})
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if dist.device.startswith("cuda") and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        st, args = self.state, self.args
+        if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
+            st.done = "reached the same limit again" if over_limits(args, st) else None
+        if st.done and dist.rank == 0:
+            print(f"{args.out_dir}: this run already finished ({st.done}); nothing to do (raise "
+                  f"--max_iters / --max_epochs / --max_minutes to go on)")
+        return not st.done
+
     def __enter__(self):
         self.previous = {s: signal.signal(s, self._stop) for s in
                          (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -411,7 +434,7 @@ def run_training(args, task, lm, cfg, ckpt, dist):
         fast.tune_cpu_allocator()
     optimizer = configure_optimizer(lm, args, dist.device)
     run = Run(args, master=dist.rank == 0)
-    if ckpt is not None and not restore(ckpt, lm, optimizer, task, run, cfg, dist):
+    if ckpt is not None and not run.restore(ckpt, lm, optimizer, task, cfg, dist):
         return 0
     if args.compile:  # compile in place (state_dict keys stay unchanged)
         lm.compile()
@@ -439,29 +462,6 @@ def run_training(args, task, lm, cfg, ckpt, dist):
         import torch.distributed as tdist
         tdist.destroy_process_group()
     return 0
-
-
-def restore(ckpt, lm, optimizer, task, run, cfg, dist):
-    """Model, optimizer, counters, RNG and task state from ckpt_last.pt.  -> False when the run
-    had already finished (nothing to do)."""
-    if ckpt["config"] != cfg:
-        raise CheckpointError(f"{run.path('ckpt_last.pt')} does not match this model/vocabulary")
-    lm.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    saved = dict(ckpt["train_state"])
-    task.load_state(ckpt.get("task_state") or dict(hidden=saved.pop("hidden", None)))
-    run.state = TrainState(**{f.name: saved[f.name] for f in dataclasses.fields(TrainState)
-                              if f.name in saved})
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if dist.device.startswith("cuda") and ckpt["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-    st, args = run.state, run.args
-    if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
-        st.done = "reached the same limit again" if over_limits(args, st) else None
-    if st.done and dist.rank == 0:
-        print(f"{args.out_dir}: this run already finished ({st.done}); nothing to do (raise "
-              f"--max_iters / --max_epochs / --max_minutes to go on)")
-    return not st.done
 
 
 def over_limits(args, st):

@@ -157,3 +157,19 @@ def test_same_seed_same_losses_and_decodes(reference, tmp_path, wikitext2):
                               "--L", "20", "--limit", "10", "--seed", "3", "--out", str(path)]) == 0
     assert json.loads(a.read_text())["decoding"]["generated_lengths"] == \
         json.loads(b.read_text())["decoding"]["generated_lengths"]
+
+
+@pytest.mark.parametrize("name,flags,key,expected", [
+    ("ckpt_v1_ptb_lstm_nmst.pt", ["--split", "valid", "--limit", "50"], "nll", 9.271430220016965),
+    ("ckpt_v1_rocstories_insnet.pt", ["--split", "test", "--limit", "8"], "nll_per_story",
+     358.48870849609375),
+])
+def test_checkpoints_of_the_previous_format_still_load(name, flags, key, expected, tmp_path):
+    """Two format-1 checkpoints written by the code before the redesign (commit 3de628d; tiny
+    models, optimizer state dropped) load, pass the data check, and evaluate to the numbers
+    that code printed for them."""
+    import evaluate
+    out = tmp_path / "res.json"
+    assert evaluate.main(["--ckpt", os.path.join(ROOT, "tests", "data", name), *flags,
+                          "--out", str(out)]) == 0
+    assert abs(json.loads(out.read_text())[key] - expected) < 1e-5
