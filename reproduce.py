@@ -164,7 +164,7 @@ def report_table1(cfg, runs, args):
     va = [f"{mean_std([r['ppl'] for r in runs[m, 'softmax']])} ({PAPER_TABLE1[m, 'softmax']}) | "
           for m in cfg["models"]]
     lines.append("| VA+ | " + " | ".join(va) + " |")
-    return lines + rnt_rows(cfg, runs) + verdict_table1(cfg, runs)
+    return lines + rnt_rows(cfg, runs)
 
 
 def rnt_rows(cfg, runs):

@@ -87,6 +87,8 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys):
         folder = out / f"{name}-tiny"
         table = (folder / "table.md").read_text()
         assert paper in table and "scale tiny" in table
+        verdicts = [ln for ln in table.splitlines() if ln.startswith("- ")]
+        assert len(set(verdicts)) == len(verdicts)  # each claim checked and said once
         assert json.loads((folder / "results.json").read_text())["result"] == name
         if figure:
             assert (folder / figure).stat().st_size > 1000
