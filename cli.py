@@ -58,6 +58,14 @@ def run_cli(main, argv=None):
     return 2
 
 
+def check_rules(rules, args):
+    """Flag rules as data: the first (broken(args), message) whose condition holds is the error;
+    the message may name flags as {flag} (their values)."""
+    for broken, message in rules:
+        if broken(args):
+            raise UserError(message.format(**vars(args)))
+
+
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 

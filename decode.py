@@ -304,3 +304,15 @@ def decode_stats(result, Ls):
                 mean_length=float(lengths.double().mean()), n=len(lengths),
                 n_non_terminated=len(nonterm),
                 unique_non_terminated=(len(set(nonterm)) / len(nonterm)) if nonterm else math.nan)
+
+
+@torch.no_grad()
+def eos_probs(lm, context, continuation):
+    """p(eos | x, y_<t) for t = 1..|y|, the quantity of NMST paper Fig. 3, from one
+    teacher-forced pass over x and y (lists of ids; y's last token is not read)."""
+    device = next(lm.parameters()).device
+    seq = torch.tensor([*context, *continuation[:-1]], device=device).unsqueeze(0)  # (1, n)
+    t = (torch.arange(seq.size(1), device=device) - len(context) + 2).unsqueeze(0)  # (1, n)
+    with eval_mode(lm):
+        log_p, _ = lm(seq, t)  # (1, n, V)
+    return log_p[0, len(context) - 1:, lm.eos_id].exp().tolist()

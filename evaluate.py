@@ -30,7 +30,7 @@ import fast
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
 from data.loader import batchify, bptt_windows, load_stream
-from decode import DECODERS, check_decoder_args, decode, decode_stats
+from decode import DECODERS, check_decoder_args, decode, decode_stats, eos_probs
 from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint, stream_perplexity
 
@@ -85,9 +85,7 @@ RULES = [  # (broken(args), message), checked before any work
 
 
 def check_args(args):
-    for broken, message in RULES:
-        if broken(args):
-            raise ValueError(message.format(**vars(args)))
+    cli.check_rules(RULES, args)
     if args.decoder:
         check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature,
                            min(args.L))
@@ -183,19 +181,12 @@ def perplexity_job(args, task, lm, device):
     return res
 
 
-@torch.no_grad()
 def eos_traces(lm, split, n):
     """p(eos | y_<t, x) at every continuation step t of the first n sequences (paper Fig. 3)."""
-    from data.loader import collate
     out = []
-    device = next(lm.parameters()).device
-    with eval_mode(lm):
-        for i in range(min(n, len(split))):
-            b = collate(split, [i], device)
-            lp, _ = lm(b["inputs"], b["t"])
-            c = int(split.contexts[i])
-            out.append(dict(index=i, tokens=split[i][c:].tolist(),
-                            p_eos=lp[0, c - 1:, lm.eos_id].exp().tolist()))
+    for i in range(min(n, len(split))):
+        c, seq = int(split.contexts[i]), split[i].tolist()
+        out.append(dict(index=i, tokens=seq[c:], p_eos=eos_probs(lm, seq[:c], seq[c:])))
     return out
 
 

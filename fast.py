@@ -18,8 +18,6 @@ Elsewhere (CUDA, autocast, torch.compile, mixed dtypes) the reference path runs.
 import math
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 FUSED_OUTPUT_LAYER = True
 FEW_ROW_PROJECTION = True

@@ -11,7 +11,7 @@ import os
 from collections import ChainMap
 
 from checkpoint import GPT2_SIZES, CheckpointError
-from cli import CLIParser
+import cli
 from data.prepare import DATASETS, VOCABS
 from heads import HEADS
 from model import MODELS
@@ -117,7 +117,7 @@ FLAGS = [
 
 
 def build_parser():
-    p = CLIParser(description="Train a nanogen model (defaults per --model: RECIPES in "
+    p = cli.CLIParser(description="Train a nanogen model (defaults per --model: RECIPES in "
                                   "train.py).")
     groups = {}
     for group, flag, kw in FLAGS:
@@ -208,9 +208,7 @@ def resolve(args, explicit):
             setattr(args, k, v)
     if args.task is None:
         args.task = "story" if args.dataset in STORY else "completion"
-    for broken, message in RULES:
-        if broken(args):
-            raise ValueError(message.format(**vars(args)))
+    cli.check_rules(RULES, args)
     if args.out_dir is None:
         args.out_dir = os.path.join("out", default_run_name(args))
     return args

@@ -20,8 +20,8 @@ import torch
 import cli
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
-from decode import DECODERS, check_decoder_args, decode
-from model import WINDOWED, eval_mode
+from decode import DECODERS, check_decoder_args, decode, eos_probs
+from model import WINDOWED
 from tasks import INSERTION_MODELS, checkpoint_task, model_from_checkpoint
 
 
@@ -70,7 +70,7 @@ def main(argv=None):
                  k=args.k, p=args.p, beam_size=args.beam_size, temperature=args.temperature,
                  generator=torch.Generator().manual_seed(args.seed))
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
-        show(model, tok, text, x, toks, done, args, device)
+        show(model, tok, text, x, toks, done, args)
     return 0
 
 
@@ -104,25 +104,15 @@ def encode_prompt(tok, text, allow_unk):
     return [tok.stoi.get(w, tok.unk) for w in pieces]
 
 
-@torch.no_grad()
-def show(model, tok, text, prompt_ids, toks, terminated, args, device):
+def show(model, tok, text, prompt_ids, toks, terminated, args):
     ended = "[eos]" if terminated else f"[length cap {args.L}: not terminated]"
     body = [t for t in toks if t != model.eos_id]
     sep = "" if tok.kind == "char" else " "
     print(f"{text}{sep}>>> {tok.decode(body)} {ended}")
     if args.show_eos:
-        for t, (token, p_eos) in enumerate(zip(toks, eos_probs(model, prompt_ids, toks, device)),
+        for t, (token, p_eos) in enumerate(zip(toks, eos_probs(model, prompt_ids, toks)),
                                            start=1):
             print(f"    t={t:4d}  p(eos)={p_eos:.4f}  {tok.decode([token])!r}")
-
-
-def eos_probs(model, prompt_ids, toks, device):
-    """p(eos | prompt, y_<t) for every generated step t: one teacher-forced pass."""
-    seq = torch.tensor([*prompt_ids, *toks[:-1]], device=device).unsqueeze(0)
-    t = (torch.arange(seq.size(1), device=device) - len(prompt_ids) + 2).unsqueeze(0)
-    with eval_mode(model):
-        lp, _ = model(seq, t)
-    return lp[0, len(prompt_ids) - 1:, model.eos_id].exp().tolist()
 
 
 def sample_story(args, task, model, device):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from checkpoint import CheckpointError
+from cli import Dist
 from data.loader import batches, batchify, bptt_windows, collate, load, load_stream
 from data.prepare import tokenizer_of
 from data.stories import load_sequences
@@ -70,7 +71,17 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-class LanguageModelTask:
+class Task:
+    """A task with nothing to carry across a resume besides the model (StreamTask overrides)."""
+
+    def state(self):
+        return {}
+
+    def load_state(self, state):
+        pass
+
+
+class LanguageModelTask(Task):
     """What the completion and stream tasks share: CT paper eq. 8's penalties on the loss."""
 
     def __init__(self, loss_scale=1.0, ar=0.0, tar=0.0):
@@ -82,12 +93,6 @@ class LanguageModelTask:
         if self.ar or self.tar:
             loss = loss + unwrap(model).backbone.activation_regularisation(self.ar, self.tar)
         return loss
-
-    def state(self):
-        return {}
-
-    def load_state(self, state):
-        pass
 
 
 class CompletionTask(LanguageModelTask):
@@ -110,10 +115,9 @@ class CompletionTask(LanguageModelTask):
 
     def loss(self, model, batch):
         """Mean -log p over the batch's continuation tokens (eos included)."""
-        log_p = model(batch["inputs"], batch["t"], lengths=batch["lengths"] - 1,
-                      targets=batch["targets"])  # (B, T)
+        log_p = self.loss_terms(model, batch)  # (B, T)
         n = int(batch["mask"].sum())
-        nll = -log_p[batch["mask"]].float().sum()
+        nll = -log_p[batch["mask"]].sum()
         return Loss(self.penalised(model, nll / n), nll.detach(), n,
                     int((batch["lengths"] - 1).sum()))
 
@@ -134,7 +138,7 @@ class CompletionTask(LanguageModelTask):
                 last = log_p.gather(1, (b["lengths"] - 2).unsqueeze(1))  # the final eos
                 sums += torch.tensor([-log_p[b["mask"]].sum().item(), int(b["mask"].sum()),
                                       last.exp().sum().item(), len(index)], dtype=torch.float64)
-        sums = all_reduce(sums, world, device)
+        sums = torch.tensor(Dist(rank, world, device).all_sum(sums.tolist()))
         considered = len(data) if limit is None else min(limit, len(data))
         nll = sums[0].item() / max(sums[1].item(), 1)
         return dict(nll=nll, ppl=math.exp(min(nll, 700.0)), tokens=int(sums[1]),
@@ -150,17 +154,8 @@ class CompletionTask(LanguageModelTask):
 
     @staticmethod
     def loss_terms(lm, b):
+        """log p(target) at every position of a collated batch, float32.  -> (B, T)"""
         return lm(b["inputs"], b["t"], lengths=b["lengths"] - 1, targets=b["targets"]).float()
-
-
-def all_reduce(sums, world, device):
-    """Sum a float64 tensor over the processes (identity for one process)."""
-    if world == 1:
-        return sums
-    import torch.distributed as dist
-    t = sums.to(device)
-    dist.all_reduce(t)
-    return t.cpu()
 
 
 class StreamTask(LanguageModelTask):
@@ -252,7 +247,7 @@ def story_nll(model, batch):
     return -(log_p.float() * mask).sum(1), mask.sum(1)
 
 
-class StoryTask:
+class StoryTask(Task):
     """Stories (InsNet paper section 4): the loss of a batch is the mean -log p over its
     predicted events (slot + token per insertion, termination; L2R: tokens), one fresh
     insertion order per sequence per batch, drawn from a generator seeded by the batch's key
@@ -307,12 +302,6 @@ class StoryTask:
         return dict(nll=per_event, nll_per_event=per_event, nll_per_story=nll / n,
                     ppl=math.exp(min(per_event, 700.0)),
                     stories=len(seqs), events=events, nll_bound_per_story=(nll - log_orders) / n)
-
-    def state(self):
-        return {}
-
-    def load_state(self, state):
-        pass
 
 
 # ---------------------------------------------------------------------------------------------

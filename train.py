@@ -138,8 +138,8 @@ class Run:
             hours = self.epoch_tokens / max(rate, 1e-9) / 3600
             took = f"{hours:.1f} h" if hours >= 1 else f"{60 * hours:.1f} min"
             print(f"\n{rate:,.0f} tokens/s on this CPU: about {took} per epoch"
-                  + (f"; for a run sized for a laptop see `python reproduce.py nmst-table1 "
-                     f"--scale cpu` (README, Coursework)" if hours > 1 else ""), flush=True)
+                  + ("; for a run sized for a laptop see `python reproduce.py nmst-table1 "
+                     "--scale cpu` (README, Coursework)" if hours > 1 else ""), flush=True)
 
     def last_good(self):
         last = self.path("ckpt_last.pt")
@@ -176,7 +176,8 @@ class Run:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
         st, args = self.state, self.args
         if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
-            st.done = "reached the same limit again" if over_limits(args, st) else None
+            again = limit_reached(args, st) or st.epoch >= args.max_epochs
+            st.done = "reached the same limit again" if again else None
         if st.done and dist.rank == 0:
             print(f"{args.out_dir}: this run already finished ({st.done}); nothing to do (raise "
                   f"--max_iters / --max_epochs / --max_minutes to go on)")
@@ -243,7 +244,8 @@ def train(args, task, lm, model, optimizer, run, dist, save):
             optimizer.zero_grad(set_to_none=True)
             st.step, st.batch_in_epoch = st.step + 1, s + 1
             run.after_step(loss, dist)
-            st.done = limit_reached(args, st, run)
+            st.elapsed = time.time() - run.t_start
+            st.done = limit_reached(args, st)
             if (args.eval_interval and st.step % args.eval_interval == 0) or st.done:
                 validate(args, task, lm, run, dist, save, autocast)
                 save("ckpt_last.pt")
@@ -259,9 +261,8 @@ def train(args, task, lm, model, optimizer, run, dist, save):
            f"(ppl {math.exp(min(st.best_val, 700)):.2f}); checkpoints in {args.out_dir}"
 
 
-def limit_reached(args, st, run):
+def limit_reached(args, st):
     """-> why the run stops after this step (--max_iters, --max_minutes), or None."""
-    st.elapsed = time.time() - run.t_start
     if args.max_iters and st.step >= args.max_iters:
         return f"reached --max_iters {args.max_iters}"
     if args.max_minutes and st.elapsed >= 60 * args.max_minutes:
@@ -443,9 +444,10 @@ def run_training(args, task, lm, cfg, ckpt, dist):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [int(dist.device.split(":")[1])] if dist.device.startswith("cuda") else None
         model = DDP(lm, device_ids=ids)
-    mean_len = token_count(task) / max(1, len(task.splits["train"]) if task.name != "stream" else 1)
-    run.flops_per_token = lm.flops_per_token(mean_len) if task.name != "story" else 0
-    run.peak, run.epoch_tokens = cli.peak_flops(args, dist.device), token_count(task)
+    run.epoch_tokens, run.peak = token_count(task), cli.peak_flops(args, dist.device)
+    sequences = 1 if task.name == "stream" else max(1, len(task.splits["train"]))
+    run.flops_per_token = lm.flops_per_token(run.epoch_tokens / sequences) \
+        if task.name != "story" else 0
     run.first_step = run.state.step
 
     def save(name):
@@ -462,11 +464,6 @@ def run_training(args, task, lm, cfg, ckpt, dist):
         import torch.distributed as tdist
         tdist.destroy_process_group()
     return 0
-
-
-def over_limits(args, st):
-    return (args.max_iters and st.step >= args.max_iters) or st.epoch >= args.max_epochs or \
-        (args.max_minutes and st.elapsed >= 60 * args.max_minutes)
 
 
 def announce(args, task, lm, dist, ckpt):

@@ -45,7 +45,6 @@ Tokens are streamed into the files in chunks, so preparing WikiText-103 holds no
 of the corpus.  The folder is written under a temporary name and renamed when complete, and
 checked against meta.json's sizes before every use (rebuilt when it does not match).
 """
-import argparse
 import array
 import collections
 import hashlib

@@ -1,14 +1,13 @@
 """decode.py: cached == uncached, greedy == argmax, eq. 13 / 15 candidate sets, sampling
 frequencies, beam == exact MAP, Theorem 3 (NMST terminates), VA's inconsistency, r_nt."""
 import heapq
-import math
 
 import pytest
 import torch
 import torch.nn as nn
 
-from decode import (RecomputeStepper, decode, decode_stats, filter_log_probs, non_termination_ratio, nucleus_mask,
-                    topk_mask)
+from decode import (RecomputeStepper, decode, decode_stats, eos_probs, filter_log_probs, non_termination_ratio,
+                    nucleus_mask, topk_mask)
 from heads import nmst_log_probs, softmax_log_probs
 from model import LanguageModel
 from tests.conftest import steps
@@ -283,3 +282,19 @@ def test_prompt_longer_than_window():
     lm = toy("gpt", "softmax")
     with pytest.raises(ValueError, match="context window"):
         decode(lm, [torch.zeros(300, dtype=torch.long)], 40)
+
+
+@pytest.mark.parametrize("model,head", [("lstm", "st"), ("gpt", "nmst"), ("gcnn", "softmax")])
+def test_eos_probs_equal_the_incremental_steps(model, head):
+    """eos_probs (evaluate.py's Fig. 3 traces, sample.py --show_eos): one teacher-forced pass
+    gives p(eos | x, y_<t) of the step-by-step forward with the state carried (t = 1 first)."""
+    lm = toy(model, head)
+    x, y = [5, 7, 9, 4], [11, 6, 13, EOS]
+    with torch.no_grad():
+        log_p, state = lm(torch.tensor([x]), steps(2 - len(x), (1, len(x))))
+        expected = [log_p[0, -1, EOS].exp().item()]
+        for j, token in enumerate(y[:-1]):
+            log_p, state = lm(torch.tensor([[token]]), torch.tensor([[j + 2]]), state=state)
+            expected.append(log_p[0, -1, EOS].exp().item())
+    assert eos_probs(lm, x, y) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert lm.training is False

@@ -4,7 +4,6 @@ import os
 import random
 
 import pytest
-import torch
 
 import evaluate
 import train
