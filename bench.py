@@ -9,7 +9,8 @@
     python bench.py insnet      # InsNet paper Fig. 12: epoch time vs length, InsNet / IT / L2R
     python bench.py table4 --ckpts VA ST NMST   # NMST paper Table 4: r_nt(1000) x 6 decoders
     python bench.py arch        # the survey's RNN / LSTM / GCNN / GPT comparison (costs, speed)
-    python bench.py code        # the code itself: lines, longest / most complex functions
+    python bench.py gpu         # on a CUDA machine, first: the key equalities on CUDA, then the
+                                # GPT-2 124M bf16 compiled step (tokens/s, MFU) and nanogen vs HF
 
 Every figure is measured on the machine that runs it; the README lists the ones we measured,
 with the hardware and the command.
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 import cli
+from cli import UserError
 import fast
 from model import LanguageModel
 
@@ -443,8 +445,8 @@ def bench_table4(args):
     nucleus-{0.2,0.4} and beam-{2,4} on the validation contexts, mean +- std over --runs seeds
     (beam search is deterministic: run once), with the wall time of every cell and the grid."""
     if not args.ckpts:
-        raise ValueError("bench.py table4 needs --ckpts CKPT [CKPT ...] (e.g. the VA, ST and "
-                         "NMST checkpoints)")
+        raise UserError("bench.py table4 needs --ckpts CKPT [CKPT ...] (e.g. the VA, ST and "
+                        "NMST checkpoints)")
     device = cli.resolve_device(args.device)
     cells, seconds, t0 = {}, {}, time.perf_counter()
     for path in args.ckpts:
@@ -609,78 +611,157 @@ def plot_arch(curves, args):
 
 
 # --------------------------------------------------------------------------------------------
-# the code itself
+# gpu: the first command on a new GPU machine
 # --------------------------------------------------------------------------------------------
-CODE = ("train.py", "recipes.py", "tasks.py", "model.py", "heads.py", "fast.py", "decode.py",
-        "insnet.py", "evaluate.py", "checkpoint.py", "cli.py", "sample.py", "reproduce.py",
-        "bench.py", "data/prepare.py", "data/loader.py", "data/stories.py")
+def bench_gpu(args):
+    """Equalities on CUDA (each PASS / FAIL with its error), then the timings."""
+    if not torch.cuda.is_available():
+        print("no CUDA device here: `python bench.py gpu` checks and times nanogen's CUDA paths "
+              "on a GPU machine (nothing to do)")
+        return
+    device = cli.setup_device(cli.resolve_device(args.device))
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA "
+          f"{torch.version.cuda}, bf16 native {torch.cuda.is_bf16_supported(False)}")
+    failed = [name for name, fn in GPU_CHECKS if not gpu_check(name, fn, device)]
+    gpt2_step(args, device)
+    args.gpt_layers, args.gpt_dim, args.gpt_heads = 12, 768, 12  # GPT-2 124M vs HF
+    args.iters, args.rounds = min(args.iters, 3), min(args.rounds, 3)
+    bench_train_hf(args)
+    args.prompts = 32
+    bench_decode(args)
+    if failed:
+        raise SystemExit(f"FAILED on {device}: {', '.join(failed)}")
 
 
-def complexity(fn):
-    """McCabe cyclomatic complexity as radon counts it (if, loops (+1 with an else), except
-    clauses, boolean operators, comprehensions, asserts); nested functions count on their own."""
-    import ast
-    c, stack = 1, list(ast.iter_child_nodes(fn))
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            continue
-        if isinstance(node, (ast.If, ast.IfExp, ast.Assert)):
-            c += 1
-        elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
-            c += 1 + bool(node.orelse)
-        elif isinstance(node, ast.Try):
-            c += len(node.handlers) + bool(node.orelse)
-        elif isinstance(node, ast.BoolOp):
-            c += len(node.values) - 1
-        elif isinstance(node, ast.comprehension):
-            c += 1 + len(node.ifs)
-        stack.extend(ast.iter_child_nodes(node))
-    return c
+def gpu_check(name, fn, device):
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        err, tol = fn(device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    ok = err <= tol
+    print(f"{'PASS' if ok else 'FAIL'}  {name:52s} max error {err:.2e} (tolerance {tol:.0e})")
+    return ok
 
 
-def functions(tree, prefix=""):
-    import ast
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield prefix + node.name, node
-            yield from functions(node, prefix + node.name + ".")
-        elif isinstance(node, ast.ClassDef):
-            yield from functions(node, prefix + node.name + ".")
+def tiny_cfg(model, head):
+    return cfg_for(model, head, 64, eos_id=63, n_layer=2, d_model=32, n_head=4, block_size=64,
+                   kernel_size=3, epsilon=1e-3)
 
 
-def bench_code(args):
-    """Lines per file, lines over 100 columns, the longest and the most complex functions, and
-    private names (_x) imported across modules: the limits of the design card, measured."""
-    import ast
-    root, rows, private = args.root or os.path.dirname(os.path.abspath(__file__)), [], []
-    print(f"{root}\n{'file':18s} {'lines':>6s} {'> 100 cols':>10s}")
-    for name in args.files or CODE:
-        path = os.path.join(root, name)
-        if not os.path.exists(path):
-            continue
-        src = open(path).read()
-        tree = ast.parse(src)
-        print(f"{name:18s} {len(src.splitlines()):6d} "
-              f"{sum(len(x) > 100 for x in src.splitlines()):10d}")
-        rows += [(f.end_lineno - f.lineno + 1, complexity(f), f"{name}:{n}")
-                 for n, f in functions(tree)]
-        private += [f"{name}: from {n.module} import {a.name}" for n in ast.walk(tree)
-                    if isinstance(n, ast.ImportFrom) for a in n.names if a.name.startswith("_")]
-    print("\nlongest functions (lines, complexity):")
-    for n, c, name in sorted(rows, reverse=True)[:args.top]:
-        print(f"  {n:4d} {c:3d}  {name}")
-    print("most complex functions (lines, complexity):")
-    for n, c, name in sorted(rows, key=lambda r: (-r[1], -r[0]))[:args.top]:
-        print(f"  {n:4d} {c:3d}  {name}")
-    print("private names imported across modules: " + ("; ".join(private) or "none"))
+def check_cached_decoding(device):
+    """Token-by-token steps through the state == one full forward, every backbone x ST/NMST."""
+    err = 0.0
+    for model in ("rnn", "lstm", "gcnn", "gpt"):
+        for head in ("st", "nmst"):
+            torch.manual_seed(0)
+            lm = LanguageModel(tiny_cfg(model, head)).to(device).eval()
+            idx = torch.randint(0, 63, (3, 20), device=device)
+            t = steps(-4, (3, 20)).to(device)
+            with torch.no_grad():
+                full, _ = lm(idx, t)
+                state, rows = None, []
+                for i in range(20):
+                    lp, state = lm(idx[:, i:i + 1], t[:, i:i + 1], state)
+                    rows.append(lp)
+            err = max(err, float((torch.cat(rows, 1) - full).abs().max()))
+    return err, 1e-4
+
+
+def check_heads(device):
+    """The ST / NMST log-probs in float32 on CUDA, and p(eos) under bf16 autocast for t up to
+    10^4, against float64 on the CPU."""
+    from heads import nmst_log_probs, st_log_probs
+    torch.manual_seed(0)
+    z = 5 * torch.randn(2, 1000, 64, dtype=torch.float64)
+    t = steps(1, (2, 1000))
+    ref_n = nmst_log_probs(z, t * 10, 63, 1e-3)
+    ref_s, _ = st_log_probs(z, t, 63, 1e-3)
+    zc = z.float().to(device)
+
+    def rel(a, ref):  # relative error (the ST log-probs reach hundreds of nats)
+        return float(((a.cpu().double() - ref).abs() / ref.abs().clamp(min=1)).max())
+    err = max(rel(nmst_log_probs(zc, t.to(device) * 10, 63, 1e-3), ref_n),
+              rel(st_log_probs(zc, t.to(device), 63, 1e-3)[0], ref_s))
+    z16 = z.bfloat16()  # under autocast the logits are bf16; t and the eos terms must not be
+    with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+        lp = nmst_log_probs(z16.to(device), t.to(device) * 10, 63, 1e-3)
+    ref16 = nmst_log_probs(z16.double(), t * 10, 63, 1e-3)[..., 63].exp()
+    return max(err, float((lp[..., 63].double().exp().cpu() - ref16).abs().max())), 1e-5
+
+
+def check_compiled(device):
+    """torch.compile (inductor, dynamic) == eager: log-probs and gradients of the GPT."""
+    torch.manual_seed(0)
+    eager = LanguageModel(tiny_cfg("gpt", "nmst")).to(device)
+    compiled = LanguageModel(tiny_cfg("gpt", "nmst")).to(device)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(dynamic=True)
+    x = torch.randint(0, 63, (4, 33), device=device)
+    outs = []
+    for lm in (eager, compiled):
+        lp = lm(x[:, :-1], steps(-3, (4, 32)).to(device), targets=x[:, 1:])
+        lp.sum().backward()
+        outs.append(torch.cat([lp.detach().flatten()] + [p.grad.flatten() for p in
+                                                          lm.parameters()]))
+    return float((outs[0] - outs[1]).abs().max()), 1e-3
+
+
+def check_resume(device):
+    """train.py on CUDA: 6 steps, or 3 steps then --resume to 6: the same validation losses."""
+    import tempfile
+    import train
+    logs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--model", "gpt", "--dataset", "synthetic", "--synthetic_count", "16",
+                 "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--block_size", "256",
+                 "--batch_size", "8", "--eval_interval", "3", "--device", device, "--seed", "1",
+                 "--warmup", "0", "--dropout", "0.1"]
+        for run, stops in (("a", [6]), ("b", [3, 6])):
+            for i, n in enumerate(stops):
+                train.main(flags + ["--out_dir", os.path.join(tmp, run), "--max_iters", str(n)]
+                           + (["--resume"] if i else []))
+            with open(os.path.join(tmp, run, "log.jsonl")) as f:
+                logs.append([json.loads(line)["val_loss"] for line in f])
+    return max(abs(a - b) for a, b in zip(*logs)), 1e-5
+
+
+GPU_CHECKS = [("cached decoding == full forward (4 backbones x ST/NMST)", check_cached_decoding),
+              ("heads on CUDA == float64 (fp32 relative; bf16 autocast p(eos))", check_heads),
+              ("compiled == eager (GPT, log-probs and gradients)", check_compiled),
+              ("train.py resumed == uninterrupted (val loss)", check_resume)]
+
+
+def gpt2_step(args, device, B=8, T=1024):
+    """GPT-2 124M, bf16 autocast, torch.compile, fused AdamW: tokens/s and MFU."""
+    torch.manual_seed(0)
+    lm = LanguageModel(cfg_for("gpt", "softmax", 50257, eos_id=50256, n_layer=12, d_model=768,
+                               n_head=12, dropout=0.1)).to(device).train()
+    lm.compile(dynamic=True)
+    x = torch.randint(0, 50257, (B, T + 1), device=device)
+    step = train_step(lm, x[:, :T], x[:, 1:])
+
+    def bf16_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            step()
+    sec = timed(bf16_step, 3, args.iters * 3, device)
+    peak = cli.peak_flops(argparse_ns(peak_flops=None, dtype="bfloat16"), device)
+    mfu = B * T / sec * lm.flops_per_token(T) / peak if peak else float("nan")
+    print(f"GPT-2 124M train step, bf16 autocast, compiled, batch {B} x {T}: "
+          f"{B * T / sec:,.0f} tokens/s, {1e3 * sec:.1f} ms/step, MFU {100 * mfu:.1f}% "
+          f"(peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s)")
+
+
+def argparse_ns(**kw):
+    import argparse
+    return argparse.Namespace(**kw)
 
 
 # --------------------------------------------------------------------------------------------
 def build_parser():
     p = cli.CLIParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["train", "train_hf", "decode", "fast", "checkpoint", "insnet",
-                                    "table4", "arch", "code"])
+                                    "table4", "arch", "gpu"])
     p.add_argument("--device", default="auto")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds (the median counts)")
@@ -704,10 +785,6 @@ def build_parser():
     p.add_argument("--runs", type=int, default=1, help="table4: seeds per sampling decoder")
     p.add_argument("--decode_batch", type=int, default=64, help="table4: prompts decoded together")
     p.add_argument("--data_dir", default=None, help="table4 / arch: local dataset folder")
-    p.add_argument("--files", nargs="+", default=None, help="code: files to measure")
-    p.add_argument("--top", type=int, default=10, help="code: functions listed")
-    p.add_argument("--root", default=None, help="code: measure another checkout (e.g. an older "
-                                                "commit's git worktree)")
     p.add_argument("--budget", type=float, default=120, help="arch: training seconds per model")
     p.add_argument("--eval_every", type=int, default=100, help="arch: steps between evaluations")
     return p
@@ -716,11 +793,11 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     for k in ("iters", "rounds", "batch", "seq", "prompts", "new_tokens", "seqs", "it_batch",
-              "runs", "decode_batch", "top", "gpt_layers", "gpt_dim", "gpt_heads", "L"):
+              "runs", "decode_batch", "gpt_layers", "gpt_dim", "gpt_heads", "L"):
         if getattr(args, k) < 1:
-            raise ValueError(f"--{k} must be >= 1, got {getattr(args, k)}")
+            raise UserError(f"--{k} must be >= 1, got {getattr(args, k)}")
     if not args.mb > 0 or not args.budget > 0:
-        raise ValueError("--mb and --budget must be > 0")
+        raise UserError("--mb and --budget must be > 0")
     cli.check_output(args.plot, "--plot")
     if cli.resolve_device(args.device) == "cpu" and fast.KEEP_FREED_MEMORY:
         fast.tune_cpu_allocator()  # as train.py and evaluate.py do, for every model compared

@@ -24,7 +24,7 @@ import zipfile
 
 import torch
 
-from cli import UserError, kill_point
+from cli import UserError
 
 FORMAT = "nanogen-checkpoint-2"
 LEGACY_FORMAT = "nanogen-checkpoint-1"
@@ -70,7 +70,6 @@ def save(obj, path):
                 if writer.error is None:
                     raise
                 raise writer.error from None
-            kill_point("checkpoint-write")
             f.seek(-22, os.SEEK_END)  # torch ends the zip with an end record without a comment
             end = f.read(22)
             assert end[:4] == EOCD and end[-2:] == b"\0\0", "unexpected zip layout from torch.save"
@@ -195,17 +194,17 @@ def gpt_state_from_hf(hf_state, lm):
         name = k[len("transformer."):] if k.startswith("transformer.") else k
         target = "backbone." + name
         if target not in own:
-            raise ValueError(f"unexpected GPT-2 weight {k!r}")
+            raise UserError(f"unexpected GPT-2 weight {k!r}")
         if name.endswith(HF_CONV1D):
             v = v.t()
         if tuple(v.shape) != tuple(own[target].shape):
-            raise ValueError(f"GPT-2 weight {k!r} has shape {tuple(v.shape)}, the model expects "
-                             f"{tuple(own[target].shape)}: wrong --n_layer / --d_model / "
-                             f"--n_head / vocabulary?")
+            raise UserError(f"GPT-2 weight {k!r} has shape {tuple(v.shape)}, the model expects "
+                            f"{tuple(own[target].shape)}: wrong --n_layer / --d_model / "
+                            f"--n_head / vocabulary?")
         out[target] = v
     missing = [k for k in own if k.startswith("backbone.") and k not in out]
     if missing:
-        raise ValueError(f"the GPT-2 checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
+        raise UserError(f"the GPT-2 checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
     out["head.proj.weight"] = out["backbone.wte.weight"]
     return out
 

@@ -1,7 +1,6 @@
 """What every entry point shares (train.py, evaluate.py, sample.py, reproduce.py, bench.py and
 `python -m data.prepare`): one-line errors, the device (one process or torchrun, autocast, the
-peak FLOP/s of the MFU column), output files checked before the work and written atomically,
-and the fault-injection hook of the fault tests.
+peak FLOP/s of the MFU column), output files checked before the work and written atomically.
 
 The promise the CLIs keep: a user error prints one line, `error: <what is wrong and the fix>`,
 exits with status 2, prints no traceback and writes no file.
@@ -38,14 +37,15 @@ def is_out_of_memory(e):
 
 
 def run_cli(main, argv=None):
-    """Run a CLI main(); a user error becomes one 'error: ...' line and exit status 2, Ctrl-C
-    (outside training, which handles it itself) one line and status 130."""
+    """Run a CLI main(); a user error (UserError) becomes one 'error: ...' line and exit status
+    2, Ctrl-C (outside training, which handles it itself) one line and status 130, running out
+    of memory one line; every other exception is a bug and keeps its traceback."""
     try:
         return main(argv) or 0
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (UserError, ValueError) as e:
+    except UserError as e:  # anything else is a bug: its traceback is shown
         print(f"error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C); no result was written", file=sys.stderr)
@@ -70,7 +70,9 @@ DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 
 def resolve_device(name):
-    """'auto' -> cuda when available, else cpu; an unknown or absent device is a user error."""
+    """'auto' -> cuda:0 when CUDA is available, else cpu; 'cuda' -> cuda:0.  A CUDA device always
+    comes back with its index (torch.cuda.set_device refuses one without); an unknown or absent
+    device is a user error."""
     if not DEVICE.match(name or ""):
         raise UserError(f"--device {name}: unknown device (use auto, cpu, cuda or cuda:N)")
     if name == "auto":
@@ -83,31 +85,56 @@ def resolve_device(name):
         if index >= torch.cuda.device_count():
             raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} "
                             f"CUDA device(s)")
+        name = f"cuda:{index}"
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device mps asked for, but MPS is not available here (use --device cpu)")
     return name
 
 
-def autocast_context(device, dtype):
-    """bf16 (or --dtype) autocast on CUDA; None (float32) elsewhere."""
+def setup_device(device):
+    """Make `device` (resolve_device's answer) this process's device: on CUDA the current device
+    and TF32 for float32 matrix products (train, evaluate and sample alike); on CPU the
+    allocator fast path (fast.py)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    elif device == "cpu":
+        import fast
+        if fast.KEEP_FREED_MEMORY:
+            fast.tune_cpu_allocator()
+    return device
+
+
+def autocast_dtype(device, dtype):
+    """--dtype -> the autocast dtype on CUDA, or None (float32).  auto: bfloat16 where the GPU
+    runs it natively (Ampere and newer), else float32; float16 trains with a GradScaler."""
     if not device.startswith("cuda") or dtype == "float32":
         return None
     if dtype == "auto":
-        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return torch.autocast("cuda", dtype=getattr(torch, dtype))
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
+    return getattr(torch, dtype)
 
 
-# bf16 dense tensor peak FLOP/s by device name, for MFU (TF32 is half; CPUs: pass --peak_flops)
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
-              "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+def autocast_context(device, dtype):
+    """A torch.autocast context for --dtype on CUDA; None (float32) elsewhere."""
+    dt = autocast_dtype(device, dtype)
+    return None if dt is None else torch.autocast(device.split(":")[0], dtype=dt)
 
 
-def peak_flops(args, device):
+# dense bf16 tensor-core peak FLOP/s per GPU by device name, for MFU (TF32 is half; CPUs: pass
+# --peak_flops).  Matched in this order, so the H100 PCIe / NVL come before the SXM's "H100".
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100": 989e12,
+              "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12, "RTX 4090": 165e12,
+              "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+
+
+def peak_flops(args, device, name=None):
+    """Peak FLOP/s of one device (--peak_flops, else the table by CUDA device name)."""
     if args.peak_flops or not device.startswith("cuda"):
         return args.peak_flops
-    name = torch.cuda.get_device_name(device)
-    bf16 = autocast_context(device, args.dtype) is not None
-    return next((p if bf16 else p / 2 for k, p in PEAK_FLOPS.items() if k in name), None)
+    name = name or torch.cuda.get_device_name(device)
+    low_precision = autocast_dtype(device, args.dtype) is not None
+    return next((p if low_precision else p / 2 for k, p in PEAK_FLOPS.items() if k in name), None)
 
 
 @dataclasses.dataclass
@@ -118,6 +145,7 @@ class Dist:
     device: str = "cpu"
 
     def all_sum(self, values):
+        """Sum a list of numbers over the processes (one collective, one read)."""
         if self.world == 1:
             return values
         import torch.distributed as dist
@@ -125,22 +153,51 @@ class Dist:
         dist.all_reduce(t)
         return t.tolist()
 
+    def barrier(self):
+        if self.world > 1:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def rank0_first(self, fn):
+        """fn() on rank 0 alone, then (when it worked) on the others: what rank 0 downloads or
+        prepares, they read.  A UserError on rank 0 becomes a one-line UserError on every rank
+        (not a collective mismatch there)."""
+        if self.world == 1:
+            return fn()
+        error = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except UserError as e:
+                error = e
+        failed = self.all_sum([float(error is not None)])[0]
+        if error is not None:
+            raise error
+        if failed:
+            raise UserError("rank 0 stopped with the error above; this process stops too")
+        return result if self.rank == 0 else fn()
+
 
 def setup_distributed(args):
-    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK: one process per device, gloo on CPU."""
+    """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK: one process per device (cuda:LOCAL_RANK),
+    nccl on CUDA, gloo on CPU.  Flag errors are raised before the process group exists."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist(0, 1, resolve_device(args.device))
     if args.task == "stream":
-        raise ValueError("--task stream runs on one process (no torchrun)")
+        raise UserError("--task stream runs on one process (no torchrun)")
     if args.grad_accum % world:
-        raise ValueError(f"--grad_accum {args.grad_accum} must be a multiple of the {world} "
-                         f"processes")
-    import torch.distributed as dist
-    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
+        raise UserError(f"--grad_accum {args.grad_accum} must be a multiple of the {world} "
+                        f"processes")
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    return Dist(int(os.environ["RANK"]), world, f"cuda:{local}" if cuda else "cpu")
+    device = resolve_device(args.device)
+    device = f"cuda:{local}" if device.startswith("cuda") else device
+    if device.startswith("cuda") and local >= torch.cuda.device_count():
+        raise UserError(f"torchrun started {world} processes per node but this machine has "
+                        f"{torch.cuda.device_count()} CUDA device(s)")
+    import torch.distributed as dist
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return Dist(int(os.environ["RANK"]), world, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,18 +263,3 @@ def pyplot():
               file=sys.stderr)
         return None
     return plt
-
-
-# ---------------------------------------------------------------------------------------------
-# fault injection (tests/test_faults.py)
-# ---------------------------------------------------------------------------------------------
-def kill_point(name, seen={}):  # noqa: B006 (the counts live as long as the process)
-    """Test hook: NANOGEN_TEST_KILL=name:n SIGKILLs this process the n-th time it passes `name`,
-    to crash at exact moments (inside a step, an evaluation, a checkpoint write)."""
-    spec = os.environ.get("NANOGEN_TEST_KILL", "")
-    if not spec.startswith(name + ":"):
-        return
-    seen[name] = seen.get(name, 0) + 1
-    if seen[name] == int(spec.split(":")[1]):
-        import signal
-        os.kill(os.getpid(), signal.SIGKILL)

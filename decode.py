@@ -27,6 +27,7 @@ import math
 import torch
 
 from model import WINDOWED, eval_mode
+from cli import UserError
 
 DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
 
@@ -100,40 +101,12 @@ class CachedStepper:
         self.state = self.lm.reorder_state(self.state, index)
 
 
-class RecomputeStepper:
-    """Re-encodes the whole prefix at every step: slow, only the reference the tests compare to."""
-
-    def __init__(self, lm):
-        self.lm = lm
-
-    def start(self, prompts, lengths):
-        self.rows = [prompts[i, :lengths[i]] for i in range(len(lengths))]
-        self.n_prompt = lengths.clone()
-        return self._last()
-
-    def _last(self):
-        out = []
-        for row, n in zip(self.rows, self.n_prompt.tolist()):
-            steps = torch.arange(len(row), device=row.device).unsqueeze(0) - n + 2  # (1, L)
-            lp, _ = self.lm(row.unsqueeze(0), steps)
-            out.append(lp[0, -1])
-        return torch.stack(out)
-
-    def advance(self, tokens, t):
-        self.rows = [torch.cat([row, tok.view(1)]) for row, tok in zip(self.rows, tokens)]
-        return self._last()
-
-    def reorder(self, index):
-        self.rows = [self.rows[i] for i in index.tolist()]
-        self.n_prompt = self.n_prompt[index]
-
-
 # ---------------------------------------------------------------------------------------------
 # the decoders
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, temperature=1.0,
-           consistent=False, length_penalty=0.0, generator=None, stepper=None):
+           consistent=False, length_penalty=0.0, generator=None):
     """Continue every prompt for at most L tokens.
     prompts: list of 1-D LongTensors (different lengths allowed), or an (N, P) tensor.
     -> dict(tokens: list of lists (eos included when produced), terminated: bool tensor (N,),
@@ -143,11 +116,11 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     padded, lengths = pad_prompts(prompts, device)
     window = lm.cfg.get("block_size") if lm.cfg["model"] in WINDOWED else None
     if window is not None and int(lengths.max()) + L - 1 > window:
-        raise ValueError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the "
-                         f"{lm.cfg['model'].upper()} context window of {window} tokens: use a "
-                         f"smaller --L")
+        raise UserError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the "
+                        f"{lm.cfg['model'].upper()} context window of {window} tokens: use a "
+                        f"smaller --L")
     with eval_mode(lm):
-        stepper = (stepper or CachedStepper)(lm)
+        stepper = CachedStepper(lm)
         if decoder == "beam":
             return _beam(stepper, padded, lengths, L, beam_size, lm.eos_id, length_penalty)
         return _sample(stepper, padded, lengths, L, decoder, dict(k=k, p=p, temperature=temperature,
@@ -159,10 +132,10 @@ def pad_prompts(prompts, device):
     if torch.is_tensor(prompts) and prompts.dim() == 2:
         prompts = list(prompts)
     if len(prompts) == 0:
-        raise ValueError("no prompts to decode")
+        raise UserError("no prompts to decode")
     lengths = torch.tensor([len(x) for x in prompts], device=device)
     if int(lengths.min()) < 1:
-        raise ValueError("every prompt needs at least one token")
+        raise UserError("every prompt needs at least one token")
     padded = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
     for i, x in enumerate(prompts):
         padded[i, :len(x)] = torch.as_tensor(x, device=device)
@@ -171,51 +144,66 @@ def pad_prompts(prompts, device):
 
 def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0, L=1):
     if decoder not in DECODERS:
-        raise ValueError(f"unknown decoder '{decoder}' (choose from {', '.join(DECODERS)})")
+        raise UserError(f"unknown decoder '{decoder}' (choose from {', '.join(DECODERS)})")
     if decoder == "topk" and (k is None or int(k) < 1):
-        raise ValueError(f"top-k needs --k >= 1, got {k}")
+        raise UserError(f"top-k needs --k >= 1, got {k}")
     if decoder == "nucleus" and (p is None or not 0.0 < float(p) <= 1.0):
-        raise ValueError(f"nucleus needs --p in (0, 1], got {p}")
+        raise UserError(f"nucleus needs --p in (0, 1], got {p}")
     if decoder == "beam" and (beam_size is None or int(beam_size) < 1):
-        raise ValueError(f"beam search needs --beam_size >= 1, got {beam_size}")
+        raise UserError(f"beam search needs --beam_size >= 1, got {beam_size}")
     if not temperature > 0:
-        raise ValueError(f"--temperature must be > 0, got {temperature}")
+        raise UserError(f"--temperature must be > 0, got {temperature}")
     if int(L) < 1:
-        raise ValueError(f"--L must be >= 1, got {L}")
+        raise UserError(f"--L must be >= 1, got {L}")
+
+
+def draw(log_q, generator=None):
+    """One sample per row of exp(log_q) (N, V), drawn where log_q lives, with `generator`
+    (which must live there too: make it with sampling_generator).  -> (N,) long."""
+    if generator is not None and generator.device != log_q.device:
+        raise ValueError(f"the sampling generator is on {generator.device} but the "
+                        f"probabilities on {log_q.device}: use decode.sampling_generator")
+    return torch.multinomial(log_q.exp(), 1, generator=generator).squeeze(1)
+
+
+def sampling_generator(device, seed):
+    """The random generator of a decode with --seed, on the model's device (sampling runs
+    there; the same seed gives the same samples on the same kind of device)."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _sample(stepper, prompts, lengths, L, decoder, filt, generator):
-    """Greedy (eq. 8) and the sampling decoders (eq. 12-15): one token per active row per step.
+    """Greedy (eq. 8) and the sampling decoders (eq. 12-15): one token per active row per step,
+    everything kept on the model's device; one read per step (how many rows just ended).
     filt: filter_log_probs's k, p, temperature, eos_id, consistent."""
-    N = len(lengths)
-    tokens = torch.full((N, L), -1, dtype=torch.long)
-    scores = torch.zeros(N, dtype=torch.float64)
-    out_len = torch.full((N,), L, dtype=torch.long)
-    terminated = torch.zeros(N, dtype=torch.bool)
-    active = torch.arange(N)  # prompt index of every row the stepper holds
+    N, dev = len(lengths), prompts.device
+    tokens = torch.full((N, L), -1, dtype=torch.long, device=dev)
+    scores = torch.zeros(N, dtype=torch.float64, device=dev)
+    out_len = torch.full((N,), L, dtype=torch.long, device=dev)
+    terminated = torch.zeros(N, dtype=torch.bool, device=dev)
+    active = torch.arange(N, device=dev)  # prompt index of every row the stepper holds
     log_probs = stepper.start(prompts, lengths)
     for t in range(1, L + 1):
         if decoder == "greedy":
             choice = log_probs.argmax(-1)  # eq. 8
         else:
-            q = filter_log_probs(log_probs.float(), decoder, **filt)
-            choice = torch.multinomial(q.exp().cpu(), 1, generator=generator)
-            choice = choice.squeeze(1).to(q.device)
-        tokens[active, t - 1] = choice.cpu()
-        scores[active] += log_probs.gather(1, choice.unsqueeze(1)).squeeze(1).double().cpu()
-        ended = (choice == filt["eos_id"]).cpu()
-        out_len[active[ended]] = t
-        terminated[active[ended]] = True
+            choice = draw(filter_log_probs(log_probs.float(), decoder, **filt), generator)
+        tokens[active, t - 1] = choice
+        scores[active] += log_probs.gather(1, choice.unsqueeze(1)).squeeze(1).double()
+        ended = choice == filt["eos_id"]
+        out_len[active] = torch.where(ended, t, out_len[active])
+        terminated[active] |= ended
         if t == L:
             break
-        if ended.any():  # drop finished rows from the batch (and from the model state)
+        n_ended = int(ended.sum())  # the step's one read
+        if n_ended == len(active):
+            break
+        if n_ended:  # drop finished rows from the batch (and from the model state)
             keep = (~ended).nonzero().squeeze(1)
-            if len(keep) == 0:
-                break
-            stepper.reorder(keep.to(choice.device))
-            active, choice = active[keep], choice[keep.to(choice.device)]
+            stepper.reorder(keep)
+            active, choice = active[keep], choice[keep]
         log_probs = stepper.advance(choice, t + 1)
-    return _result(tokens, out_len, terminated, scores)
+    return _result(tokens.cpu(), out_len.cpu(), terminated.cpu(), scores.cpu())
 
 
 def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):

@@ -26,11 +26,12 @@ import time
 import torch
 
 import cli
-import fast
+from cli import UserError
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
 from data.loader import batchify, bptt_windows, load_stream
-from decode import DECODERS, check_decoder_args, decode, decode_stats, eos_probs
+from decode import (DECODERS, check_decoder_args, decode, decode_stats, eos_probs,
+                    sampling_generator)
 from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint, stream_perplexity
 
@@ -98,9 +99,7 @@ def main(argv=None):
     check_args(args)
     if args.compare:
         return compare(args)
-    device = cli.resolve_device(args.device)
-    if device == "cpu" and fast.KEEP_FREED_MEMORY:  # the CPU fast path (fast.py)
-        fast.tune_cpu_allocator()
+    device = cli.setup_device(cli.resolve_device(args.device))  # cuda:N and TF32 on a GPU
     ckpt = check_run(load_checkpoint(args.ckpt), args.ckpt)
     t0 = time.time()
     story = ckpt["args"]["dataset"] in STORY_DATASETS
@@ -156,8 +155,8 @@ def evaluate_completion(args, ckpt, device):
 
 def task_split(task, name):
     if task.name != "completion":
-        raise ValueError("--decoder continues the contexts of sequence-completion data; this "
-                         "checkpoint was trained with --task stream (use a completion model)")
+        raise UserError("--decoder continues the contexts of sequence-completion data; this "
+                        "checkpoint was trained with --task stream (use a completion model)")
     return task.splits[name]
 
 
@@ -172,8 +171,8 @@ def perplexity_job(args, task, lm, device):
         return res
     res = task.evaluate(lm, device, split=args.split, limit=args.limit)
     if res["sequences"] == 0:
-        raise ValueError(f"no {args.split} sequence fits this model (all {res['skipped']} are "
-                         f"longer than its context window): nothing to evaluate")
+        raise UserError(f"no {args.split} sequence fits this model (all {res['skipped']} are "
+                        f"longer than its context window): nothing to evaluate")
     print(f"{'split':6s} {'sequences':>9s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s} "
           f"{'p(eos@end)':>10s}")
     print(f"{args.split:6s} {res['sequences']:9d} {res['tokens']:9d} {res['nll']:7.4f} "
@@ -194,7 +193,7 @@ def decoding_study(lm, split, args, detok, device):
     """Decode every context once up to max(L); r_nt(L), lengths, uniqueness, examples."""
     from tqdm import tqdm
     n = len(split) if args.limit is None else min(args.limit, len(split))
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = sampling_generator(device, args.seed)
     tokens, lengths, terminated = [], [], []
     for lo in tqdm(range(0, n, args.decode_batch), desc=f"decoding ({args.decoder})",
                    disable=None):
@@ -235,10 +234,10 @@ def study_examples(split, result, k, detok):
 
 def tau_job(args, ckpt, task, lm, device):
     if ckpt["config"].get("head") not in ("ct", "ctmos"):
-        raise ValueError(f"--tau_report needs a contextual-temperature head (ct / ctmos), not "
-                         f"{ckpt['config'].get('head')}")
+        raise UserError(f"--tau_report needs a contextual-temperature head (ct / ctmos), not "
+                        f"{ckpt['config'].get('head')}")
     if ckpt["config"]["model"] not in ("rnn", "lstm"):
-        raise ValueError("--tau_report reads the text as a stream: use an rnn / lstm checkpoint")
+        raise UserError("--tau_report reads the text as a stream: use an rnn / lstm checkpoint")
     data = batchify(load_stream(task_folder(task), args.split), 10)
     rep = tau_report(lm, data, ckpt["args"].get("bptt", 70), task.eos_id,
                      task.tokenizer().decode, device)
@@ -299,8 +298,8 @@ def normalised_sentences(data, tau_next, eos_id):
                     rows.append(torch.cat([words[:5], words[mid:mid + 5], words[-5:]]))
                 start = j + 1
     if not rows:
-        raise ValueError("no sentence of 16-24 words in this split: the temperature report "
-                         "needs some")
+        raise UserError("no sentence of 16-24 words in this split: the temperature report "
+                        "needs some")
     return torch.stack(rows)
 
 
@@ -312,12 +311,12 @@ def evaluate_stories(args, ckpt, device):
     generated stories scored with BLEU-1..4 against the references (and keyword inclusion for
     --task storyline)."""
     if args.decoder not in (None, "greedy", "sample", "topk"):
-        raise ValueError(f"--decoder {args.decoder}: story checkpoints decode with greedy, sample "
-                         f"or topk")
+        raise UserError(f"--decoder {args.decoder}: story checkpoints decode with greedy, sample "
+                        f"or topk")
     task, model = load_for(args, ckpt, device)
     if args.decoder and task.data.stories is None:
-        raise ValueError("generation is scored against ROCStories references: use a rocstories "
-                         "checkpoint")
+        raise UserError("generation is scored against ROCStories references: use a rocstories "
+                        "checkpoint")
     res = dict(describe(ckpt, args), order=task.order, data_note=task.note)
     name = res["model"] + ("-l2r" if task.order == "l2r" else "")
     if not args.no_ppl:
@@ -373,7 +372,7 @@ def story_generation(model, task, args, device, max_len=None):
     -> dict(bleu: {1..4}, keyword_inclusion, mean_length, stories, examples)."""
     stories = task.data.stories[args.split][:args.limit]
     seqs = task.data.splits[args.split][:args.limit]
-    g = torch.Generator().manual_seed(args.seed)
+    g = sampling_generator(device, args.seed)
     hyps, refs, included, total, shown = [], [], 0, 0, []
     storyline = task.variant == "storyline"
     for story, seq in zip(stories, seqs):
@@ -434,11 +433,11 @@ def compare(args):
             with open(path) as f:
                 r = json.load(f)
         except (OSError, ValueError) as e:
-            raise ValueError(f"--compare: cannot read {path}: {e}") from None
+            raise UserError(f"--compare: cannot read {path}: {e}") from None
         if not isinstance(r, dict) or not isinstance(r.get("decoding"), dict) or \
                 "r_nt_curve" not in r["decoding"]:
-            raise ValueError(f"--compare: {path} is not an evaluate.py --decoder study (no "
-                             f"'decoding' section); write one with --decoder ... --out")
+            raise UserError(f"--compare: {path} is not an evaluate.py --decoder study (no "
+                            f"'decoding' section); write one with --decoder ... --out")
         results.append(r)
     print_study_table(results)
     if args.plot:

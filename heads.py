@@ -57,6 +57,13 @@ def log1mexp(a):
     return torch.where(small, out_small, out_large)
 
 
+def _eos_precision(z_eos):
+    """The eos terms of eq. 9 / 10 run in float32 at least, also under bf16 / fp16 autocast:
+    there t (up to 1e6) and t * log(1 - eps) would be rounded (bf16 holds integers exactly only
+    up to 256, so consecutive t would share one p(eos))."""
+    return z_eos.to(torch.promote_types(z_eos.dtype, torch.float32))
+
+
 def _check_epsilon(epsilon):
     if not (0.0 < float(epsilon) < 1.0):
         raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
@@ -82,6 +89,7 @@ def nmst_log_alpha(z_eos, t, epsilon):
     z_eos (...); t (...) the continuation step of each position (t <= 0: scored as t = 1)
     -> (log_alpha, log_one_minus_alpha), each (...)."""
     _check_epsilon(epsilon)
+    z_eos = _eos_precision(z_eos)
     t = torch.clamp(torch.as_tensor(t, device=z_eos.device), min=1).to(z_eos.dtype)
     log_lower_keep = t * math.log1p(-epsilon)  # log (1 - eps)^t
     log_one_minus_alpha = F.logsigmoid(-z_eos) + log_lower_keep
@@ -102,6 +110,7 @@ def st_log_alpha(z_eos, t, epsilon, log_keep=None):
     padding) get a fresh one-term product and do not enter the running sum.
     -> (log_alpha (..., T), log_one_minus_alpha (..., T), log_keep (...,) after the last)."""
     _check_epsilon(epsilon)
+    z_eos = _eos_precision(z_eos)
     t = t.expand(z_eos.shape)
     term = math.log1p(-epsilon) + F.logsigmoid(z_eos)  # log((1 - eps) sigma(z_eos,t'))
     in_continuation = t >= 1

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import GPT, Block, eval_mode
+from cli import UserError
 
 
 def offset_matrix(order):
@@ -80,10 +81,6 @@ class Canvas:
         moved = torch.where(self.positions >= slot, self.positions + 1, self.positions)
         self.positions = torch.cat([moved, torch.tensor([slot])])
         return self.positions - slot  # offsets[j, :j+1] for the new step j
-
-    def order(self):
-        """The final positions so far: what offset_matrix expects."""
-        return self.positions.clone()
 
 
 def canvas_steps(order, offsets=None):
@@ -173,6 +170,11 @@ class InsertionModel(nn.Module):
         """p(token | slot) logits: slot (..., D) -> (..., V)."""
         return self.lm_head(self.ln_slot(F.gelu(slot)))
 
+    def forward(self, **batch):
+        """The training call: sequence_log_probs of a collate_insertions batch (through forward,
+        so that a DistributedDataParallel wrapper runs its forward and syncs the gradients)."""
+        return self.sequence_log_probs(**batch)
+
     def sequence_log_probs(self, tokens, order, lengths, n_given, slot_start):
         """Teacher-forced scores of one insertion trajectory per sequence.
         tokens (B, n) in *final* order (BOS .. EOS, right-padded); order (B, n) as in
@@ -222,7 +224,6 @@ class InsNet(InsertionModel):
         self.max_offset = cfg["max_offset"]  # K: offsets are clipped to [-K, K]
         self.rel_bias = nn.Parameter(torch.zeros(cfg["n_layer"], 2 * self.max_offset + 1,
                                                  cfg["n_head"]))
-        self.tokens_encoded = 0  # token positions through the transformer (efficiency tests)
 
     def attention_bias(self, layer, offsets, allowed):
         """offsets (B, T, S) long, allowed (B, T, S) bool -> additive mask (B, H, T, S)."""
@@ -235,7 +236,6 @@ class InsNet(InsertionModel):
         one causal pass (step j attends to steps i <= j with the bias of offsets[j, i])."""
         B, n = step_tokens.shape
         allowed = causal_mask(n, offsets.device).bool().expand(B, n, n)
-        self.tokens_encoded += B * n
         x = self.drop(self.wte(step_tokens))
         for layer, block in enumerate(self.h):
             x, _ = block(x, None, self.attention_bias(layer, offsets, allowed).to(x.dtype))
@@ -269,7 +269,6 @@ class InsNet(InsertionModel):
         row = state["canvas"].insert(slot).to(self.wte.weight.device)  # offsets[j, :j+1]
         x = self.wte(torch.tensor([[token]], device=row.device))
         allowed = torch.ones(1, 1, len(row), dtype=torch.bool, device=row.device)
-        self.tokens_encoded += 1
         for layer, block in enumerate(self.h):
             bias = self.attention_bias(layer, row.view(1, 1, -1), allowed).to(x.dtype)
             x, state["kv"][layer] = block(x, state["kv"][layer], bias)
@@ -303,17 +302,13 @@ class InsertionTransformer(InsertionModel):
         super().__init__(cfg)
         self.wpe = nn.Embedding(cfg["block_size"], cfg["d_model"])
         nn.init.normal_(self.wpe.weight, std=0.02)
-        self.canvases_encoded = 0  # full re-encodings of a canvas
-        self.tokens_encoded = 0
 
     def encode(self, canvas_tokens, n_canvas):
         """canvas_tokens (M, m) in canvas order, n_canvas (M,) -> (M, m, D), bidirectional."""
         M, m = canvas_tokens.shape
         if m > self.wpe.num_embeddings:
-            raise ValueError(f"canvas of {m} tokens exceeds --block_size {self.wpe.num_embeddings}")
+            raise UserError(f"canvas of {m} tokens exceeds --block_size {self.wpe.num_embeddings}")
         valid = torch.arange(m, device=canvas_tokens.device) < n_canvas.unsqueeze(1)  # (M, m)
-        self.canvases_encoded += M
-        self.tokens_encoded += int(n_canvas.sum())
         pos = torch.arange(m, device=canvas_tokens.device)
         x = self.drop(self.wte(canvas_tokens) + self.wpe(pos))
         mask = valid.view(M, 1, 1, m)
@@ -397,7 +392,7 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
     trace: a list to which (canvas, p(terminate)) is appended after every insertion (sample.py).
     -> dict(tokens: the final canvas (list), given: whether each canvas token was given,
             inserted: insertions made, terminated: bool)."""
-    from decode import filter_log_probs
+    from decode import draw, filter_log_probs
     given = [int(t) for t in given]
     if len(given) < 2:
         raise ValueError("the initial canvas needs at least BOS and EOS")
@@ -407,7 +402,7 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
             return int(torch.argmax(log_probs))
         q = filter_log_probs(log_probs.unsqueeze(0), "topk" if decoder == "topk" else "sample",
                              k=k, temperature=temperature)
-        return int(torch.multinomial(q.exp(), 1, generator=generator))
+        return int(draw(q, generator))
 
     canvas, is_given, terminated = list(given), [True] * len(given), False
     with eval_mode(model):

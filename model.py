@@ -16,15 +16,22 @@ The contract every backbone follows (every head and every decoder relies on it):
         h        (B, T, D) final hidden states (rows past `lengths` are garbage)
         state    the incremental state after the last *real* token of each row:
                    RNN  h_n (layers, B, D)           LSTM (h_n, c_n)
-                   GPT  (kv, key_valid, next_pos): per-layer (k, v) caches (B, H, Tc, hd),
-                        key_valid (B, Tc) bool (False on padded slots), next_pos (B,) long
+                   GPT  GPTState(kv, key_valid, next_pos, end, padded): per-layer (k, v)
+                        caches (B, H, Tc, hd), key_valid (B, Tc) bool (False on padded slots),
+                        next_pos (B,) long, and on the host end >= max(next_pos) and whether
+                        any slot is padded (so a decoding step reads nothing back)
+                   GCNN (past, next_pos, end): per layer the last k-1 inputs (B, k-1, D)
     state = backbone.reorder_state(state, index)   # select / repeat batch rows (beam search)
 
 Feeding a sequence token by token through `state` gives the same h as one full pass
-(tests/test_model.py checks this in float64).
+(tests/test_model.py checks this in float64).  Every backbone is causal, so a right-padded batch
+needs no `lengths` when only the real positions' outputs are read and no state is kept (training
+and perplexity): the padding comes after them and cannot change them.  That path runs
+attention with is_causal and no mask (FlashAttention on a GPU) and the LSTM unpacked.
 """
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -77,12 +84,17 @@ class Recurrent(nn.Module):
 
     def forward(self, idx, state=None, lengths=None):
         x = self._dropout(self.wte(idx))  # (B, T, D)
-        if lengths is None:
-            out, state = self.rnn(x, state)
-        else:  # packed, so that the returned state is the one after each row's last real token
-            packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
-            out, state = self.rnn(packed, state)
-            out, _ = pad_packed_sequence(out, batch_first=True, total_length=idx.size(1))
+        # float32 even under autocast: autocast's cuDNN RNN wrapper casts to float16 whatever
+        # dtype was asked (README, GPU), which would silently train an LSTM in unscaled fp16
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(self.rnn.weight_ih_l0.dtype)
+            if lengths is None:
+                out, state = self.rnn(x, state)
+            else:  # packed: the returned state is the one after each row's last real token
+                packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True,
+                                              enforce_sorted=False)
+                out, state = self.rnn(packed, state)
+                out, _ = pad_packed_sequence(out, batch_first=True, total_length=idx.size(1))
         dropped = self._dropout(out)
         self.last_output = (out, dropped)  # for AR / TAR (CT paper eq. 8): before and after dropout
         return dropped, state
@@ -159,6 +171,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x)), kv
 
 
+class GPTState(NamedTuple):
+    kv: list
+    key_valid: torch.Tensor
+    next_pos: torch.Tensor
+    end: int
+    padded: bool
+
+
 class GPT(nn.Module):
     """GPT-2: token + learned position embeddings, n_layer pre-LN blocks, final LayerNorm.
     Module names follow GPT-2's checkpoints (wte, wpe, h.i.attn.c_attn, ...)."""
@@ -192,35 +212,35 @@ class GPT(nn.Module):
         new_valid = torch.ones(B, T, dtype=torch.bool, device=dev) if lengths is None else \
             torch.arange(T, device=dev) < lengths.to(dev).unsqueeze(1)  # (B, T)
         if state is None:
-            kv, key_valid = [None] * self.n_layer, new_valid[:, :0]
-            pos0 = torch.zeros(B, dtype=torch.long, device=dev)
-        else:
-            kv, key_valid, pos0 = state
-        pos = pos0.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T) absolute positions
-        last = T if state is None else int(pos.max()) + 1  # a fresh sequence: no device sync
-        if last > self.block_size:
-            raise ValueError(f"sequence of {last} tokens exceeds the GPT context window "
+            state = GPTState([None] * self.n_layer, new_valid[:, :0],
+                             torch.zeros(B, dtype=torch.long, device=dev), 0, False)
+        pos = state.next_pos.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T) absolute
+        if state.end + T > self.block_size:  # checked on the host: no device sync
+            raise ValueError(f"sequence of {state.end + T} tokens exceeds the GPT context window "
                              f"(block_size={self.block_size})")
-        attn_mask, key_valid = self.attention_mask(key_valid, new_valid, lengths is None)
+        padded = state.padded or (lengths is not None and bool((lengths < T).any()))
+        attn_mask, key_valid = self.attention_mask(state.key_valid, new_valid, padded)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         new_kv = []
-        for block, past in zip(self.h, kv):
+        for block, past in zip(self.h, state.kv):
             x, layer_kv = block(x, past, attn_mask)
             new_kv.append(layer_kv)
-        n_real = new_valid.sum(1) if lengths is not None else torch.full((B,), T, device=dev)
-        return self.ln_f(x), (new_kv, key_valid, pos0 + n_real)
+        n_real = new_valid.sum(1) if lengths is not None else T
+        return self.ln_f(x), GPTState(new_kv, key_valid, state.next_pos + n_real,
+                                      state.end + T, padded)
 
     @staticmethod
-    def attention_mask(key_valid, new_valid, unpadded):
-        """key_valid (B, Tc) of the cache, new_valid (B, T) of this call -> (mask, key_valid
-        (B, Tc + T)).  The mask is "causal" for a fresh unpadded sequence (the training path),
-        None for one new token with no padded key (it sees the whole cache), else boolean
-        (B, 1, T, Tc + T): causal and no padded key."""
+    def attention_mask(key_valid, new_valid, padded):
+        """key_valid (B, Tc) of the cache, new_valid (B, T) of this call, padded: whether any
+        key so far is padding -> (mask, key_valid (B, Tc + T)).  The mask is "causal" for a
+        fresh unpadded sequence (training, perplexity), None for one new token with no padded
+        key (it sees the whole cache), else boolean (B, 1, T, Tc + T): causal and no padded key
+        (decoding right-padded prompts of different lengths)."""
         Tc, T = key_valid.size(1), new_valid.size(1)
         key_valid = torch.cat([key_valid, new_valid], dim=1)  # (B, Tc + T)
-        if Tc == 0 and unpadded:
+        if Tc == 0 and not padded:
             return "causal", key_valid
-        if T == 1 and bool(key_valid.all()):
+        if T == 1 and not padded:
             return None, key_valid
         dev = key_valid.device
         causal = torch.arange(Tc + T, device=dev) <= (Tc + torch.arange(T, device=dev)).unsqueeze(1)
@@ -228,9 +248,9 @@ class GPT(nn.Module):
 
     @staticmethod
     def reorder_state(state, index):
-        kv, key_valid, pos = state
-        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv]
-        return kv, key_valid.index_select(0, index), pos.index_select(0, index)
+        kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in state.kv]
+        return state._replace(kv=kv, key_valid=state.key_valid.index_select(0, index),
+                              next_pos=state.next_pos.index_select(0, index))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,13 +299,11 @@ class GCNN(nn.Module):
         dev, k = idx.device, self.k
         if state is None:
             zeros = torch.zeros(B, k - 1, self.d_model, device=dev, dtype=self.wte.weight.dtype)
-            past, pos0 = [zeros] * len(self.convs), torch.zeros(B, dtype=torch.long, device=dev)
-        else:
-            past, pos0 = state
+            state = ([zeros] * len(self.convs), torch.zeros(B, dtype=torch.long, device=dev), 0)
+        past, pos0, end = state  # end >= max(pos0), on the host
         pos = pos0.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T)
-        last = T if state is None else int(pos.max()) + 1  # a fresh sequence: no device sync
-        if last > self.block_size:
-            raise ValueError(f"sequence of {last} tokens exceeds the GCNN context window "
+        if end + T > self.block_size:  # checked on the host: no device sync
+            raise ValueError(f"sequence of {end + T} tokens exceeds the GCNN context window "
                              f"(block_size={self.block_size})")
         n_real = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
         keep = n_real.view(B, 1, 1) + torch.arange(k - 1, device=dev).view(1, -1, 1)  # (B,k-1,1)
@@ -294,12 +312,12 @@ class GCNN(nn.Module):
             h, padded = conv(ln(x), p)
             new_past.append(padded.gather(1, keep.expand(-1, -1, self.d_model)))  # last k-1 real
             x = x + self.drop(h)
-        return self.ln_f(x), (new_past, pos0 + n_real)
+        return self.ln_f(x), (new_past, pos0 + n_real, end + T)
 
     @staticmethod
     def reorder_state(state, index):
-        past, pos = state
-        return [p.index_select(0, index) for p in past], pos.index_select(0, index)
+        past, pos, end = state
+        return [p.index_select(0, index) for p in past], pos.index_select(0, index), end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,10 +361,11 @@ class LanguageModel(nn.Module):
 
     def forward(self, idx, t, state=None, lengths=None, targets=None):
         """idx (B, T), t (B, T); state = (backbone_state, head_state) or None.
-        -> log_probs (B, T, V), new state.  With targets (B, T): -> log p(targets) (B, T) from
-        a fresh start, as target_log_probs (through forward, so that DDP sees training)."""
+        -> log_probs (B, T, V), new state.  With targets (B, T) of a right-padded batch:
+        -> log p(targets) (B, T) from a fresh start, as target_log_probs (through forward, so
+        that DDP sees training); the padded positions' values are garbage."""
         if targets is not None:
-            return self.target_log_probs(idx, targets, t, lengths)
+            return self.target_log_probs(idx, targets, t)
         bstate, hstate = (None, None) if state is None else state
         h, bstate = self.backbone(idx, bstate, lengths)
         log_probs, hstate = self.head(h, t, hstate)
@@ -363,10 +382,11 @@ class LanguageModel(nn.Module):
         log_probs, hstate = self.head(h_last, t, None)
         return log_probs[:, 0], (bstate, hstate)
 
-    def target_log_probs(self, idx, targets, t, lengths=None):
+    def target_log_probs(self, idx, targets, t):
         """log p(targets (B, T) | prefix) from a fresh start, without the full (B, T, V)
-        log-probabilities (training / perplexity path).  -> (B, T)."""
-        h, _ = self.backbone(idx, None, lengths)
+        log-probabilities (training / perplexity path).  Right padding needs no lengths (see
+        the module docstring): no attention mask, no packing.  -> (B, T)."""
+        h, _ = self.backbone(idx)
         return self.head.target_log_probs(h, targets, t)[0]
 
     def stream_log_probs(self, idx, targets, state=None):
@@ -392,5 +412,7 @@ class LanguageModel(nn.Module):
             n -= self.backbone.wpe.weight.numel()
         if not cfg.get("tie", True):
             n -= self.backbone.wte.weight.numel()  # the input lookup is no matmul
+        if cfg["head"] in ("mos", "ctmos"):  # U projects each of the K experts' latents
+            n += (cfg["n_experts"] - 1) * self.head.proj.weight.numel()
         attn = 12 * cfg["n_layer"] * cfg["d_model"] * seq_len if cfg["model"] == "gpt" else 0
         return 6 * n + attn

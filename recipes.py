@@ -34,7 +34,7 @@ ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_
              "ct_rank", "temperature", "locked_dropout", "order", "max_offset", "min_count",
              "synthetic_count", "vocab", "dataset", "kernel_size")
 RESUMABLE = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs",
-             "data_dir", "patience", "peak_flops", "max_minutes")  # flags a --resume may change
+             "data_dir", "patience", "peak_flops", "max_minutes", "log_interval", "dtype")  # flags a --resume may change
 
 # (group, flag, argparse keywords): None defaults come from RECIPES
 FLAGS = [
@@ -42,7 +42,10 @@ FLAGS = [
                             help="backbone (default gpt); insnet / insertion_transformer: "
                                  "insertion-based (insnet.py)")),
     ("run", "--head", dict(default="softmax", choices=HEADS, help="softmax (VA, NMST eq. 2), st "
-                           "(eq. 9), nmst (eq. 10); mos, ct, ctmos (CT paper eq. 4, 6, 7)")),
+                           "(eq. 9), nmst (eq. 10); mos, ct, ctmos (CT paper eq. 4, 6, 7), which "
+                           "hold full float32 rows per token: K*V*4 bytes (mos, ctmos; K = "
+                           "--n_experts) or 2*V*4 (ct), about 3x that with gradients, e.g. 6.6 "
+                           "GB for 8192 tokens at K=4, V=50257: size the batch to fit")),
     ("run", "--task", dict(default=None, choices=["completion", "stream", "story", "storyline"],
                            help="completion (default; NMST paper), stream (CT paper, rnn/lstm), "
                                 "story / storyline (default story on story data)")),
@@ -59,7 +62,8 @@ FLAGS = [
     ("run", "--seed", dict(type=int, default=0)),
     ("run", "--device", dict(default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")),
     ("run", "--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                            help="autocast dtype on CUDA (auto: bfloat16 when supported)")),
+                            help="autocast dtype on CUDA (auto: bfloat16 where the GPU runs it "
+                                 "natively, else float32; float16 trains with a GradScaler)")),
     ("run", "--compile", dict(action="store_true", help="torch.compile the model")),
     ("run", "--peak_flops", dict(type=float, default=None, help="peak FLOP/s for the MFU column")),
     ("run", "--resume", dict(action="store_true", help="continue from out_dir/ckpt_last.pt")),
@@ -111,6 +115,8 @@ FLAGS = [
                                            "training time, evaluations included (0: no limit)")),
     ("optimisation", "--eval_interval", dict(type=int, default=None, help="evaluate every N "
                                              "steps (0: every epoch)")),
+    ("optimisation", "--log_interval", dict(type=int, default=10, help="steps.jsonl: losses "
+                                            "read from the device every N steps")),
     ("optimisation", "--eval_seqs", dict(type=int, default=0, help="validate on the first N")),
     ("optimisation", "--train_seqs", dict(type=int, default=0, help="train on the first N")),
 ]
@@ -130,7 +136,7 @@ def build_parser():
 # --------------------------------------------------------------------------------------------
 POSITIVE = ("n_layer", "d_model", "n_head", "block_size", "max_epochs", "grad_accum", "bptt",
             "n_experts", "max_offset", "min_count", "synthetic_count", "decay_steps", "patience",
-            "kernel_size")
+            "kernel_size", "log_interval")
 NON_NEGATIVE = ("max_iters", "eval_interval", "eval_seqs", "train_seqs", "warmup", "seed",
                 "ct_rank", "grad_clip", "weight_decay", "ar", "tar", "ct_alpha", "max_minutes")
 RECURRENT, STORY = ("rnn", "lstm"), STORY_DATASETS
@@ -219,7 +225,7 @@ def pretrained_shape(args, explicit):
     shape = dict(zip(("n_layer", "n_head", "d_model"), GPT2_SIZES[args.init_from]))
     for k, v in dict(shape, block_size=1024, no_bias=False, no_tie=False).items():
         if k in explicit and explicit[k] != v:
-            raise ValueError(f"--init_from {args.init_from} has --{k} {v}; drop --{k}")
+            raise cli.UserError(f"--init_from {args.init_from} has --{k} {v}; drop --{k}")
         setattr(args, k, v)
 
 

@@ -22,6 +22,7 @@ import sys
 import time
 
 import cli
+from cli import UserError
 
 RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
 
@@ -83,7 +84,7 @@ def train_once(out_dir, flags):
     resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "steps.jsonl")) else []
     rc = train.main([*flags, "--out_dir", out_dir, *resume])
     if rc:
-        raise ValueError(f"training into {out_dir} failed")
+        raise UserError(f"training into {out_dir} failed")
     return os.path.join(out_dir, "ckpt_best.pt")
 
 

@@ -18,9 +18,10 @@ import sys
 import torch
 
 import cli
+from cli import UserError
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
-from decode import DECODERS, check_decoder_args, decode, eos_probs
+from decode import DECODERS, check_decoder_args, decode, eos_probs, sampling_generator
 from model import WINDOWED
 from tasks import INSERTION_MODELS, checkpoint_task, model_from_checkpoint
 
@@ -42,7 +43,7 @@ def build_parser():
     p.add_argument("--show_eos", action="store_true", help="print p(eos) at every step")
     p.add_argument("--allow_unk", action="store_true", help="read unknown words as <unk>")
     p.add_argument("--data_dir", default=None, help="local dataset folder (for the vocabulary)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")
     return p
 
 
@@ -50,25 +51,25 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
     ckpt = check_run(load_checkpoint(args.ckpt), args.ckpt)
-    device = cli.resolve_device(args.device)
+    device = cli.setup_device(cli.resolve_device(args.device))
     task = checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt)
     model = model_from_checkpoint(ckpt, args.ckpt).to(device)
     torch.manual_seed(args.seed)
     if task.name == "story":
         return sample_story(args, task, model, device)
     if not prompts:
-        raise ValueError("give --prompt TEXT (or --prompt_file FILE) to continue")
+        raise UserError("give --prompt TEXT (or --prompt_file FILE) to continue")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L)
     tok = task.tokenizer()
     ids = [encode_prompt(tok, text, args.allow_unk) for text in prompts]
     window = ckpt["config"].get("block_size") if ckpt["config"]["model"] in WINDOWED else None
     longest = max(len(x) for x in ids)
     if window and longest + args.L > window:
-        raise ValueError(f"a prompt of {longest} tokens + --L {args.L} exceeds the model's "
-                         f"context window of {window} tokens: shorten it or lower --L")
+        raise UserError(f"a prompt of {longest} tokens + --L {args.L} exceeds the model's "
+                        f"context window of {window} tokens: shorten it or lower --L")
     out = decode(model, [torch.tensor(x, device=device) for x in ids], args.L, args.decoder,
                  k=args.k, p=args.p, beam_size=args.beam_size, temperature=args.temperature,
-                 generator=torch.Generator().manual_seed(args.seed))
+                 generator=sampling_generator(device, args.seed))
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
         show(model, tok, text, x, toks, done, args)
     return 0
@@ -81,9 +82,9 @@ def read_prompts(args):
             with open(args.prompt_file, encoding="utf-8") as f:
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--prompt_file {args.prompt_file}: {e}") from None
+            raise UserError(f"--prompt_file {args.prompt_file}: {e}") from None
     if any(not p.strip() for p in prompts):
-        raise ValueError("an empty --prompt: give some text to continue")
+        raise UserError("an empty --prompt: give some text to continue")
     return prompts
 
 
@@ -97,8 +98,8 @@ def encode_prompt(tok, text, allow_unk):
     if unknown and (not allow_unk or tok.unk is None):
         hint = "; the data is lower-cased" if any(w.lower() in tok.stoi for w in unknown) else ""
         fix = " (or --allow_unk to read them as <unk>)" if tok.unk is not None else ""
-        raise ValueError(f"not in the model's vocabulary: {', '.join(map(repr, unknown[:12]))}"
-                         f"{hint}{fix}")
+        raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown[:12]))}"
+                        f"{hint}{fix}")
     if unknown:
         print(f"note: read as <unk>: {', '.join(unknown)}", file=sys.stderr)
     return [tok.stoi.get(w, tok.unk) for w in pieces]
@@ -120,18 +121,18 @@ def sample_story(args, task, model, device):
     canvas, printed after every insertion."""
     from data.stories import BOS, EOS, PAD, SEP
     if not args.title:
-        raise ValueError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
+        raise UserError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
     vocab = task.data.vocab
     title, kws = story_ids(vocab, args)
     prefix = [BOS, *title, SEP] + ([*kws, SEP] if task.kind not in INSERTION_MODELS and kws else [])
     if task.kind not in INSERTION_MODELS:
         out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
-                     generator=torch.Generator().manual_seed(args.seed))
+                     generator=sampling_generator(device, args.seed))
         story = [vocab[t] for t in out["tokens"][0] if t not in (PAD, BOS, EOS, SEP)]
         ended = "[eos]" if bool(out["terminated"][0]) else f"[length cap {args.L}]"
         print(f"{args.title} >>> {' '.join(story)} {ended}")
         return 0
-    return insertion_trace(args, model, vocab, prefix, kws, (PAD, BOS, EOS, SEP))
+    return insertion_trace(args, model, vocab, prefix, kws, (PAD, BOS, EOS, SEP), device)
 
 
 def story_ids(vocab, args):
@@ -141,22 +142,22 @@ def story_ids(vocab, args):
     words = args.title.lower().split() + [k.lower() for k in args.keywords]
     unknown = [w for w in words if w not in stoi]
     if unknown and not args.allow_unk:
-        raise ValueError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
-                         f"--allow_unk to read them as <unk>)")
+        raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
+                        f"--allow_unk to read them as <unk>)")
     return ([stoi.get(w, UNK) for w in args.title.lower().split()],
             [stoi.get(w.lower(), UNK) for w in args.keywords])
 
 
-def insertion_trace(args, model, vocab, prefix, kws, banned):
+def insertion_trace(args, model, vocab, prefix, kws, banned, device):
     from insnet import generate
     from data.stories import EOS
     if args.decoder not in ("greedy", "sample", "topk"):
-        raise ValueError("insertion checkpoints decode with --decoder greedy, sample or topk")
+        raise UserError("insertion checkpoints decode with --decoder greedy, sample or topk")
     trace = []
     out = generate(model, [*prefix, *kws, EOS], len(prefix) + len(kws) + 1 + args.L,
                    decoder=args.decoder, k=args.k, temperature=args.temperature,
                    slot_start=len(prefix) - 1, banned=banned, trace=trace,
-                   generator=torch.Generator().manual_seed(args.seed))
+                   generator=sampling_generator(device, args.seed))
     for step, (canvas, p_end) in enumerate(trace, start=1):
         print(f"{step:3d}  p(terminate)={p_end:.3f}  {' '.join(vocab[t] for t in canvas[1:-1])}")
     ended = "terminated" if out["terminated"] else f"length cap {args.L}"

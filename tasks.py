@@ -59,6 +59,18 @@ def model_from_checkpoint(ckpt, path="checkpoint"):
     return model
 
 
+def to_device(state, device):
+    """A tensor or tuple of tensors (or None) on `device`; from the host asynchronously (pinned
+    memory, non-blocking) when that is a GPU."""
+    if state is None:
+        return None
+    if isinstance(state, tuple):
+        return tuple(to_device(s, device) for s in state)
+    if state.device.type == "cpu" and torch.device(device).type == "cuda":
+        return state.pin_memory().to(device, non_blocking=True)
+    return state.to(device)
+
+
 def detach(state):
     """Cut the graph of a recurrent state (tensor or tuple of tensors)."""
     if state is None:
@@ -116,10 +128,9 @@ class CompletionTask(LanguageModelTask):
     def loss(self, model, batch):
         """Mean -log p over the batch's continuation tokens (eos included)."""
         log_p = self.loss_terms(model, batch)  # (B, T)
-        n = int(batch["mask"].sum())
-        nll = -log_p[batch["mask"]].sum()
-        return Loss(self.penalised(model, nll / n), nll.detach(), n,
-                    int((batch["lengths"] - 1).sum()))
+        n = batch["n_targets"]  # counted on the host (collate): no device read
+        nll = -torch.where(batch["mask"], log_p, 0.0).sum()  # no boolean indexing: no sync
+        return Loss(self.penalised(model, nll / n), nll.detach(), n, batch["n_inputs"])
 
     @torch.no_grad()
     def evaluate(self, lm, device, split="valid", limit=None, rank=0, world=1, autocast=None):
@@ -155,7 +166,7 @@ class CompletionTask(LanguageModelTask):
     @staticmethod
     def loss_terms(lm, b):
         """log p(target) at every position of a collated batch, float32.  -> (B, T)"""
-        return lm(b["inputs"], b["t"], lengths=b["lengths"] - 1, targets=b["targets"]).float()
+        return lm(b["inputs"], b["t"], targets=b["targets"]).float()
 
 
 class StreamTask(LanguageModelTask):
@@ -178,12 +189,13 @@ class StreamTask(LanguageModelTask):
     def batch(self, window, device):
         i, L = window
         x, y = self.train[:, i:i + L], self.train[:, i + 1:i + 1 + L]
-        return dict(x=x.to(device), y=y.to(device), start=i)
+        return dict(x=to_device(x, device), y=to_device(y, device), start=i)
 
     def loss(self, model, batch):
         if batch["start"] == 0:  # each epoch starts the streams afresh
             self.hidden = None
-        log_p, hidden = model.stream_log_probs(batch["x"], batch["y"], self.hidden)
+        hidden = to_device(self.hidden, batch["x"].device)  # a resumed state comes from disk
+        log_p, hidden = model.stream_log_probs(batch["x"], batch["y"], hidden)
         self.hidden = detach(hidden)  # truncated BPTT: no gradient into the past
         n = batch["y"].numel()
         nll = -log_p.float().sum()
@@ -240,10 +252,10 @@ def story_nll(model, batch):
     """-log p of each sequence of a batch (B,) and its number of predicted events (B,).
     L2R: the tokens after the given prefix.  Insertion models: the slot and token of every
     non-given insertion plus the termination: the NLL of the (sequence, order) pair."""
-    if "order" in batch:
-        return sequence_nll(model.sequence_log_probs(**batch))
+    if "order" in batch:  # through forward (= sequence_log_probs), so that DDP sees training
+        return sequence_nll(model(**batch))
     tokens, lengths, mask = batch["tokens"], batch["lengths"], batch["mask"]
-    log_p = model(tokens[:, :-1], None, lengths=lengths - 1, targets=tokens[:, 1:])  # (B, L-1)
+    log_p = model(tokens[:, :-1], None, targets=tokens[:, 1:])  # (B, L-1), right-padded
     return -(log_p.float() * mask).sum(1), mask.sum(1)
 
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 import cli
-import fast
+from cli import UserError
 from checkpoint import CheckpointError, load_pretrained_gpt2
 from checkpoint import load as load_checkpoint
 from checkpoint import save as save_checkpoint
@@ -84,6 +84,8 @@ class Run:
         self.args, self.out_dir, self.master = args, args.out_dir, master
         self.state, self.stop_requested, self.lock = TrainState(lr=args.lr), None, None
         self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
+        self.pending = []  # (step, lr, loss tensor, non-finite tensor) not yet in steps.jsonl
+        self.distributed = False  # under torchrun a repeated signal never aborts (see _stop)
 
     def path(self, name):
         return os.path.join(self.out_dir, name)
@@ -96,18 +98,18 @@ class Run:
             os.makedirs(self.out_dir, exist_ok=True)
             self.lock = open(self.path(".lock"), "a+")
         except OSError as e:
-            raise ValueError(f"cannot write to --out_dir {self.out_dir}: {e.strerror or e}") \
+            raise UserError(f"cannot write to --out_dir {self.out_dir}: {e.strerror or e}") \
                 from None
         import fcntl
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            raise ValueError(f"{self.out_dir} is in use by another training run: wait for it, or "
-                             f"choose another --out_dir") from None
+            raise UserError(f"{self.out_dir} is in use by another training run: wait for it, or "
+                            f"choose another --out_dir") from None
         held = [n for n in self.OWN if os.path.exists(self.path(n))]
-        if held and not resuming:
-            raise ValueError(f"{self.out_dir} already holds a run ({', '.join(held)}): continue "
-                             f"it with --resume, or choose another --out_dir")
+        if held and not resuming:  # (check_run_folder said so already, unless it appeared since)
+            raise UserError(f"{self.out_dir} already holds a run ({', '.join(held)}): continue "
+                            f"it with --resume, or choose another --out_dir")
         if resuming and "ckpt_last.pt" not in held:
             print(f"note: {self.out_dir} holds no checkpoint yet (the run stopped before its "
                   f"first one): starting again from step 0", file=sys.stderr)
@@ -124,14 +126,18 @@ class Run:
             with open(self.path(name), "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            raise ValueError(f"could not append to {self.path(name)}: {e.strerror or e}; "
-                             f"{self.last_good()}") from None
+            raise UserError(f"could not append to {self.path(name)}: {e.strerror or e}; "
+                            f"{self.last_good()}") from None
 
-    def after_step(self, loss, dist):
-        """The step's line in steps.jsonl; three steps in, on a CPU, the time an epoch will take
+    def after_step(self, loss, bad, dist):
+        """Keep the step's loss on the device; every --log_interval steps (and before any
+        evaluation, checkpoint or stop) `flush` reads them all at once into steps.jsonl, so a
+        GPU step waits for no read-back.  Three steps in, on a CPU, the time an epoch will take
         (and where to find a run sized for a laptop)."""
         st = self.state
-        self.append("steps.jsonl", dict(step=st.step, loss=loss.value.item(), lr=st.lr))
+        self.pending.append((st.step, st.lr, loss.value.detach(), bad))
+        if st.step % self.args.log_interval == 0:
+            self.flush(dist)
         if st.step == self.first_step + 3 and self.master and dist.device == "cpu":
             r = self.since_eval
             rate = r["tokens"] * dist.world / max(time.time() - r["t0"], 1e-9)
@@ -141,22 +147,57 @@ class Run:
                   + ("; for a run sized for a laptop see `python reproduce.py nmst-table1 "
                      "--scale cpu` (README, Coursework)" if hours > 1 else ""), flush=True)
 
+    def flush(self, dist):
+        """Read the pending steps' losses (one read), append them to steps.jsonl, and stop the
+        run when a loss was not finite on any process."""
+        if not self.pending:
+            return
+        losses = torch.stack([p[2].float() for p in self.pending])
+        bad = torch.stack([p[3] for p in self.pending]).float()
+        if dist.world > 1:
+            import torch.distributed as tdist
+            tdist.all_reduce(bad)
+        values = torch.cat([losses, bad]).tolist()  # the one read
+        n, records, self.pending = len(self.pending), self.pending, []
+        for (step, lr, _, _), loss in zip(records, values[:n]):
+            self.append("steps.jsonl", dict(step=step, loss=loss, lr=lr))
+        first_bad = next((r[0] for r, b in zip(records, values[n:]) if b), None)
+        if first_bad is not None:
+            raise UserError(f"non-finite training loss at step {first_bad}; stopping. "
+                            f"{self.last_good().capitalize()} (try a lower --lr or --grad_clip)")
+
+    def should_stop(self, dist):
+        """-> why every process stops after this step, or None: the step / time limit and the
+        signals, decided together so that all processes stop on the same step (one small
+        all-reduce per step under torchrun; each clock only votes)."""
+        st, args = self.state, self.args
+        done = limit_reached(args, st)
+        if dist.world == 1:
+            return done
+        votes = dist.all_sum([float(done is not None), float(self.stop_requested is not None)])
+        if votes[1] and not self.stop_requested:
+            self.stop_requested = "a signal to another process"
+        if votes[0] and not done:
+            done = f"reached --max_minutes {args.max_minutes:g} (on another process's clock)"
+        return done
+
     def last_good(self):
         last = self.path("ckpt_last.pt")
         return f"the last good checkpoint is {last}" if os.path.exists(last) else \
             "no checkpoint was written yet"
 
-    def save(self, name, lm, optimizer, task, cfg, data):
-        if not all(bool(torch.isfinite(p).all()) for p in lm.parameters()):
-            raise ValueError(f"non-finite weights at step {self.state.step}; stopping. "
-                             f"{self.last_good().capitalize()} (try a lower --lr or --grad_clip)")
+    def save(self, name, lm, optimizer, task, cfg, data, dist, scaler=None):
+        if not bool(torch.stack([torch.isfinite(p).all() for p in lm.parameters()]).all()):
+            raise UserError(f"non-finite weights at step {self.state.step}; stopping. "
+                            f"{self.last_good().capitalize()} (try a lower --lr or --grad_clip)")
+        ranks = rng_states(dist)  # every process's generators (each draws its own dropout)
         if not self.master:
             return
-        rng = dict(torch=torch.get_rng_state(),
-                   cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
         save_checkpoint(dict(config=cfg, model=lm.state_dict(), optimizer=optimizer.state_dict(),
                              train_state=dataclasses.asdict(self.state),
-                             task_state=task.state(), rng=rng, args=vars(self.args), data=data),
+                             task_state=task.state(), rng=dict(ranks[0], ranks=ranks),
+                             args=vars(self.args), data=data,
+                             scaler=scaler.state_dict() if scaler else None),
                         self.path(name))
 
     def restore(self, ckpt, lm, optimizer, task, cfg, dist):
@@ -171,9 +212,7 @@ class Run:
         task.load_state(ckpt.get("task_state") or dict(hidden=saved.pop("hidden", None)))
         self.state = TrainState(**{f.name: saved[f.name]
                                    for f in dataclasses.fields(TrainState) if f.name in saved})
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if dist.device.startswith("cuda") and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        restore_rng(ckpt["rng"], dist, self.args.seed, self.state.step)
         st, args = self.state, self.args
         if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
             again = limit_reached(args, st) or st.epoch >= args.max_epochs
@@ -189,11 +228,14 @@ class Run:
         return self
 
     def _stop(self, signum, frame):
-        if self.stop_requested:  # a second signal: stop at once
-            raise KeyboardInterrupt
+        if self.stop_requested:
+            if signum == signal.SIGINT and not self.distributed:  # Ctrl-C again: abort now
+                raise KeyboardInterrupt
+            return  # already stopping (torchrun forwards a signal the scheduler also sent)
         self.stop_requested = SIGNAL_NAMES.get(signum, signal.Signals(signum).name)
-        print(f"\n{self.stop_requested}: finishing this step and writing a checkpoint (again to "
-              f"abort)", file=sys.stderr, flush=True)
+        again = "" if self.distributed else " (Ctrl-C again to abort)"
+        print(f"\n{self.stop_requested}: finishing this step and writing a checkpoint{again}",
+              file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -201,6 +243,31 @@ class Run:
         if self.lock:
             self.lock.close()
         return False
+
+
+def rng_states(dist):
+    """[dict(torch=..., cuda=...)] of every process, rank by rank (gathered under torchrun)."""
+    own = dict(torch=torch.get_rng_state(),
+               cuda=torch.cuda.get_rng_state() if dist.device.startswith("cuda") else None)
+    if dist.world == 1:
+        return [own]
+    import torch.distributed as tdist
+    ranks = [None] * dist.world
+    tdist.all_gather_object(ranks, own)
+    return ranks
+
+
+def restore_rng(rng, dist, seed, step):
+    """This process's own generators from a checkpoint; when it was written by another number
+    of processes, a fresh state per process from (seed, rank, step) instead."""
+    ranks = rng.get("ranks") or [dict(torch=rng["torch"], cuda=rng.get("cuda"))]
+    if len(ranks) == dist.world:
+        mine = ranks[dist.rank]
+        torch.set_rng_state(mine["torch"])
+        if dist.device.startswith("cuda") and mine.get("cuda") is not None:
+            torch.cuda.set_rng_state(mine["cuda"])
+    else:
+        torch.manual_seed((seed * 1_000_003 + dist.rank) * 1_000_003 + step)
 
 
 def keep_log_until(path, step):
@@ -236,22 +303,25 @@ def train(args, task, lm, model, optimizer, run, dist, save):
             st.lr = learning_rate(args, st)
             for group in optimizer.param_groups:
                 group["lr"] = st.lr
-            loss = accumulate(task, model, keys[s * args.grad_accum:(s + 1) * args.grad_accum],
-                              run, dist, autocast)
+            loss, bad = accumulate(task, model, keys[s * args.grad_accum:(s + 1) *
+                                                     args.grad_accum], run, dist, autocast)
+            run.scaler.unscale_(optimizer)  # (every scaler call is a no-op unless float16)
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(lm.parameters(), args.grad_clip)
-            optimizer.step()
+            run.scaler.step(optimizer)
+            run.scaler.update()
             optimizer.zero_grad(set_to_none=True)
             st.step, st.batch_in_epoch = st.step + 1, s + 1
-            run.after_step(loss, dist)
+            run.after_step(loss, bad, dist)
             st.elapsed = time.time() - run.t_start
-            st.done = limit_reached(args, st)
+            st.done = run.should_stop(dist)
             if (args.eval_interval and st.step % args.eval_interval == 0) or st.done:
                 validate(args, task, lm, run, dist, save, autocast)
                 save("ckpt_last.pt")
             if st.done or run.stop_requested:
                 break
         if run.stop_requested:
+            run.flush(dist)
             save("ckpt_last.pt")
             return stopped_message(run)
         if not st.done:
@@ -272,24 +342,22 @@ def limit_reached(args, st):
 
 def accumulate(task, model, keys, run, dist, autocast):
     """Forward and backward over one step's micro-batches (this process's share of `keys`),
-    gradients averaged; a non-finite loss on any process stops the run.  -> the last Loss."""
+    gradients averaged.  Nothing is read back from the device here: the loss sums and the count
+    of non-finite losses stay there (Run.flush reads them).  -> (the last Loss, non-finite
+    micro-batches (a 0-dim tensor))."""
     accum = len(keys) // dist.world
     model.train()
-    bad = 0.0
+    bad = 0
     for j in range(accum):
         batch = task.batch(keys[dist.rank * accum + j], dist.device)
         if dist.world > 1:  # all-reduce the gradients on the last micro-batch only
             model.require_backward_grad_sync = j == accum - 1
         with autocast or contextlib.nullcontext():
             loss = task.loss(model, batch)
-        (loss.value / accum).backward()
-        cli.kill_point("step")
-        bad += not bool(torch.isfinite(loss.value))
+        run.scaler.scale(loss.value / accum).backward()
+        bad = bad + (~torch.isfinite(loss.value.detach())).int()
         tally(run, loss)
-    if dist.all_sum([bad])[0]:
-        raise ValueError(f"non-finite training loss at step {run.state.step + 1}; stopping. "
-                         f"{run.last_good().capitalize()} (try a lower --lr or --grad_clip)")
-    return loss
+    return loss, bad
 
 
 def next_epoch(args, task, lm, run, dist, save, autocast):
@@ -300,6 +368,7 @@ def next_epoch(args, task, lm, run, dist, save, autocast):
     if st.epoch >= args.max_epochs:
         st.done = f"reached --max_epochs {args.max_epochs}"
     if not args.eval_interval or st.done:
+        run.flush(dist)
         if dist.all_sum([run.since_eval["n"]])[0]:
             validate(args, task, lm, run, dist, save, autocast)
         save("ckpt_last.pt")
@@ -313,28 +382,29 @@ def progress(steps, st, n_steps, rank):
 
 
 def tally(run, loss):
+    """Running sums since the last evaluation: the nll on the device, the counts on the host."""
     r = run.since_eval
-    r["nll"], r["n"], r["tokens"] = r["nll"] + loss.nll.item(), r["n"] + loss.n, \
+    r["nll"], r["n"], r["tokens"] = r["nll"] + loss.nll.detach().double(), r["n"] + loss.n, \
         r["tokens"] + loss.tokens
 
 
 def validate(args, task, lm, run, dist, save, autocast):
     """Evaluate, log one line, keep the best checkpoint, lower a plateau lr, stop early."""
     st, r = run.state, run.since_eval
-    nll, n, tokens = dist.all_sum([r["nll"], r["n"], r["tokens"]])
+    run.flush(dist)
+    nll, n, tokens = dist.all_sum([float(r["nll"]), r["n"], r["tokens"]])
     tok_per_s = tokens / max(time.time() - r["t0"], 1e-9)
-    cli.kill_point("evaluation")
     val = task.evaluate(lm, dist.device, rank=dist.rank, world=dist.world, autocast=autocast)
     if not math.isfinite(val["nll"]):
-        raise ValueError(f"non-finite validation loss at step {st.step}; stopping. "
-                         f"{run.last_good().capitalize()} (try a lower --lr)")
+        raise UserError(f"non-finite validation loss at step {st.step}; stopping. "
+                        f"{run.last_good().capitalize()} (try a lower --lr)")
     improved = val["nll"] < st.best_val
     st.best_val, st.bad_evals = min(st.best_val, val["nll"]), 0 if improved else st.bad_evals + 1
     if not improved and args.lr_schedule == "plateau":
         st.lr *= args.lr_decay
     if st.bad_evals >= args.patience:
         st.done = f"early stop: no improvement in {args.patience} evaluations"
-    mfu = tok_per_s * run.flops_per_token / run.peak if run.peak else None
+    mfu = tok_per_s * run.flops_per_token / (run.peak * dist.world) if run.peak else None
     rec = dict(step=st.step, epoch=st.epoch, train_loss=nll / max(n, 1), val_loss=val["nll"],
                val_ppl=math.exp(min(val["nll"], 700)), lr=st.lr, tokens_per_s=tok_per_s, mfu=mfu,
                best=improved, elapsed_s=time.time() - run.t_start,
@@ -372,11 +442,14 @@ def main(argv=None):
         args = resume_args(args, explicit, ckpt, path)
     elif args.resume:
         check_nothing_to_resume(args.out_dir)
+    check_run_folder(args)  # on every process, before torchrun's process group exists
     dist = cli.setup_distributed(args)
+    cli.setup_device(dist.device)  # cuda:N current, TF32; before anything touches the device
     master = dist.rank == 0
     torch.manual_seed(args.seed + dist.rank)  # before the model is built: its initial weights
-    task = load_task(vars(args), args.data_dir, vocab=ckpt["data"].get("vocab") if ckpt else None,
-                     verbose=master)
+    vocab = ckpt["data"].get("vocab") if ckpt else None
+    task = dist.rank0_first(lambda: load_task(vars(args), args.data_dir, vocab=vocab,
+                                              verbose=master))  # one process prepares the data
     if ckpt:
         check_same_data(ckpt["data"], task.signature, ("train", "valid"), path)
     check_data_fits(args, task, dist)
@@ -384,10 +457,31 @@ def main(argv=None):
     lm = build_model(cfg)
     if args.init_from != "scratch" and ckpt is None:
         if task.meta["tokenizer"] != "gpt2":
-            raise ValueError(f"--init_from {args.init_from} needs the GPT-2 BPE vocabulary; "
-                             f"{args.dataset} is {task.meta['tokenizer']}-level (use wikitext103)")
-        load_pretrained_gpt2(lm, args.init_from, args.weights)
+            raise UserError(f"--init_from {args.init_from} needs the GPT-2 BPE vocabulary; "
+                            f"{args.dataset} is {task.meta['tokenizer']}-level (use wikitext103)")
+        dist.rank0_first(lambda: load_pretrained_gpt2(lm, args.init_from, args.weights))
     return run_training(args, task, lm, cfg, ckpt, dist)
+
+
+def check_run_folder(args):
+    """A fresh run refuses a folder that holds a run (every process checks, so that none is
+    left waiting for a collective when rank 0 refuses)."""
+    import fcntl
+    try:
+        lock = open(os.path.join(args.out_dir, ".lock"))  # only looked at, not held
+    except OSError:  # no lock file, or no folder (Run.open says when it cannot be written)
+        lock = None
+    if lock is not None:
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                raise UserError(f"{args.out_dir} is in use by another training run: wait for "
+                                f"it, or choose another --out_dir") from None
+    held = [n for n in Run.OWN if os.path.exists(os.path.join(args.out_dir, n))]
+    if held and not args.resume:
+        raise UserError(f"{args.out_dir} already holds a run ({', '.join(held)}): continue "
+                        f"it with --resume, or choose another --out_dir")
 
 
 def check_nothing_to_resume(out_dir):
@@ -404,20 +498,20 @@ def check_data_fits(args, task, dist):
     validate on, a story longer than the window."""
     n_batches = len(task.epoch(0))
     if n_batches // args.grad_accum == 0:
-        raise ValueError(f"an epoch here has {n_batches} batch(es), fewer than --grad_accum "
-                         f"{args.grad_accum}: no optimizer step would run (lower --grad_accum or "
-                         f"--batch_size / --max_tokens, raise --train_seqs, or check that "
-                         f"--block_size {args.block_size} holds some training sequences)")
+        raise UserError(f"an epoch here has {n_batches} batch(es), fewer than --grad_accum "
+                        f"{args.grad_accum}: no optimizer step would run (lower --grad_accum or "
+                        f"--batch_size / --max_tokens, raise --train_seqs, or check that "
+                        f"--block_size {args.block_size} holds some training sequences)")
     if task.name == "completion":
         sizes = task.eval_sizes()
         if not len(batches_of(task, sizes)):
-            raise ValueError(f"no validation sequence fits (--eval_seqs {args.eval_seqs}, "
-                             f"--block_size {args.block_size})")
+            raise UserError(f"no validation sequence fits (--eval_seqs {args.eval_seqs}, "
+                            f"--block_size {args.block_size})")
     if task.name == "story":
         longest = max(len(s["tokens"]) for split in task.splits.values() for s in split)
         if longest > args.block_size:
-            raise ValueError(f"a sequence of {longest} tokens exceeds --block_size "
-                             f"{args.block_size}")
+            raise UserError(f"a sequence of {longest} tokens exceeds --block_size "
+                            f"{args.block_size}")
 
 
 def batches_of(task, sizes):
@@ -427,34 +521,36 @@ def batches_of(task, sizes):
 
 def run_training(args, task, lm, cfg, ckpt, dist):
     """Build the optimizer, restore a checkpoint, open the run folder and train."""
-    lm = lm.to(dist.device)
-    if dist.device.startswith("cuda"):
-        torch.cuda.set_device(dist.device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if dist.device == "cpu" and fast.KEEP_FREED_MEMORY:  # the CPU fast path (fast.py)
-        fast.tune_cpu_allocator()
+    lm = lm.to(dist.device)  # the first CUDA kernel
     optimizer = configure_optimizer(lm, args, dist.device)
     run = Run(args, master=dist.rank == 0)
+    run.distributed = dist.world > 1
+    # float16 needs loss scaling (its gradients underflow); a disabled scaler is a no-op
+    fp16 = cli.autocast_dtype(dist.device, args.dtype) == torch.float16
+    run.scaler = torch.amp.GradScaler(dist.device.split(":")[0], enabled=fp16)
     if ckpt is not None and not run.restore(ckpt, lm, optimizer, task, cfg, dist):
         return 0
-    if args.compile:  # compile in place (state_dict keys stay unchanged)
-        lm.compile()
+    if ckpt is not None and fp16 and ckpt.get("scaler"):
+        run.scaler.load_state_dict(ckpt["scaler"])
+    if args.compile:
+        compile_model(lm)
     model = lm
     if dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [int(dist.device.split(":")[1])] if dist.device.startswith("cuda") else None
         model = DDP(lm, device_ids=ids)
     run.epoch_tokens, run.peak = token_count(task), cli.peak_flops(args, dist.device)
-    sequences = 1 if task.name == "stream" else max(1, len(task.splits["train"]))
+    sequences = 1 if task.name == "stream" else \
+        max(1, min(len(task.splits["train"]), args.train_seqs or math.inf))
     run.flops_per_token = lm.flops_per_token(run.epoch_tokens / sequences) \
         if task.name != "story" else 0
     run.first_step = run.state.step
 
     def save(name):
-        run.save(name, lm, optimizer, task, cfg, task.signature)
+        run.save(name, lm, optimizer, task, cfg, task.signature, dist, run.scaler)
 
     with run:
-        run.open(resuming=args.resume)
+        dist.rank0_first(lambda: run.open(resuming=args.resume))  # the lock: rank 0's
         if dist.rank == 0:
             announce(args, task, lm, dist, ckpt)
         message = train(args, task, lm, model, optimizer, run, dist, save)
@@ -464,6 +560,12 @@ def run_training(args, task, lm, cfg, ckpt, dist):
         import torch.distributed as tdist
         tdist.destroy_process_group()
     return 0
+
+
+def compile_model(lm, backend="inductor"):
+    """torch.compile in place (state_dict keys stay unchanged), with dynamic shapes: batches
+    come in ever new (B, T), which would otherwise recompile until torch gives up."""
+    lm.compile(dynamic=True, backend=backend)
 
 
 def announce(args, task, lm, dist, ckpt):

@@ -117,18 +117,26 @@ def token_budget_batches(order, lengths, max_tokens):
 def collate(split, index, device="cpu", pad_id=0):
     """index -> one batch, right-padded: tokens (B, L), lengths (B,), the model's inputs and
     targets (B, L-1), t (B, L-1) the continuation step of every input position (0 on padding)
-    and mask (B, L-1), True where the target is a continuation token."""
+    and mask (B, L-1), True where the target is a continuation token; n_targets (the mask's
+    count) and n_inputs (real input tokens) as host ints, so the loss reads nothing back.
+    Built on the host and copied once (pinned, non-blocking on a GPU)."""
     seqs = [split[i] for i in index]
     L = max(len(s) for s in seqs)
     tokens = np.full((len(seqs), L), pad_id, dtype=np.int64)
     for b, s in enumerate(seqs):
         tokens[b, :len(s)] = s
-    tokens = torch.from_numpy(tokens).to(device)
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
-    contexts = torch.as_tensor(split.contexts[np.asarray(index)], device=device)
-    t, mask = continuation_steps(contexts, lengths, L - 1)
-    return dict(tokens=tokens, lengths=lengths, inputs=tokens[:, :-1], targets=tokens[:, 1:],
-                t=t, mask=mask)
+    n = np.array([len(s) for s in seqs], dtype=np.int64)
+    ctx = split.contexts[np.asarray(index)]
+    t, mask = continuation_steps(torch.from_numpy(ctx), torch.from_numpy(n), L - 1)
+    host = dict(tokens=torch.from_numpy(tokens), lengths=torch.from_numpy(n), t=t, mask=mask)
+    if torch.device(device).type == "cuda":
+        batch = {k: v.pin_memory().to(device, non_blocking=True) for k, v in host.items()}
+    else:
+        batch = {k: v.to(device) for k, v in host.items()}
+    tokens = batch["tokens"]
+    return dict(batch, inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                n_targets=int(np.maximum(n - np.maximum(ctx, 1), 0).sum()),
+                n_inputs=int((n - 1).sum()))
 
 
 def continuation_steps(contexts, lengths, T):

@@ -171,8 +171,8 @@ def load_sequences(dataset, task, model, data_dir=None, min_count=2, synthetic_c
         note = f"synthetic: {synthetic_count} sequences per length {SYNTHETIC_LENGTHS}"
         return StoryData(words, splits, None, note, dict(synthetic=synthetic_count))
     if dataset != "rocstories":
-        raise ValueError(f"the insertion models train on --dataset rocstories or synthetic, "
-                         f"not {dataset}")
+        raise DataError(f"the insertion models train on --dataset rocstories or synthetic, "
+                        f"not {dataset}")
     stories = load_rocstories(data_dir, verbose)
     words = vocab or build_vocab(stories["train"], min_count)
     stoi = {w: i for i, w in enumerate(words)}

@@ -31,3 +31,50 @@ def steps(first, shape):
 def wikitext2():
     from data.loader import load
     return load("wikitext2", verbose=False)
+
+
+class RecomputeStepper:
+    """Re-encodes the whole prefix at every step: slow, the reference the cached decoders are tested against (monkeypatch it over decode.CachedStepper)."""
+
+    def __init__(self, lm):
+        self.lm = lm
+
+    def start(self, prompts, lengths):
+        self.rows = [prompts[i, :lengths[i]] for i in range(len(lengths))]
+        self.n_prompt = lengths.clone()
+        return self._last()
+
+    def _last(self):
+        out = []
+        for row, n in zip(self.rows, self.n_prompt.tolist()):
+            steps = torch.arange(len(row), device=row.device).unsqueeze(0) - n + 2  # (1, L)
+            lp, _ = self.lm(row.unsqueeze(0), steps)
+            out.append(lp[0, -1])
+        return torch.stack(out)
+
+    def advance(self, tokens, t):
+        self.rows = [torch.cat([row, tok.view(1)]) for row, tok in zip(self.rows, tokens)]
+        return self._last()
+
+    def reorder(self, index):
+        self.rows = [self.rows[i] for i in index.tolist()]
+        self.n_prompt = self.n_prompt[index]
+
+
+def run_in_process(main, argv, capsys):
+    """The CLI's error path without a new interpreter: -> (exit status, stderr).  Any exception
+    other than the CLI's own one-line errors propagates and fails the test."""
+    from cli import run_cli
+    try:
+        rc = run_cli(main, argv)
+    except SystemExit as e:  # argparse errors (CLIParser.error)
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def assert_one_line_error(rc, stderr, pattern):
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert rc != 0, stderr
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    assert pattern in lines[0], lines[0]

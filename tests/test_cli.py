@@ -12,7 +12,7 @@ import cli
 import evaluate
 import train
 from checkpoint import load as load_checkpoint
-from tests.conftest import ROOT
+from conftest import ROOT, assert_one_line_error, run_in_process
 
 TINY = ["--dataset", "ptb", "--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--train_seqs", "400",
         "--eval_seqs", "60", "--seed", "1"]
@@ -73,24 +73,6 @@ def run_cli(script, *args, env_extra=None):
     p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=300)
     return p.returncode, p.stdout, p.stderr
-
-
-def run_in_process(main, argv, capsys):
-    """The CLI's error path without a new interpreter: -> (exit status, stderr).  Any exception
-    other than the CLI's own one-line errors propagates and fails the test."""
-    try:
-        rc = cli.run_cli(main, argv)
-    except SystemExit as e:  # argparse errors (CLIParser.error)
-        rc = e.code
-    return rc, capsys.readouterr().err
-
-
-def assert_one_line_error(rc, stderr, pattern):
-    lines = [ln for ln in stderr.splitlines() if ln.strip()]
-    assert rc != 0, stderr
-    assert "Traceback" not in stderr, stderr
-    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
-    assert pattern in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("args,pattern", [

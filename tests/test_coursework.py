@@ -10,7 +10,7 @@ import evaluate
 import reproduce
 import sample
 import train
-from tests.test_cli import assert_one_line_error, run_in_process
+from conftest import assert_one_line_error, run_in_process
 
 
 @pytest.fixture(scope="module")

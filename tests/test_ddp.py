@@ -1,31 +1,133 @@
-"""torchrun with 2 CPU processes (gloo) == 1 process with the same global batch: rank-sharded
-micro-batches, gradient accumulation scaled by the world size, all-reduced metrics."""
+"""train.py under torchrun with 2 CPU processes (gloo): the same numbers as 1 process with the
+same global batch; story models; stop decisions taken together (time limit on disagreeing
+clocks, a storm of SIGTERMs); every process's own RNG after a resume; one process prepares the
+data; a user error on rank 0 stops every process with one line."""
+import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
-from tests.conftest import ROOT
+import pytest
 
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
 ARGS = ["--model", "lstm", "--head", "st", "--epsilon", "1e-3", "--dataset", "wikitext2", "--d_model", "32",
         "--dropout", "0", "--batch_size", "4", "--grad_accum", "2", "--lr", "3e-3", "--train_seqs", "200",
         "--eval_seqs", "40", "--max_iters", "8", "--eval_interval", "4", "--seed", "3"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+WORKER = os.path.join(ROOT, "tests", "train_worker.py")
 
 
-def run(cmd, out_dir):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd + ARGS + ["--out_dir", str(out_dir)], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl"))]
+def run(cmd, out_dir, args=ARGS, env=None, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    p = subprocess.run(cmd + args + ["--out_dir", str(out_dir)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def log(out_dir, name="log.jsonl"):
+    return [json.loads(line) for line in open(os.path.join(out_dir, name))]
 
 
 def test_two_processes_match_one(tmp_path):
-    one = run([sys.executable, "train.py"], tmp_path / "one")
-    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"],
-              tmp_path / "two")
+    run([sys.executable, "train.py"], tmp_path / "one")
+    run(TORCHRUN + ["train.py"], tmp_path / "two")
+    one, two = log(tmp_path / "one"), log(tmp_path / "two")
     assert [r["step"] for r in one] == [r["step"] for r in two] == [4, 8]
     for a, b in zip(one, two):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-4 * abs(a["train_loss"])
         assert abs(a["val_loss"] - b["val_loss"]) < 1e-4 * abs(a["val_loss"])
     assert one[1]["val_loss"] < one[0]["val_loss"]
+
+
+@pytest.mark.parametrize("model", ["insnet", "insertion_transformer"])
+def test_story_models_train_under_torchrun(model, tmp_path):
+    """The insertion models' loss goes through forward, so DDP syncs their gradients."""
+    args = ["--model", model, "--dataset", "synthetic", "--synthetic_count", "8", "--n_layer", "1",
+            "--d_model", "32", "--n_head", "2", "--block_size", "256", "--batch_size", "4", "--grad_accum",
+            "2", "--max_iters", "4", "--eval_interval", "2", "--warmup", "0"]
+    run(TORCHRUN + ["train.py"], tmp_path / model, args)
+    assert [r["step"] for r in log(tmp_path / model)] == [2, 4]
+
+
+def test_time_limit_is_decided_together(tmp_path):
+    """Rank 1's clock runs 20x fast: without a shared decision it would stop steps before rank 0
+    (a collective mismatch or a hang); both stop on the same step, with a checkpoint."""
+    out = tmp_path / "clock"
+    args = [a for a in ARGS if a not in ("--max_iters", "8")] + ["--max_minutes", "0.02", "--log_interval", "1",
+                                                                  "--eval_interval", "0", "--max_iters", "100000"]
+    p = run(TORCHRUN + [WORKER], out, args, env=dict(NANOGEN_TEST_WORKER="fast_clock"))
+    assert "reached --max_minutes" in p.stdout, p.stdout[-2000:]
+    from checkpoint import load
+    steps = [r["step"] for r in log(out, "steps.jsonl")]
+    assert load(str(out / "ckpt_last.pt"))["train_state"]["step"] == steps[-1] > 0
+
+
+def test_a_storm_of_sigterms_still_checkpoints(tmp_path):
+    """A scheduler signals torchrun and the workers (torchrun forwards its own): every process
+    gets SIGTERM two or three times.  They stop on the same step, write the checkpoint and
+    exit 0 (torchrun itself reports the signal it got)."""
+    out = tmp_path / "storm"
+    args = [a for a in ARGS if a not in ("--max_iters", "8")] + ["--max_iters", "100000", "--log_interval", "1",
+                                                                  "--eval_interval", "1000"]
+    p = subprocess.Popen(TORCHRUN + ["train.py", *args, "--out_dir", str(out)], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(out / "steps.jsonl") and len(log(out, "steps.jsonl")) >= 3):
+        time.sleep(0.2)
+    for _ in range(2):
+        os.killpg(p.pid, signal.SIGTERM)
+        time.sleep(0.3)
+    stdout, stderr = p.communicate(timeout=120)
+    assert "stopped by SIGTERM after step" in stdout, (stdout[-2000:], stderr[-3000:])
+    # torchrun's own traceback reports the second signal it got; no worker has one or failed
+    assert 'train.py", line' not in stderr and "exitcode" not in stderr, stderr[-3000:]
+    from checkpoint import load
+    step = load(str(out / "ckpt_last.pt"))["train_state"]["step"]
+    assert f"after step {step};" in stdout and log(out, "steps.jsonl")[-1]["step"] == step
+
+
+def test_every_process_resumes_its_own_rng(tmp_path):
+    """With dropout each process draws its own masks; a run resumed at step 4 trains on exactly
+    as an uninterrupted one (rank 1 does not get rank 0's generator)."""
+    args = [*ARGS]
+    args[args.index("--dropout") + 1] = "0.3"
+    run(TORCHRUN + ["train.py"], tmp_path / "whole", args)
+    part = [*args]
+    part[part.index("--max_iters") + 1] = "4"
+    run(TORCHRUN + ["train.py"], tmp_path / "parts", part)
+    run(TORCHRUN + ["train.py"], tmp_path / "parts", args + ["--resume"])
+    whole, parts = log(tmp_path / "whole"), log(tmp_path / "parts")
+    assert [(r["step"], r["train_loss"], r["val_loss"]) for r in whole] == \
+        [(r["step"], r["train_loss"], r["val_loss"]) for r in parts]
+    from checkpoint import load
+    ranks = load(str(tmp_path / "parts" / "ckpt_last.pt"))["rng"]["ranks"]
+    assert len(ranks) == 2 and not (ranks[0]["torch"] == ranks[1]["torch"]).all()
+
+
+def test_one_process_prepares_the_data(tmp_path):
+    """On a fresh cache only rank 0 prepares; rank 1 waits and reads its folder."""
+    p = run(TORCHRUN + [WORKER], tmp_path / "prep", ARGS[:-6] + ["--max_iters", "1", "--eval_interval", "1"],
+            env=dict(NANOGEN_TEST_WORKER="count_build", NANOGEN_CACHE=str(tmp_path / "cache")))
+    assert p.stdout.count("BUILD rank") == 1 and "BUILD rank 0" in p.stdout, p.stdout[-2000:]
+
+
+def test_a_user_error_stops_every_process_with_one_line(tmp_path):
+    """The run folder is in use (its lock held): every process says so in one line; no
+    traceback from a process left waiting in a collective."""
+    out = tmp_path / "busy"
+    out.mkdir()
+    with open(out / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        p = run(TORCHRUN + ["train.py"], out, check=False)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and all("is in use by another training run" in e for e in errors), p.stderr[-3000:]
+    assert f'File "{ROOT}' not in p.stderr  # torchrun reports the exit status; no traceback of ours

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from decode import (RecomputeStepper, decode, decode_stats, eos_probs, filter_log_probs, non_termination_ratio,
+from decode import (decode, decode_stats, eos_probs, filter_log_probs, non_termination_ratio,
                     nucleus_mask, topk_mask)
 from heads import nmst_log_probs, softmax_log_probs
 from model import LanguageModel
-from tests.conftest import steps
+from cli import UserError
+from conftest import RecomputeStepper, steps
 
 EOS = 2
 
@@ -46,10 +47,12 @@ PROMPTS = [torch.tensor(x) for x in ([5, 6, 7], [9] * 10, [3, 4, 5, 6, 7, 8, 9],
 @pytest.mark.parametrize("model", ["lstm", "gcnn", "gpt"])
 @pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
 @pytest.mark.parametrize("decoder,kw", [("greedy", {}), ("beam", dict(beam_size=3)), ("beam", dict(beam_size=1))])
-def test_cached_equals_uncached(model, head, decoder, kw):
+def test_cached_equals_uncached(model, head, decoder, kw, monkeypatch):
+    import decode as decode_module
     lm = toy(model, head, eps=0.002, eos_bias=-8.0)
     a = decode(lm, PROMPTS, 40, decoder, **kw)
-    b = decode(lm, PROMPTS, 40, decoder, stepper=RecomputeStepper, **kw)
+    monkeypatch.setattr(decode_module, "CachedStepper", RecomputeStepper)  # re-encode every prefix
+    b = decode(lm, PROMPTS, 40, decoder, **kw)
     assert a["tokens"] == b["tokens"]
     assert torch.equal(a["terminated"], b["terminated"])
     torch.testing.assert_close(a["scores"], b["scores"])
@@ -274,13 +277,13 @@ def test_r_nt_and_stats_on_hand_made_decodes():
 def test_bad_decoder_arguments(kw, msg):
     lm = toy("lstm", "softmax")
     L = kw.pop("L", 5)
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(UserError, match=msg):
         decode(lm, PROMPTS, L, **kw)
 
 
 def test_prompt_longer_than_window():
     lm = toy("gpt", "softmax")
-    with pytest.raises(ValueError, match="context window"):
+    with pytest.raises(UserError, match="context window"):
         decode(lm, [torch.zeros(300, dtype=torch.long)], 40)
 
 

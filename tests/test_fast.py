@@ -7,7 +7,7 @@ import fast
 from fast import LinearLogSoftmax, linear_log_softmax, project
 from heads import Head, log_softmax_at
 from model import LanguageModel
-from tests.conftest import steps
+from conftest import steps
 
 
 @pytest.mark.parametrize("exclude", [None, 0, 17, 42])

@@ -17,7 +17,9 @@ from checkpoint import CheckpointError
 from checkpoint import load as load_checkpoint
 from checkpoint import save as save_checkpoint
 from cli import run_cli
-from tests.conftest import ROOT
+from conftest import ROOT
+
+WORKER = os.path.join(ROOT, "tests", "train_worker.py")
 
 ARGS = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "wikitext2", "--d_model", "32",
         "--dropout", "0.3", "--batch_size", "8", "--lr", "3e-3", "--train_seqs", "120", "--eval_seqs", "24",
@@ -30,12 +32,10 @@ def losses(out_dir):
 
 
 def start(out_dir, kill=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if kill:
-        env["NANOGEN_TEST_KILL"] = kill
+    env = dict(os.environ, OMP_NUM_THREADS="1", NANOGEN_TEST_WORKER=f"kill={kill}" if kill else "")
     resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "steps.jsonl")) else []
-    return subprocess.Popen([sys.executable, "train.py", *ARGS, "--out_dir", str(out_dir), *resume], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, WORKER, *ARGS, "--out_dir", str(out_dir), "--log_interval", "1",
+                             *resume], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run_to_end(out_dir):
@@ -56,7 +56,7 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(reference, tmp_path)
     out = tmp_path / "faulty"
     # fixed kill points: inside a step, inside an evaluation, inside a checkpoint write (after the
     # temporary file is written, before the rename), then two kills at random moments
-    for kill in ("step:3", "evaluation:2", "checkpoint-write:2", "step:11"):
+    for kill in ("step:3", "evaluation:2", "checkpoint:2", "step:11"):
         p = start(out, kill)
         p.communicate(timeout=300)
         assert p.returncode == -signal.SIGKILL

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from heads import Head, log1mexp, nmst_log_probs, softmax_log_probs, st_log_probs
-from tests.conftest import steps
+from conftest import steps
 
 torch.manual_seed(0)
 

@@ -4,6 +4,8 @@ import os
 import sys
 
 import torch
+
+from cli import UserError
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from decode import decode
@@ -53,7 +55,7 @@ def test_shape_mismatch_is_refused():
     _, lm = pair(n_embd=32)
     try:
         gpt_state_from_hf(hf.state_dict(), lm)
-    except ValueError as e:
+    except UserError as e:
         assert "has shape" in str(e) and "expects" in str(e)
     else:
         raise AssertionError("a 64-wide checkpoint loaded into a 32-wide model")

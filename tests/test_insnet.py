@@ -55,7 +55,7 @@ def test_incremental_rows_equal_batch_rows():
     rows.append(canvas.insert(1))  # EOS after it
     for _ in range(10):
         rows.append(canvas.insert(int(torch.randint(1, len(canvas.positions), (1,), generator=g))))
-    off = offset_matrix(canvas.order())
+    off = offset_matrix(canvas.positions.clone())
     for j, row in enumerate(rows):
         assert torch.equal(off[j, :j + 1], row)
 
@@ -184,27 +184,35 @@ def test_insnet_encodes_each_token_once_and_it_reencodes():
     """Decoding n insertions: InsNet runs n new token positions through the transformer (a
     key/value cache); IT-vanilla re-encodes the whole canvas before every insertion."""
     ins, it = tiny("insnet").float(), tiny("insertion_transformer").float()
-    outs = []
+    outs, seen = [], {}
     for m in (ins, it):
-        m.tokens_encoded = 0
+        seen[m] = encoded(m)
         outs.append(generate(m, [1, 2], 12, decoder="sample", min_len=10, banned=(0, 1, 2, 3),
                              generator=torch.Generator().manual_seed(0)))
     assert outs[0]["inserted"] == outs[1]["inserted"] == 10
-    assert ins.tokens_encoded == 12  # BOS, EOS and 10 insertions: each token once
-    assert it.canvases_encoded == 10 and it.tokens_encoded == sum(range(2, 12))  # every canvas, in full
+    assert sum(b * t for b, t in seen[ins]) == 12  # BOS, EOS and 10 insertions: each token once
+    assert sum(b for b, _ in seen[it]) == 10 and sum(b * t for b, t in seen[it]) == sum(range(2, 12))
+
+
+def encoded(m):
+    """-> a list that receives the (sequences, positions) of every batch entering m's first
+    transformer block: the tokens the model encodes."""
+    seen = []
+    m.h[0].register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape[:2])))
+    return seen
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_training_pass_is_one_pass_for_insnet(name):
     m = tiny(name)
     _, batch = a_batch()
-    m.tokens_encoded = 0
+    seen = encoded(m)
     nll, events = sequence_nll(m.sequence_log_probs(**batch))
     assert torch.isfinite(nll).all() and (nll > 0).all() and events.tolist() == [10 - 3 - 1 + 1, 3 + 1]
     if name == "insnet":
-        assert m.tokens_encoded == 2 * 11  # one causal pass over the padded batch
+        assert seen == [(2, 11)]  # one causal pass over the padded batch
     else:
-        assert m.canvases_encoded == 11 + 5  # one full encoding per canvas of each sequence
+        assert sum(b for b, _ in seen) == 11 + 5  # one full encoding per canvas of each sequence
 
 
 def test_batch_equals_single_sequences():
@@ -238,7 +246,7 @@ def test_decoding_starts_from_the_training_canvas(name):
     sc = m.sequence_log_probs(**batch)
     state = start_canvas(m, [1, 9, 10, 3, 5, 6, 2])
     if name == "insnet":
-        assert state["canvas"].order().tolist() == [0, 6, 1, 2, 3, 4, 5]  # final positions of steps 0..6
+        assert state["canvas"].positions.tolist() == [0, 6, 1, 2, 3, 4, 5]  # final positions of steps 0..6
     else:
         assert state["tokens"] == [1, 9, 10, 3, 5, 6, 2]
     gap = int(insertion_targets(batch["order"])[0, 7])

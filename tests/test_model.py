@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import LanguageModel
-from tests.conftest import steps
+from conftest import steps
 
 V, EOS = 40, 3
 

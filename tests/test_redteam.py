@@ -18,8 +18,8 @@ import evaluate
 import train
 from checkpoint import load as load_checkpoint
 from checkpoint import save as save_checkpoint
-from tests.conftest import ROOT
-from tests.test_cli import assert_one_line_error, run_in_process
+from conftest import ROOT
+from conftest import assert_one_line_error, run_in_process
 
 SHARED = os.environ.get("NANOGEN_DATA") or os.path.join(ROOT, "..", "shared", "data")
 TINY = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "ptb",

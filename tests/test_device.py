@@ -1,0 +1,312 @@
+"""The CUDA paths, tested without a GPU: a faked one-GPU machine up to the first kernel, the
+tensor reads of a training step counted with a TorchDispatchMode, unmasked training attention,
+compiled models that stop recompiling, float32 eos terms under autocast, devices of carried
+state and of sampling generators, the MFU arithmetic."""
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import cli
+import decode
+import fast
+import tasks
+import train
+from conftest import steps
+from heads import nmst_log_probs
+from model import LanguageModel
+
+TINY = ["--dataset", "ptb", "--d_model", "32", "--n_layer", "1", "--n_head", "2", "--block_size", "64",
+        "--batch_size", "4", "--train_seqs", "64", "--eval_seqs", "16", "--max_iters", "20",
+        "--eval_interval", "20", "--lr", "3e-3"]
+
+
+# ---------------------------------------------------------------------------------------------
+# a faked one-GPU machine: train.py's device set-up runs up to the first real kernel
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def one_fake_gpu(monkeypatch):
+    """torch believes in one CUDA device; set_device runs torch's own index validation and
+    records the index it would select.  The first real CUDA kernel still fails (CPU build)."""
+    selected = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", selected.append, raising=False)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield selected
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda", "cuda:0"])
+def test_default_run_on_one_gpu_reaches_the_first_kernel(one_fake_gpu, device, tmp_path):
+    """`python train.py ...` with --device auto / cuda on a one-GPU machine: cuda:0 is selected
+    (an index-less "cuda" is refused by torch.cuda.set_device), TF32 is on, and the run gets as
+    far as moving the model to the GPU -- where a CPU build of torch stops, with torch's own
+    error and a traceback (not a one-line user error)."""
+    argv = ["--model", "lstm", *TINY, "--device", device, "--out_dir", str(tmp_path / "run")]
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        cli.run_cli(train.main, argv)
+    assert one_fake_gpu == [0]
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert cli.resolve_device(device) == "cuda:0"
+
+
+def test_a_missing_gpu_index_is_a_user_error(one_fake_gpu):
+    with pytest.raises(cli.UserError, match="1 CUDA device"):
+        cli.resolve_device("cuda:1")
+
+
+def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
+    """auto: bfloat16 only where the GPU runs it natively (no emulation), else float32;
+    float16 is honoured (train.py then scales the loss with a GradScaler)."""
+    seen = []
+
+    def native(including_emulation=True):
+        seen.append(including_emulation)
+        return native.answer
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", native)
+    native.answer = True
+    assert cli.autocast_dtype("cuda:0", "auto") == torch.bfloat16
+    native.answer = False
+    assert cli.autocast_dtype("cuda:0", "auto") is None
+    assert seen == [False, False]
+    assert cli.autocast_dtype("cuda:0", "float16") == torch.float16
+    assert cli.autocast_dtype("cpu", "bfloat16") is None
+
+
+def test_float16_trains_with_a_grad_scaler(monkeypatch, tmp_path):
+    """With float16 autocast (emulated here on the CPU) the loop scales the loss, unscales
+    before clipping and steps through the scaler; the checkpoint keeps the scaler's state."""
+    monkeypatch.setattr(cli, "autocast_dtype", lambda device, dtype: torch.float16)
+    out = tmp_path / "fp16"
+    assert train.main(["--model", "gpt", *TINY, "--device", "cpu", "--dropout", "0",
+                       "--out_dir", str(out), "--max_iters", "6", "--eval_interval", "3"]) == 0
+    from checkpoint import load
+    ckpt = load(str(out / "ckpt_last.pt"))
+    assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0
+    import json
+    logs = [json.loads(line) for line in open(out / "log.jsonl")]
+    assert all(math.isfinite(r["val_loss"]) for r in logs) and logs[-1]["val_loss"] < logs[0]["val_loss"] + 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# host-device syncs: tensor reads per optimizer step
+# ---------------------------------------------------------------------------------------------
+class ReadCounter(TorchDispatchMode):
+    """Counts the reads of tensor values back to Python: item() / bool() / int() (aten
+    _local_scalar_dense) and tolist(); `paused` leaves evaluation and checkpoints out."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.paused = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not self.paused:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model", ["gpt", "lstm"])
+def test_at_most_one_read_per_training_step(model, monkeypatch, tmp_path):
+    """Outside the CPU fast paths (which are CPU-only by design), a training step reads no
+    tensor back: the losses are read every --log_interval steps; evaluation and checkpoint
+    writing, which may read, are not counted.  Goal: <= 1 read per optimizer step."""
+    monkeypatch.setattr(fast, "FUSED_OUTPUT_LAYER", False)
+    monkeypatch.setattr(fast, "FEW_ROW_PROJECTION", False)
+    counter = ReadCounter()
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(t):
+        counter.reads += not counter.paused
+        return tolist(t)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    for name in ("validate", "check_data_fits"):
+        monkeypatch.setattr(train, name, paused(counter, getattr(train, name)))
+    monkeypatch.setattr(train.Run, "save", paused(counter, train.Run.save))
+    monkeypatch.setattr(train.Run, "restore", paused(counter, train.Run.restore))
+    with counter:
+        assert train.main(["--model", model, *TINY, "--device", "cpu", "--out_dir",
+                           str(tmp_path / model)]) == 0
+    assert counter.reads / 20 <= 1, counter.reads
+
+
+def paused(counter, fn):
+    def run(*a, **k):
+        was, counter.paused = counter.paused, True
+        try:
+            return fn(*a, **k)
+        finally:
+            counter.paused = was
+    return run
+
+
+def test_greedy_decoding_reads_once_per_token():
+    """Greedy decoding keeps tokens, scores and lengths on the device: one read per token
+    (how many rows just ended), plus a few at the start and end."""
+    torch.manual_seed(0)
+    cfg = dict(model="gpt", head="nmst", epsilon=1e-9, vocab_size=50, eos_id=49, n_layer=1, d_model=16,
+               n_head=2, block_size=128, dropout=0.0, tie=True, bias=True)
+    lm = LanguageModel(cfg).eval()
+    prompts = [torch.randint(0, 49, (n,)) for n in (5, 7, 6)]
+    counter = ReadCounter()
+    with counter:
+        out = decode.decode(lm, prompts, 40, "greedy")
+    tokens = int(out["lengths"].max())
+    assert counter.reads <= tokens + 5, (counter.reads, tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention without a mask in training and perplexity
+# ---------------------------------------------------------------------------------------------
+def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
+    """Right-padded batches go through sdpa with is_causal and no mask (FlashAttention on a
+    GPU), and their real positions equal each sequence scored alone."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(*a, attn_mask=None, is_causal=False, **k):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(*a, attn_mask=attn_mask, is_causal=is_causal, **k)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    _, splits = wikitext2
+    task = tasks.CompletionTask(splits, batch_size=4, seed=0)
+    torch.manual_seed(0)
+    lm = LanguageModel(dict(model="gpt", head="st", epsilon=1e-3, vocab_size=33278, eos_id=0, n_layer=1,
+                            d_model=16, n_head=2, block_size=512, dropout=0.0, tie=True, bias=True))
+    index = [3, 10, 57, 99]
+    batch = task.batch(index, "cpu")
+    assert int(batch["lengths"].min()) < int(batch["lengths"].max())  # really padded
+    task.loss(lm, batch).value.backward()
+    task.evaluate(lm, "cpu", limit=8)
+    assert calls and all(calls_ == (True, True) for calls_ in calls)
+    log_p = task.loss_terms(lm, batch)
+    for b, i in enumerate(index):
+        alone = task.loss_terms(lm, task.batch([i], "cpu"))
+        n = alone.size(1)
+        torch.testing.assert_close(log_p[b, :n], alone[0], rtol=1e-6, atol=1e-5)  # float32 rounding
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: no recompiles after warm-up
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["gpt", "gcnn", "lstm"])
+def test_compiled_models_stop_recompiling(model, wikitext2):
+    """train.py --compile compiles with dynamic shapes: batches of ever new (B, T) reuse the
+    graph; at most one more compile (torch specialises a batch of one sequence).  Counted with
+    dynamo's CompileCounter backend (dynamo decides recompiles, whatever the backend)."""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    _, splits = wikitext2
+    cfg = dict(model=model, head="nmst", epsilon=1e-3, vocab_size=33278, eos_id=0, n_layer=1, d_model=16,
+               dropout=0.1, tie=True, n_head=2, block_size=512, bias=True, kernel_size=3)
+    lm = LanguageModel(cfg).train()
+    counter = CompileCounter()
+    train.compile_model(lm, backend=counter)
+    task = tasks.CompletionTask(splits, max_tokens=600, seed=0, train_seqs=400)
+    shapes, counts = set(), []
+    for key in task.epoch(0)[:16]:
+        batch = task.batch(key, "cpu")
+        shapes.add(tuple(batch["inputs"].shape))
+        task.loss(lm, batch).value.backward()
+        counts.append(counter.frame_count)
+    assert len(shapes) >= 8
+    per_compile = counts[0]
+    assert counts[-1] <= 2 * per_compile, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics under autocast
+# ---------------------------------------------------------------------------------------------
+def test_nmst_eos_terms_stay_float32_under_bf16_autocast():
+    """Under bf16 autocast (CPU rules here, the CUDA ones alike) t and the eos terms stay in
+    float32: 1023 consecutive t give 1023 distinct p(eos), each close to float64."""
+    z = torch.randn(1, 1023, 20, dtype=torch.float64)
+    t = steps(1, (1, 1023))
+    ref = nmst_log_probs(z, t, 19, 1e-3)[..., 19].exp()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.randn(1, 1023, 8)
+        lm = torch.nn.Linear(8, 20)
+        low = lm(h)  # a bf16 tensor, as the head's logits are under autocast
+        assert low.dtype == torch.bfloat16
+        got = nmst_log_probs(z.bfloat16(), t, 19, 1e-3)[..., 19]
+    assert got.dtype == torch.float32
+    assert len(set(got.exp().flatten().tolist())) == 1023
+    assert float((got.exp().double() - ref).abs().max()) < 2e-2
+
+
+def test_recurrent_layers_run_float32_under_autocast():
+    """autocast's cuDNN RNN wrapper casts to float16 whatever dtype is asked (README, GPU):
+    the recurrent layers run outside autocast, in float32."""
+    cfg = dict(model="lstm", head="softmax", epsilon=1e-3, vocab_size=30, eos_id=0, n_layer=1, d_model=8,
+               dropout=0.0, tie=True)
+    lm = LanguageModel(cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h, (h_n, c_n) = lm.backbone(torch.randint(0, 30, (2, 5)))
+    assert h.dtype == h_n.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# where carried state and sampling live
+# ---------------------------------------------------------------------------------------------
+def test_resumed_stream_state_moves_to_the_batch_device():
+    """A checkpoint's hidden state is loaded on the CPU; the next window feeds it to the model on
+    the batch's device (here 'meta', standing in for a GPU)."""
+    seen = []
+
+    class Model:
+        def stream_log_probs(self, x, y, hidden):
+            seen.append({h.device.type for h in hidden})
+            return torch.zeros(y.shape, device=x.device), hidden
+    task = tasks.StreamTask.__new__(tasks.StreamTask)
+    task.loss_scale, task.ar, task.tar = 1.0, 0.0, 0.0
+    task.load_state(dict(hidden=(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))))
+    x = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    task.loss(Model(), dict(x=x, y=x, start=70))
+    assert seen == [{"meta"}]
+
+
+def test_sampling_generator_lives_with_the_probabilities():
+    """Sampling draws on the model's device with a generator made there (decode.sampling_generator);
+    a generator elsewhere is refused with a message (torch.multinomial's own error is obscure)."""
+    log_q = torch.log_softmax(torch.randn(3, 10), -1)
+    g = decode.sampling_generator("cpu", 7)
+    assert g.device == log_q.device
+    a = decode.draw(log_q, g)
+    b = decode.draw(log_q, decode.sampling_generator("cpu", 7))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="sampling_generator"):
+        decode.draw(log_q, types.SimpleNamespace(device=torch.device("cuda", 0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# MFU
+# ---------------------------------------------------------------------------------------------
+def test_peak_flops_of_h100_variants():
+    args = types.SimpleNamespace(peak_flops=None, dtype="bfloat16")
+    peak = {name: cli.PEAK_FLOPS[next(k for k in cli.PEAK_FLOPS if k in name)]
+            for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3")}
+    assert peak == {"NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 80GB HBM3": 989e12}
+    assert cli.peak_flops(args, "cpu") is None
+
+
+def test_mos_flops_count_every_expert():
+    """The output projection runs once per mixture component."""
+    cfg = dict(model="lstm", head="mos", epsilon=1e-3, vocab_size=100, eos_id=0, n_layer=1, d_model=8,
+               dropout=0.0, tie=True, n_experts=4)
+    lm, base = LanguageModel(cfg), LanguageModel(dict(cfg, n_experts=1))
+    extra = sum(p.numel() for p in lm.parameters()) - sum(p.numel() for p in base.parameters())
+    assert lm.flops_per_token(10) - base.flops_per_token(10) == 6 * (extra + 3 * 100 * 8)
+
+
+def test_bench_gpu_checks_run_on_cpu():
+    """`python bench.py gpu`'s equalities are device-generic: on the CPU they pass too (the
+    command itself only runs them on a CUDA device)."""
+    import bench
+    for name, fn in bench.GPU_CHECKS:
+        if "compiled" in name:
+            continue  # inductor on the CPU takes ~20 s; test_model covers compiled == eager
+        err, tol = fn("cpu")
+        assert err <= tol, name
