@@ -58,6 +58,34 @@ def run_cli(main, argv=None):
     return 2
 
 
+RANGES = {  # a flag's range -> (test, words); NaN and infinities are never in one
+    ">=1": (lambda v: v >= 1, "must be >= 1"), ">=0": (lambda v: v >= 0, "must be >= 0"),
+    ">0": (lambda v: v > 0, "must be a positive number (> 0)"),
+    "(0,1)": (lambda v: 0 < v < 1, "must lie in (0, 1)"),
+    "[0,1)": (lambda v: 0 <= v < 1, "must lie in [0, 1)"),
+    "(0,1]": (lambda v: 0 < v <= 1, "must lie in (0, 1]"),
+}
+
+
+def in_range(kind, flag, spec):
+    """An argparse type: a number of `kind` (int / float) within RANGES[spec], or one line
+    naming the flag, its range and the value."""
+    import math
+    test, words = RANGES[spec]
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a{'n integer' if kind is int else ' number'}"
+                                             f", got {text!r}") from None
+        if not (math.isfinite(value) and test(value)):
+            raise argparse.ArgumentTypeError(f"{flag} {words}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in some messages
+    return parse
+
+
 def check_rules(rules, args):
     """Flag rules as data: the first (broken(args), message) whose condition holds is the error;
     the message may name flags as {flag} (their values)."""

@@ -33,7 +33,7 @@ from data.loader import batchify, bptt_windows, load_stream
 from decode import (DECODERS, check_decoder_args, decode, decode_stats, eos_probs,
                     sampling_generator)
 from model import eval_mode
-from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint, stream_perplexity
+from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
 
 def build_parser():
@@ -136,7 +136,7 @@ def evaluate_completion(args, ckpt, device):
     if not args.no_ppl:
         res.update(perplexity_job(args, task, lm, device))
     if args.decoder:
-        split = task_split(task, args.split)
+        split = task.decodable_split(args.split)
         study = decoding_study(lm, split, args, task.tokenizer().decode, device)
         study.update(decoder=args.decoder, k=args.k, p=args.p, beam_size=args.beam_size,
                      temperature=args.temperature, consistent=args.consistent, seed=args.seed)
@@ -153,30 +153,11 @@ def evaluate_completion(args, ckpt, device):
     return res
 
 
-def task_split(task, name):
-    if task.name != "completion":
-        raise UserError("--decoder continues the contexts of sequence-completion data; this "
-                        "checkpoint was trained with --task stream (use a completion model)")
-    return task.splits[name]
-
-
 def perplexity_job(args, task, lm, device):
-    """Completion: perplexity over the continuations; stream: continuous-LM perplexity."""
-    if task.name == "stream":  # --limit N: the first N tokens of each of the 10 columns
-        data = batchify(load_stream(task.folder, args.split), 10)
-        data = data[:, :args.limit + 1] if args.limit else data
-        res = stream_perplexity(lm, data, task.bptt, device)
-        print(f"{args.split}: stream perplexity {res['ppl']:.2f} (nll {res['nll']:.4f} over "
-              f"{res['tokens']:,} tokens, batch 10, BPTT {task.bptt})")
-        return res
+    """Completion: perplexity over the continuations; stream: continuous-LM perplexity (--limit
+    N: the first N tokens of each of the 10 columns)."""
     res = task.evaluate(lm, device, split=args.split, limit=args.limit)
-    if res["sequences"] == 0:
-        raise UserError(f"no {args.split} sequence fits this model (all {res['skipped']} are "
-                        f"longer than its context window): nothing to evaluate")
-    print(f"{'split':6s} {'sequences':>9s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s} "
-          f"{'p(eos@end)':>10s}")
-    print(f"{args.split:6s} {res['sequences']:9d} {res['tokens']:9d} {res['nll']:7.4f} "
-          f"{res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}")
+    print(task.report(res, args.split))
     return res
 
 
@@ -238,8 +219,10 @@ def tau_job(args, ckpt, task, lm, device):
                         f"{ckpt['config'].get('head')}")
     if ckpt["config"]["model"] not in ("rnn", "lstm"):
         raise UserError("--tau_report reads the text as a stream: use an rnn / lstm checkpoint")
-    data = batchify(load_stream(task_folder(task), args.split), 10)
-    rep = tau_report(lm, data, ckpt["args"].get("bptt", 70), task.eos_id,
+    data = batchify(load_stream(task.folder, args.split), 10)
+    from recipes import build_parser
+    bptt = ckpt["args"].get("bptt") or build_parser().get_default("bptt")
+    rep = tau_report(lm, data, bptt, task.eos_id,
                      task.tokenizer().decode, device)
     print(f"temperature of the next word by position ({rep['sentences']} sentences of 16-24 "
           f"words):")
@@ -250,10 +233,6 @@ def tau_job(args, ckpt, task, lm, device):
     if args.plot:
         plot_tau(rep, os.path.join(args.plot, "tau_by_position.png"))
     return rep
-
-
-def task_folder(task):
-    return task.folder if task.name == "stream" else task.splits["train"].folder
 
 
 @torch.no_grad()

@@ -160,7 +160,7 @@ def mos_log_probs(prior_logits, expert_logits):
     return torch.logsumexp(log_pi + F.log_softmax(expert_logits, dim=-1), dim=-2)
 
 
-def contextual_temperature(tau_logits, alpha=1.0, beta=0.5):
+def contextual_temperature(tau_logits, alpha, beta):
     """CT paper eq. 6:  tau = (softmax(h W_tau) + alpha) / beta, one temperature per vocabulary
     entry, in (alpha/beta, (1+alpha)/beta).  tau_logits (..., V) -> tau (..., V)."""
     return (torch.softmax(tau_logits, dim=-1) + alpha) / beta
@@ -171,7 +171,7 @@ def ct_log_probs(logits, tau):
     return F.log_softmax(logits / tau, dim=-1)
 
 
-def loss_scale(vocab_size, alpha=1.0, beta=0.5):
+def loss_scale(vocab_size, alpha, beta):
     """CT paper eq. 8's LS factor, mean_i tau_i.  With the softmax-normalised tau of eq. 6 the
     softmax sums to 1 over the vocabulary, so mean_i tau_i = (1/V + alpha) / beta for every
     context: LS is a *constant* multiplier on the cross entropy (tests check the identity)."""
@@ -197,17 +197,23 @@ def log_softmax_at(h, W, targets, exclude=None, bias=None):
 # nn.Module wrapper: owns the output projection U (V, D), optionally tied to the embedding
 # ---------------------------------------------------------------------------------------------
 def check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature):
+    """A head's options, each read only by the heads that use it (the flags' defaults live in
+    recipes.py, once)."""
     if kind not in HEADS:
         raise ValueError(f"unknown head '{kind}' (choose from {', '.join(HEADS)})")
     if kind in ("st", "nmst"):
         _check_epsilon(epsilon)
     if n_experts < 1:
         raise ValueError(f"--n_experts must be >= 1, got {n_experts}")
-    if not temperature > 0 or not ct_beta > 0 or not ct_alpha >= 0:
-        raise ValueError("--temperature and --ct_beta must be > 0, --ct_alpha >= 0")
+    if not temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {temperature}")
     if temperature != 1.0 and kind not in ("softmax", "mos"):
         raise ValueError(f"a constant --temperature is the baseline of the softmax / mos heads, "
                          f"not of {kind}")
+    if kind in ("ct", "ctmos") and not (ct_beta is not None and ct_beta > 0 and
+                                        ct_alpha is not None and ct_alpha >= 0):
+        raise ValueError(f"the {kind} head needs ct_beta > 0 and ct_alpha >= 0 (CT eq. 6), got "
+                         f"{ct_beta} and {ct_alpha}")
 
 
 class Head(nn.Module):
@@ -217,13 +223,12 @@ class Head(nn.Module):
     running `log_keep` (B,) and None for the others.  t (B, T) is the continuation step of every
     position (only ST / NMST read it; None is fine for the others)."""
 
-    def __init__(self, kind, d_model, vocab_size, eos_id, epsilon=1e-5, bias=False, n_experts=1,
-                 ct_alpha=1.0, ct_beta=0.5, ct_rank=0, temperature=1.0):
+    def __init__(self, kind, d_model, vocab_size, eos_id, epsilon=None, bias=False, n_experts=1,
+                 ct_alpha=None, ct_beta=None, ct_rank=0, temperature=1.0):
         super().__init__()
         check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature)
-        self.kind, self.eos_id, self.epsilon = kind, int(eos_id), float(epsilon)
-        self.temperature, self.ct_alpha, self.ct_beta = float(temperature), float(ct_alpha), \
-            float(ct_beta)
+        self.kind, self.eos_id, self.epsilon = kind, int(eos_id), epsilon
+        self.temperature, self.ct_alpha, self.ct_beta = float(temperature), ct_alpha, ct_beta
         self.proj = nn.Linear(d_model, vocab_size, bias=bias)  # U, the (tied) decoder
         if kind in ("mos", "ctmos"):  # MoS: prior W_p and per-expert latents tanh(W_k h)
             self.n_experts = n_experts
@@ -268,7 +273,9 @@ class Head(nn.Module):
             return softmax_log_probs(logits / c if c != 1.0 else logits), None
         if self.kind == "nmst":
             return nmst_log_probs(logits, t, self.eos_id, self.epsilon), None
-        return st_log_probs(logits, t, self.eos_id, self.epsilon, head_state)
+        if self.kind == "st":
+            return st_log_probs(logits, t, self.eos_id, self.epsilon, head_state)
+        raise ValueError(f"Head.forward has no branch for the head {self.kind!r}")
 
     def target_log_probs(self, h, targets, t=None, head_state=None):
         """log p(targets) only: the training / evaluation path.  Tests check it equals
@@ -300,9 +307,11 @@ class Head(nn.Module):
         log_rest = at(h, W, stand_in, e, bias)
         if self.kind == "nmst":
             log_alpha, log_one_minus_alpha = nmst_log_alpha(z_eos, t, self.epsilon)
-        else:
+        elif self.kind == "st":
             log_alpha, log_one_minus_alpha, head_state = st_log_alpha(z_eos, t, self.epsilon,
                                                                       head_state)
+        else:
+            raise ValueError(f"Head.target_log_probs has no branch for the head {self.kind!r}")
         return torch.where(is_eos, log_alpha, log_one_minus_alpha + log_rest), head_state
 
     def extra_repr(self):

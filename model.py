@@ -350,7 +350,7 @@ class LanguageModel(nn.Module):
         self.backbone = build_backbone(cfg)
         self.head = Head(cfg["head"], cfg["d_model"], cfg["vocab_size"], cfg["eos_id"],
                          cfg["epsilon"], n_experts=cfg.get("n_experts", 1),
-                         ct_alpha=cfg.get("ct_alpha", 1.0), ct_beta=cfg.get("ct_beta", 0.5),
+                         ct_alpha=cfg.get("ct_alpha"), ct_beta=cfg.get("ct_beta"),
                          ct_rank=cfg.get("ct_rank", 0), temperature=cfg.get("temperature", 1.0))
         if cfg["tie"]:  # weight tying (NMST paper appendix D; GPT-2)
             self.head.proj.weight = self.backbone.wte.weight

@@ -4,14 +4,17 @@ combinations that cannot work as one list of (condition, message) rules.
 A recipe is a paper's setting (NMST paper section 4 and appendix D; InsNet paper section 4.3).
 A flag given on the command line always wins; defaults fill only what was not given, and
 nothing is rewritten: a combination that cannot work is an error naming the flag and the fix,
-raised before anything is read or written (train.py's `resolve`).
+raised before anything is read or written (`parse_args`).  A value of one flag that can never
+work is refused by the flag's own argparse type (its range is written with it); RULES holds
+the rules between flags.
 """
 import math
 import os
 from collections import ChainMap
 
-from checkpoint import GPT2_SIZES, CheckpointError
 import cli
+from checkpoint import GPT2_SIZES, CheckpointError
+from checkpoint import load as load_checkpoint
 from data.prepare import DATASETS, VOCABS
 from heads import HEADS
 from model import MODELS
@@ -20,14 +23,19 @@ from tasks import INSERTION_MODELS, STORY_DATASETS
 # --------------------------------------------------------------------------------------------
 # recipes: the defaults of each --model ("story": every model on rocstories / synthetic)
 # --------------------------------------------------------------------------------------------
-RECIPE_KEYS = ("n_layer", "d_model", "dropout", "lr", "lr_schedule", "batch_size", "max_tokens",
-               "max_iters", "eval_interval", "weight_decay", "decay_steps", "warmup")
+RECURRENT_RECIPE = dict(n_layer=2, d_model=512, dropout=0.5, lr=1e-3, lr_schedule="plateau",
+                        batch_size=32, max_tokens=None, max_iters=0, eval_interval=0,
+                        weight_decay=0.01, decay_steps=500_000, warmup=0)
 RECIPES = {  # NMST paper appendix D (rnn, lstm), 4.2 (gpt); InsNet paper 4.3 (story); gcnn: ours
-    "rnn":   (2, 256, 0.3, 1e-3, "plateau", 32, None, 0, 0, 0.01, 500_000, 0),
-    "lstm":  (2, 512, 0.5, 1e-3, "plateau", 32, None, 0, 0, 0.01, 500_000, 0),
-    "gcnn":  (8, 512, 0.1, 1e-3, "plateau", 32, None, 0, 0, 0.01, 500_000, 0),
-    "gpt":   (12, 768, 0.1, 5e-5, "linear", None, 1024, 300_000, 2000, 0.01, 500_000, 0),
-    "story": (12, 768, 0.1, 1e-4, "linear", 64, None, 80_000, 1000, 0.02, 80_000, 400),
+    "rnn": dict(RECURRENT_RECIPE, d_model=256, dropout=0.3),
+    "lstm": RECURRENT_RECIPE,
+    "gcnn": dict(RECURRENT_RECIPE, n_layer=8, dropout=0.1),
+    "gpt": dict(n_layer=12, d_model=768, dropout=0.1, lr=5e-5, lr_schedule="linear",
+                batch_size=None, max_tokens=1024, max_iters=300_000, eval_interval=2000,
+                weight_decay=0.01, decay_steps=500_000, warmup=0),
+    "story": dict(n_layer=12, d_model=768, dropout=0.1, lr=1e-4, lr_schedule="linear",
+                  batch_size=64, max_tokens=None, max_iters=80_000, eval_interval=1000,
+                  weight_decay=0.02, decay_steps=80_000, warmup=400),
 }
 ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout",
              "no_tie", "no_bias", "init_from", "task", "n_experts", "ct_alpha", "ct_beta",
@@ -49,7 +57,7 @@ FLAGS = [
     ("run", "--task", dict(default=None, choices=["completion", "stream", "story", "storyline"],
                            help="completion (default; NMST paper), stream (CT paper, rnn/lstm), "
                                 "story / storyline (default story on story data)")),
-    ("run", "--epsilon", dict(type=float, default=1e-5, help="eps of ST / NMST, in (0, 1)")),
+    ("run", "--epsilon", dict(range="(0,1)", type=float, default=1e-5, help="eps of ST / NMST, in (0, 1)")),
     ("run", "--dataset", dict(default="wikitext103", choices=sorted(DATASETS) +
                               list(STORY_DATASETS), help="(default wikitext103)")),
     ("run", "--vocab", dict(default="word", choices=VOCABS, help="wikitext2 / ptb: word or char")),
@@ -59,74 +67,77 @@ FLAGS = [
     ("run", "--init_from", dict(default="scratch", choices=ChainMap({"scratch": 0}, GPT2_SIZES),
                                 help="pretrained GPT-2 weights (sets the GPT-2 shape)")),
     ("run", "--weights", dict(default=None, help="local GPT-2 weights (file or folder)")),
-    ("run", "--seed", dict(type=int, default=0)),
+    ("run", "--seed", dict(range=">=0", type=int, default=0)),
     ("run", "--device", dict(default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")),
     ("run", "--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                             help="autocast dtype on CUDA (auto: bfloat16 where the GPU runs it "
                                  "natively, else float32; float16 trains with a GradScaler)")),
     ("run", "--compile", dict(action="store_true", help="torch.compile the model")),
-    ("run", "--peak_flops", dict(type=float, default=None, help="peak FLOP/s for the MFU column")),
+    ("run", "--peak_flops", dict(range=">0", type=float, default=None, help="peak FLOP/s for the MFU column")),
     ("run", "--resume", dict(action="store_true", help="continue from out_dir/ckpt_last.pt")),
-    ("architecture", "--n_layer", dict(type=int, default=None)),
-    ("architecture", "--d_model", dict(type=int, default=None, help="embedding = hidden size")),
-    ("architecture", "--n_head", dict(type=int, default=12, help="attention heads")),
-    ("architecture", "--block_size", dict(type=int, default=1024, help="GPT / GCNN window")),
-    ("architecture", "--kernel_size", dict(type=int, default=4, help="gcnn: kernel width k")),
-    ("architecture", "--dropout", dict(type=float, default=None)),
+    ("architecture", "--n_layer", dict(range=">=1", type=int, default=None)),
+    ("architecture", "--d_model", dict(range=">=1", type=int, default=None, help="embedding = hidden size")),
+    ("architecture", "--n_head", dict(range=">=1", type=int, default=12, help="attention heads")),
+    ("architecture", "--block_size", dict(range=">=1", type=int, default=1024, help="GPT / GCNN window")),
+    ("architecture", "--kernel_size", dict(range=">=1", type=int, default=4, help="gcnn: kernel width k")),
+    ("architecture", "--dropout", dict(range="[0,1)", type=float, default=None)),
     ("architecture", "--no_tie", dict(action="store_true", help="untied output embeddings")),
     ("architecture", "--no_bias", dict(action="store_true", help="GPT without biases")),
-    ("architecture", "--n_experts", dict(type=int, default=4, help="mos / ctmos: softmaxes K")),
-    ("architecture", "--ct_alpha", dict(type=float, default=1.0, help="ct: alpha of eq. 6")),
-    ("architecture", "--ct_beta", dict(type=float, default=0.5, help="ct: beta of eq. 6")),
-    ("architecture", "--ct_rank", dict(type=int, default=0, help="ct: rank of W_tau (0: full)")),
-    ("architecture", "--temperature", dict(type=float, default=1.0,
+    ("architecture", "--n_experts", dict(range=">=1", type=int, default=4, help="mos / ctmos: softmaxes K")),
+    ("architecture", "--ct_alpha", dict(range=">=0", type=float, default=1.0, help="ct: alpha of eq. 6")),
+    ("architecture", "--ct_beta", dict(range=">0", type=float, default=0.5, help="ct: beta of eq. 6")),
+    ("architecture", "--ct_rank", dict(range=">=0", type=int, default=0, help="ct: rank of W_tau (0: full)")),
+    ("architecture", "--temperature", dict(range=">0", type=float, default=1.0,
                                            help="softmax / mos: a constant temperature")),
     ("architecture", "--locked_dropout", dict(action="store_true", help="rnn/lstm: variational "
                                               "dropout on the embeddings and the output")),
     ("stories", "--order", dict(default="random", choices=["random", "l2r"],
                                 help="insertion order of the training sequences")),
-    ("stories", "--max_offset", dict(type=int, default=256, help="insnet: offset clip K")),
-    ("stories", "--min_count", dict(type=int, default=2, help="rocstories: rarer words -> <unk>")),
-    ("stories", "--synthetic_count", dict(type=int, default=200, help="synthetic: per length")),
-    ("optimisation", "--lr", dict(type=float, default=None, help="AdamW learning rate")),
-    ("optimisation", "--beta1", dict(type=float, default=0.9)),
-    ("optimisation", "--beta2", dict(type=float, default=0.99)),
-    ("optimisation", "--weight_decay", dict(type=float, default=None, help="not on biases/norms")),
-    ("optimisation", "--grad_clip", dict(type=float, default=1.0, help="max grad norm (0: off)")),
+    ("stories", "--max_offset", dict(range=">=1", type=int, default=256, help="insnet: offset clip K")),
+    ("stories", "--min_count", dict(range=">=1", type=int, default=2, help="rocstories: rarer words -> <unk>")),
+    ("stories", "--synthetic_count", dict(range=">=1", type=int, default=200, help="synthetic: per length")),
+    ("optimisation", "--lr", dict(range=">0", type=float, default=None, help="AdamW learning rate")),
+    ("optimisation", "--beta1", dict(range="[0,1)", type=float, default=0.9)),
+    ("optimisation", "--beta2", dict(range="[0,1)", type=float, default=0.99)),
+    ("optimisation", "--weight_decay", dict(range=">=0", type=float, default=None, help="not on biases/norms")),
+    ("optimisation", "--grad_clip", dict(range=">=0", type=float, default=1.0, help="max grad norm (0: off)")),
     ("optimisation", "--lr_schedule", dict(default=None, choices=["plateau", "linear", "constant"],
                                            help="plateau: x --lr_decay when validation does not "
                                                 "improve; linear: to 0 over --decay_steps")),
-    ("optimisation", "--lr_decay", dict(type=float, default=0.5, help="plateau factor, (0, 1]")),
-    ("optimisation", "--decay_steps", dict(type=int, default=None, help="linear schedule length")),
-    ("optimisation", "--warmup", dict(type=int, default=None, help="linear lr warm-up steps")),
-    ("optimisation", "--patience", dict(type=int, default=10, help="early stopping: evaluations "
+    ("optimisation", "--lr_decay", dict(range="(0,1]", type=float, default=0.5, help="plateau factor, (0, 1]")),
+    ("optimisation", "--decay_steps", dict(range=">=1", type=int, default=None, help="linear schedule length")),
+    ("optimisation", "--warmup", dict(range=">=0", type=int, default=None, help="linear lr warm-up steps")),
+    ("optimisation", "--patience", dict(range=">=1", type=int, default=10, help="early stopping: evaluations "
                                         "without improvement")),
-    ("optimisation", "--batch_size", dict(type=int, default=None, help="sequences per batch")),
-    ("optimisation", "--max_tokens", dict(type=int, default=None, help="padded tokens per batch")),
-    ("optimisation", "--bptt", dict(type=int, default=70, help="stream: BPTT window length")),
+    ("optimisation", "--batch_size", dict(range=">=1", type=int, default=None, help="sequences per batch")),
+    ("optimisation", "--max_tokens", dict(range=">=1", type=int, default=None, help="padded tokens per batch")),
+    ("optimisation", "--bptt", dict(range=">=1", type=int, default=70, help="stream: BPTT window length")),
     ("optimisation", "--loss_scaling", dict(action="store_true", help="ct / ctmos: CT eq. 8's LS")),
-    ("optimisation", "--ar", dict(type=float, default=0.0, help="activation regularisation")),
-    ("optimisation", "--tar", dict(type=float, default=0.0, help="temporal AR (rnn/lstm)")),
-    ("optimisation", "--grad_accum", dict(type=int, default=1, help="batches per optimizer step, "
+    ("optimisation", "--ar", dict(range=">=0", type=float, default=0.0, help="activation regularisation")),
+    ("optimisation", "--tar", dict(range=">=0", type=float, default=0.0, help="temporal AR (rnn/lstm)")),
+    ("optimisation", "--grad_accum", dict(range=">=1", type=int, default=1, help="batches per optimizer step, "
                                           "over all processes")),
-    ("optimisation", "--max_epochs", dict(type=int, default=70)),
-    ("optimisation", "--max_iters", dict(type=int, default=None, help="step limit (0: none)")),
-    ("optimisation", "--max_minutes", dict(type=float, default=0.0, help="stop after this much "
+    ("optimisation", "--max_epochs", dict(range=">=1", type=int, default=70)),
+    ("optimisation", "--max_iters", dict(range=">=0", type=int, default=None, help="step limit (0: none)")),
+    ("optimisation", "--max_minutes", dict(range=">=0", type=float, default=0.0, help="stop after this much "
                                            "training time, evaluations included (0: no limit)")),
-    ("optimisation", "--eval_interval", dict(type=int, default=None, help="evaluate every N "
+    ("optimisation", "--eval_interval", dict(range=">=0", type=int, default=None, help="evaluate every N "
                                              "steps (0: every epoch)")),
-    ("optimisation", "--log_interval", dict(type=int, default=10, help="steps.jsonl: losses "
+    ("optimisation", "--log_interval", dict(range=">=1", type=int, default=10, help="steps.jsonl: losses "
                                             "read from the device every N steps")),
-    ("optimisation", "--eval_seqs", dict(type=int, default=0, help="validate on the first N")),
-    ("optimisation", "--train_seqs", dict(type=int, default=0, help="train on the first N")),
+    ("optimisation", "--eval_seqs", dict(range=">=0", type=int, default=0, help="validate on the first N")),
+    ("optimisation", "--train_seqs", dict(range=">=0", type=int, default=0, help="train on the first N")),
 ]
 
 
 def build_parser():
-    p = cli.CLIParser(description="Train a nanogen model (defaults per --model: RECIPES in "
-                                  "train.py).")
+    p = cli.CLIParser(description="Train a nanogen model (defaults per --model: "
+                                  "recipes.RECIPES).")
     groups = {}
     for group, flag, kw in FLAGS:
+        kw = dict(kw)
+        if "range" in kw:  # the flag's own range, checked as it is parsed
+            kw["type"] = cli.in_range(kw["type"], flag, kw.pop("range"))
         groups.setdefault(group, p.add_argument_group(group)).add_argument(flag, **kw)
     return p
 
@@ -134,11 +145,6 @@ def build_parser():
 # --------------------------------------------------------------------------------------------
 # rules: (broken(args), message naming the flag and the fix), checked before anything is written
 # --------------------------------------------------------------------------------------------
-POSITIVE = ("n_layer", "d_model", "n_head", "block_size", "max_epochs", "grad_accum", "bptt",
-            "n_experts", "max_offset", "min_count", "synthetic_count", "decay_steps", "patience",
-            "kernel_size", "log_interval")
-NON_NEGATIVE = ("max_iters", "eval_interval", "eval_seqs", "train_seqs", "warmup", "seed",
-                "ct_rank", "grad_clip", "weight_decay", "ar", "tar", "ct_alpha", "max_minutes")
 RECURRENT, STORY = ("rnn", "lstm"), STORY_DATASETS
 RULES = [
     (lambda a: a.model in INSERTION_MODELS and a.dataset not in STORY,
@@ -161,6 +167,9 @@ RULES = [
      "--order is the insertion order of --model insnet / insertion_transformer"),
     (lambda a: a.dataset in STORY and a.max_tokens is not None,
      "story runs batch by --batch_size sequences, not --max_tokens"),
+    (lambda a: a.init_from != "scratch" and DATASETS.get(a.dataset, {}).get("tokenizer") != "gpt2"
+     and a.dataset not in STORY, "--init_from {init_from} needs the GPT-2 BPE vocabulary: use "
+     "--dataset wikitext103"),
     (lambda a: a.init_from != "scratch" and a.model != "gpt",
      "--init_from {init_from} loads GPT-2 weights: use it with --model gpt"),
     (lambda a: a.weights and a.init_from == "scratch",
@@ -179,32 +188,44 @@ RULES = [
      "gcnn's convolutions; --model {model} has none"),
     (lambda a: a.vocab == "char" and a.dataset not in ("wikitext2", "ptb"),
      "--vocab char is for the word-level datasets (wikitext2, ptb), not {dataset}"),
-    *((lambda a, k=k: not getattr(a, k) >= 1, f"--{k} must be >= 1, got {{{k}}}")
-      for k in POSITIVE),
-    *((lambda a, k=k: not (0 <= getattr(a, k) < math.inf), f"--{k} must be >= 0, got {{{k}}}")
-      for k in NON_NEGATIVE),
-    (lambda a: any(v is not None and not v >= 1 for v in (a.batch_size, a.max_tokens)),
-     "--batch_size / --max_tokens must be >= 1"),
     (lambda a: a.batch_size is not None and a.max_tokens is not None,
      "give --batch_size (sequences per batch) or --max_tokens (tokens per batch), not both"),
-    (lambda a: not 0 < a.lr < math.inf, "--lr must be a positive number, got {lr}"),
-    (lambda a: not 0 < a.lr_decay <= 1, "--lr_decay must lie in (0, 1], got {lr_decay}"),
-    (lambda a: not 0 <= a.dropout < 1, "--dropout must lie in [0, 1), got {dropout}"),
-    (lambda a: not (0 <= a.beta1 < 1 and 0 <= a.beta2 < 1), "--beta1 / --beta2 must lie in [0, 1)"),
-    (lambda a: not (a.ct_beta > 0 and a.temperature > 0), "--ct_beta / --temperature must be > 0"),
-    (lambda a: a.peak_flops is not None and not a.peak_flops > 0, "--peak_flops must be > 0"),
-    (lambda a: a.head in ("st", "nmst") and not 0 < a.epsilon < 1,
-     "--epsilon must lie in (0, 1), got {epsilon}"),
     (lambda a: a.model in ("gpt", *INSERTION_MODELS) and a.d_model % a.n_head,
      "--d_model {d_model} must be divisible by --n_head {n_head}"),
 ]
+
+
+def parse_args(argv=None):
+    """train.py's arguments: the flags typed, the recipe's defaults for the rest, the rules;
+    with --resume, the run's own arguments (a typed flag is honoured where a resumed run may
+    change it, refused where it differs from the run's) and its checkpoint.
+    -> (args, the checkpoint to resume or None)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    explicit = {k: getattr(args, k) for k in typed_flags(argv)}
+    args = resolve(args, explicit)
+    path = os.path.join(args.out_dir, "ckpt_last.pt")
+    if not (args.resume and os.path.exists(path)):
+        return args, None
+    ckpt = load_checkpoint(path)
+    return resume_args(args, explicit, ckpt, path), ckpt
+
+
+def typed_flags(argv=None):
+    """The destinations of the flags typed on the command line, whatever their values (also
+    one typed at its default value): the same parser with every default suppressed."""
+    import argparse
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 def resolve(args, explicit):
     """Fill the defaults (RECIPES; the GPT-2 shape of --init_from; the task of the dataset),
     then check RULES.  Explicit flags are never changed."""
     story = args.dataset in STORY or args.model in INSERTION_MODELS
-    recipe = dict(zip(RECIPE_KEYS, RECIPES["story" if story else args.model]))
+    recipe = dict(RECIPES["story" if story else args.model])
     if "batch_size" in explicit or "max_tokens" in explicit:  # the user picked how to batch
         recipe.update(batch_size=None, max_tokens=None)
     if args.init_from != "scratch":

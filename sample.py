@@ -23,7 +23,7 @@ from checkpoint import check_run
 from checkpoint import load as load_checkpoint
 from decode import DECODERS, check_decoder_args, decode, eos_probs, sampling_generator
 from model import WINDOWED
-from tasks import INSERTION_MODELS, checkpoint_task, model_from_checkpoint
+from tasks import INSERTION_MODELS, STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
 
 def build_parser():
@@ -55,7 +55,7 @@ def main(argv=None):
     task = checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt)
     model = model_from_checkpoint(ckpt, args.ckpt).to(device)
     torch.manual_seed(args.seed)
-    if task.name == "story":
+    if ckpt["args"]["dataset"] in STORY_DATASETS:
         return sample_story(args, task, model, device)
     if not prompts:
         raise UserError("give --prompt TEXT (or --prompt_file FILE) to continue")

@@ -8,19 +8,23 @@ them; evaluate.py scores checkpoints with the same code.
     StoryTask       stories for the insertion models (InsNet paper) and their L2R baseline:
                     -log p over a sequence's predicted events along one insertion order
 
-Every task has the same five parts:
+Every task has the same parts:
     epoch(e)              -> the keys of epoch e's batches: a pure function of (seed, e), so a
                              resumed run replays them exactly
     batch(key, device)    -> a dict of tensors (t, the continuation step of every position, is
-                             built here, once: data/loader.collate)
-    loss(model, batch)    -> Loss(value to backpropagate, nll sum, predicted events, tokens read)
+                             built here, once: data/loader.collate) and n_inputs, the tokens it
+                             holds (a host int)
+    scores(model, batch)  -> (log p of every predicted token or event (B, T), the mask of those
+                             that count, their number n as a host int): train.py's loss is
+                             -sum(log p over the mask) / n, NMST paper eq. 3
+    penalised(model, l)   -> the loss with CT paper eq. 8's LS / AR / TAR (the LM tasks)
     evaluate(model, dev)  -> the validation figures (nll per predicted event first)
     state() / load_state  what must survive a resume besides the model (StreamTask: the hidden
                           state)
+    tokens_per_epoch(), mean_length(), check_fits(args): what train.py reports and checks
 and `signature`, what its data was made from (checkpoints keep it; evaluate.py and --resume
-refuse other data).
+refuse other data), `note`, what the user should know about the data, vocab_size and eos_id.
 """
-import collections
 import contextlib
 import hashlib
 import math
@@ -29,15 +33,14 @@ import numpy as np
 import torch
 
 from checkpoint import CheckpointError
-from cli import Dist
+from cli import Dist, UserError
 from data.loader import batches, batchify, bptt_windows, collate, load, load_stream
 from data.prepare import tokenizer_of
-from data.stories import load_sequences
+from data.stories import EOS, load_sequences
 from heads import loss_scale
 from insnet import InsertionTransformer, InsNet, collate_insertions, sequence_nll
 from model import WINDOWED, LanguageModel, eval_mode
 
-Loss = collections.namedtuple("Loss", "value nll n tokens")
 INSERTION_MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
 STORY_DATASETS = ("rocstories", "synthetic")
 
@@ -84,7 +87,15 @@ def unwrap(model):
 
 
 class Task:
-    """A task with nothing to carry across a resume besides the model (StreamTask overrides)."""
+    """What every task shares: its data's signature and note, no penalty on the loss, nothing
+    to carry across a resume besides the model (StreamTask overrides), no contexts to decode
+    (CompletionTask overrides)."""
+
+    def __init__(self, signature=None, note=""):
+        self.signature, self.note = signature or {}, note
+
+    def penalised(self, model, loss):
+        return loss
 
     def state(self):
         return {}
@@ -92,12 +103,27 @@ class Task:
     def load_state(self, state):
         pass
 
+    def decodable_split(self, name):
+        raise UserError("--decoder continues the contexts of sequence-completion data; this "
+                        "checkpoint was trained on another task (use a completion model)")
+
+    def mean_length(self):
+        """The mean training sequence length (for the MFU estimate), or None."""
+        return None
+
 
 class LanguageModelTask(Task):
-    """What the completion and stream tasks share: CT paper eq. 8's penalties on the loss."""
+    """What the completion and stream tasks share: a prepared dataset (meta, its folder, its
+    tokenizer) and CT paper eq. 8's penalties on the loss."""
 
-    def __init__(self, loss_scale=1.0, ar=0.0, tar=0.0):
+    def __init__(self, meta=None, folder=None, loss_scale=1.0, ar=0.0, tar=0.0, **info):
+        super().__init__(**info)
+        self.meta, self.folder = meta or {}, folder
         self.loss_scale, self.ar, self.tar = loss_scale, ar, tar
+        self.vocab_size, self.eos_id = self.meta.get("vocab_size"), self.meta.get("eos_id")
+
+    def tokenizer(self):
+        return tokenizer_of(self.folder, self.meta)
 
     def penalised(self, model, ce):
         """ce * LS (eq. 8's loss scaling, a constant) + AR / TAR on the last recurrent layer."""
@@ -109,11 +135,10 @@ class LanguageModelTask(Task):
 
 class CompletionTask(LanguageModelTask):
     """Sequence completion (NMST paper section 4, eq. 3)."""
-    name = "completion"
 
     def __init__(self, splits, batch_size=None, max_tokens=None, max_len=None, seed=0,
-                 train_seqs=0, eval_seqs=0, **penalties):
-        super().__init__(**penalties)
+                 train_seqs=0, eval_seqs=0, **kw):
+        super().__init__(folder=splits["train"].folder, **kw)
         self.splits, self.seed, self.train_seqs, self.eval_seqs = splits, seed, train_seqs, \
             eval_seqs
         self.sizes = dict(batch_size=batch_size, max_tokens=max_tokens, max_len=max_len)
@@ -125,12 +150,35 @@ class CompletionTask(LanguageModelTask):
     def batch(self, index, device, split="train"):
         return collate(self.splits[split], index, device)
 
-    def loss(self, model, batch):
-        """Mean -log p over the batch's continuation tokens (eos included)."""
-        log_p = self.loss_terms(model, batch)  # (B, T)
-        n = batch["n_targets"]  # counted on the host (collate): no device read
-        nll = -torch.where(batch["mask"], log_p, 0.0).sum()  # no boolean indexing: no sync
-        return Loss(self.penalised(model, nll / n), nll.detach(), n, batch["n_inputs"])
+    def scores(self, model, batch):
+        """log p of every target (B, T), the mask of the continuation tokens (eos included) and
+        their number (counted on the host by collate: no device read)."""
+        return self.loss_terms(model, batch), batch["mask"], batch["n_targets"]
+
+    def decodable_split(self, name):
+        return self.splits[name]
+
+    def tokens_per_epoch(self):
+        return int(np.sum(self.splits["train"].lengths[:self.train_seqs or None] - 1))
+
+    def mean_length(self):
+        return self.tokens_per_epoch() / max(1, len(self.splits["train"].lengths[
+            :self.train_seqs or None]))
+
+    def check_fits(self, args):
+        """Something to validate on (a window may leave every sequence out)."""
+        if not len(batches(self.splits["valid"].lengths, limit=self.eval_seqs or None,
+                           **self.eval_sizes())):
+            raise UserError(f"no validation sequence fits (--eval_seqs {args.eval_seqs}, "
+                            f"--block_size {args.block_size})")
+
+    def report(self, res, split):
+        if res["sequences"] == 0:
+            raise UserError(f"no {split} sequence fits this model (all {res['skipped']} are "
+                            f"longer than its context window): nothing to evaluate")
+        return (f"{'split':6s} {'sequences':>9s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s} "
+                f"{'p(eos@end)':>10s}\n{split:6s} {res['sequences']:9d} {res['tokens']:9d} "
+                f"{res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}")
 
     @torch.no_grad()
     def evaluate(self, lm, device, split="valid", limit=None, rank=0, world=1, autocast=None):
@@ -173,11 +221,10 @@ class StreamTask(LanguageModelTask):
     """Continuous language modelling (CT paper, as AWD-LSTM): the corpus cut into batch_size
     columns, truncated BPTT windows, the hidden state carried and detached between windows and
     reset at each epoch's start; validation on 10 columns (the usual evaluation batch)."""
-    name = "stream"
 
-    def __init__(self, folder, batch_size, bptt, eval_seqs=0, **penalties):
-        super().__init__(**penalties)
-        self.folder, self.bptt, self.hidden = folder, bptt, None
+    def __init__(self, folder, batch_size, bptt, eval_seqs=0, **kw):
+        super().__init__(folder=folder, **kw)
+        self.bptt, self.hidden = bptt, None
         self.train = batchify(load_stream(folder, "train"), batch_size)
         self.valid = batchify(load_stream(folder, "valid"), 10)
         if eval_seqs:  # the first N tokens of each of the 10 validation columns
@@ -189,21 +236,35 @@ class StreamTask(LanguageModelTask):
     def batch(self, window, device):
         i, L = window
         x, y = self.train[:, i:i + L], self.train[:, i + 1:i + 1 + L]
-        return dict(x=to_device(x, device), y=to_device(y, device), start=i)
+        return dict(x=to_device(x, device), y=to_device(y, device), start=i, n_inputs=x.numel())
 
-    def loss(self, model, batch):
+    def scores(self, model, batch):
+        """log p of every target of the window, all of which count; the hidden state goes on
+        from the previous window (detached: truncated BPTT)."""
         if batch["start"] == 0:  # each epoch starts the streams afresh
             self.hidden = None
         hidden = to_device(self.hidden, batch["x"].device)  # a resumed state comes from disk
         log_p, hidden = model.stream_log_probs(batch["x"], batch["y"], hidden)
         self.hidden = detach(hidden)  # truncated BPTT: no gradient into the past
-        n = batch["y"].numel()
-        nll = -log_p.float().sum()
-        return Loss(self.penalised(model, nll / n), nll.detach(), n, n)
+        return log_p.float(), torch.ones_like(batch["y"], dtype=torch.bool), batch["y"].numel()
 
-    def evaluate(self, lm, device, split="valid", **_):
+    def evaluate(self, lm, device, split="valid", limit=None, **_):
+        """Continuous-LM perplexity of a split; limit: the first N tokens of each column."""
         data = self.valid if split == "valid" else batchify(load_stream(self.folder, split), 10)
-        return stream_perplexity(lm, data, self.bptt, device)
+        return stream_perplexity(lm, data[:, :limit + 1] if limit else data, self.bptt, device)
+
+    def report(self, res, split):
+        return (f"{split}: stream perplexity {res['ppl']:.2f} (nll {res['nll']:.4f} over "
+                f"{res['tokens']:,} tokens, batch 10, BPTT {self.bptt})")
+
+    def tokens_per_epoch(self):
+        return int(self.train.numel())
+
+    def mean_length(self):
+        return self.bptt
+
+    def check_fits(self, args):
+        pass
 
     def state(self):
         return dict(hidden=self.hidden)
@@ -229,23 +290,31 @@ def stream_perplexity(lm, data, bptt, device="cpu"):
 # ---------------------------------------------------------------------------------------------
 # stories: the insertion models (insnet.py) and their L2R baseline (InsNet paper section 5)
 # ---------------------------------------------------------------------------------------------
+INSERTION_BATCH = ("tokens", "order", "lengths", "n_given", "slot_start")
+
+
 def story_batch(seqs, kind, order="random", generator=None, device="cpu"):
     """A batch of encoded story sequences.  L2R (gpt): right-padded tokens and the mask of the
     tokens after the given prefix (EOS included).  Insertion models: one insertion order per
-    sequence (`order`: random from `generator`, or l2r), insnet.collate_insertions."""
+    sequence (`order`: random from `generator`, or l2r), insnet.collate_insertions.  Both with
+    n_events (the predicted events: tokens; insertions + termination) and n_inputs, host ints."""
     toks = [s["tokens"] for s in seqs]
-    if kind not in INSERTION_MODELS:
-        L = max(len(t) for t in toks)
-        tokens = torch.zeros(len(toks), L, dtype=torch.long)
-        for b, t in enumerate(toks):
-            tokens[b, :len(t)] = torch.as_tensor(t)
-        lengths = torch.tensor([len(t) for t in toks])
-        pos = torch.arange(L - 1)
-        given = torch.tensor([s["n_given"] for s in seqs])
-        mask = (pos >= (given - 1).unsqueeze(1)) & (pos < (lengths - 1).unsqueeze(1))
-        return {k: v.to(device) for k, v in dict(tokens=tokens, lengths=lengths, mask=mask).items()}
-    return collate_insertions(toks, [s["n_given"] for s in seqs], [s["keyword_pos"] for s in seqs],
-                              order, generator, device)
+    sizes = dict(n_inputs=sum(map(len, toks)))
+    if kind in INSERTION_MODELS:
+        batch = collate_insertions(toks, [s["n_given"] for s in seqs],
+                                   [s["keyword_pos"] for s in seqs], order, generator, device)
+        given = [1 + s["n_given"] + len(s["keyword_pos"]) for s in seqs]  # BOS EOS prefix kws
+        return dict(batch, n_events=sum(len(t) - g + 1 for t, g in zip(toks, given)), **sizes)
+    L = max(len(t) for t in toks)
+    tokens = torch.zeros(len(toks), L, dtype=torch.long)
+    for b, t in enumerate(toks):
+        tokens[b, :len(t)] = torch.as_tensor(t)
+    lengths = torch.tensor([len(t) for t in toks])
+    pos = torch.arange(L - 1)
+    given = torch.tensor([s["n_given"] for s in seqs])
+    mask = (pos >= (given - 1).unsqueeze(1)) & (pos < (lengths - 1).unsqueeze(1))
+    batch = {k: v.to(device) for k, v in dict(tokens=tokens, lengths=lengths, mask=mask).items()}
+    return dict(batch, n_events=sum(len(t) - s["n_given"] for t, s in zip(toks, seqs)), **sizes)
 
 
 def story_nll(model, batch):
@@ -253,7 +322,7 @@ def story_nll(model, batch):
     L2R: the tokens after the given prefix.  Insertion models: the slot and token of every
     non-given insertion plus the termination: the NLL of the (sequence, order) pair."""
     if "order" in batch:  # through forward (= sequence_log_probs), so that DDP sees training
-        return sequence_nll(model(**batch))
+        return sequence_nll(model(**{k: batch[k] for k in INSERTION_BATCH}))
     tokens, lengths, mask = batch["tokens"], batch["lengths"], batch["mask"]
     log_p = model(tokens[:, :-1], None, targets=tokens[:, 1:])  # (B, L-1), right-padded
     return -(log_p.float() * mask).sum(1), mask.sum(1)
@@ -264,12 +333,13 @@ class StoryTask(Task):
     predicted events (slot + token per insertion, termination; L2R: tokens), one fresh
     insertion order per sequence per batch, drawn from a generator seeded by the batch's key
     (so a resumed run draws the same orders)."""
-    name = "story"
 
     def __init__(self, data, kind, order="random", batch_size=32, seed=0, train_seqs=0,
-                 eval_seqs=0):
+                 eval_seqs=0, variant="story", **info):
+        super().__init__(note=data.note, **info)
         self.data, self.kind, self.order, self.batch_size, self.seed = data, kind, order, \
             batch_size, seed
+        self.variant, self.vocab_size, self.eos_id = variant, len(data.vocab), EOS
         self.splits = dict(data.splits, train=data.splits["train"][:train_seqs or None],
                            valid=data.splits["valid"][:eval_seqs or None])
 
@@ -284,10 +354,26 @@ class StoryTask(Task):
         return story_batch(seqs, self.kind, self.order, torch.Generator().manual_seed(order_seed),
                            device)
 
-    def loss(self, model, batch):
-        nll, events = story_nll(model, batch)
-        n = int(events.sum())
-        return Loss(nll.sum() / n, nll.sum().detach(), n, int(batch["lengths"].sum()))
+    def scores(self, model, batch):
+        """log p of every predicted event and the mask of those that count.  L2R: the tokens
+        after the given prefix.  Insertion models: per step, log p(slot) + log p(token | slot),
+        then the termination."""
+        if "order" not in batch:
+            log_p = model(batch["tokens"][:, :-1], None, targets=batch["tokens"][:, 1:])
+            return log_p.float(), batch["mask"], batch["n_events"]
+        sc = model(**{k: batch[k] for k in INSERTION_BATCH})  # through forward (DDP)
+        log_p = torch.cat([sc["slot"] + sc["token"], sc["end"].unsqueeze(1)], 1)
+        ends = torch.ones_like(sc["loss_mask"][:, :1])
+        return log_p, torch.cat([sc["loss_mask"], ends], 1), batch["n_events"]
+
+    def tokens_per_epoch(self):
+        return sum(len(s["tokens"]) for s in self.splits["train"])
+
+    def check_fits(self, args):
+        longest = max(len(s["tokens"]) for split in self.splits.values() for s in split)
+        if longest > args.block_size:
+            raise UserError(f"a sequence of {longest} tokens exceeds --block_size "
+                            f"{args.block_size}")
 
     @torch.no_grad()
     def evaluate(self, model, device, split="valid", limit=None, seed=None, **_):
@@ -321,58 +407,49 @@ class StoryTask(Task):
 # ---------------------------------------------------------------------------------------------
 def load_task(a, data_dir=None, vocab=None, verbose=True):
     """The task of a run described by `a` (a dict of train.py's arguments) with its data.
-    vocab: a story checkpoint's own vocabulary.  -> task, with .vocab_size, .eos_id,
-    .signature (what the data was made from) and .note set."""
+    vocab: a story checkpoint's own vocabulary."""
     if a["dataset"] in STORY_DATASETS:
         return _story_task(a, data_dir, vocab, verbose)
     meta, splits = load(a["dataset"], data_dir, verbose=verbose, vocab=a.get("vocab") or "word")
     folder = splits["train"].folder
-    ls = loss_scale(meta["vocab_size"], a.get("ct_alpha", 1.0), a.get("ct_beta", 0.5)) \
-        if a.get("loss_scaling") else 1.0
-    penalties = dict(loss_scale=ls, ar=a.get("ar", 0.0), tar=a.get("tar", 0.0))
+    ls = loss_scale(meta["vocab_size"], a["ct_alpha"], a["ct_beta"]) if a.get("loss_scaling") \
+        else 1.0
+    signature = dict(dataset=a["dataset"], vocab_size=meta["vocab_size"], eos_id=meta["eos_id"],
+                     tokenizer=meta["tokenizer"], source=meta["source"]["sha256"],
+                     fingerprints=meta["fingerprints"])
+    kw = dict(meta=meta, signature=signature, loss_scale=ls, ar=a.get("ar", 0.0),
+              tar=a.get("tar", 0.0))
     if a.get("task") == "stream":
-        task = StreamTask(folder, a["batch_size"], a.get("bptt", 70), a.get("eval_seqs", 0),
-                          **penalties)
-    else:
-        max_len = a.get("block_size") if a["model"] in WINDOWED else None
-        task = CompletionTask(splits, a.get("batch_size"), a.get("max_tokens"), max_len,
-                              a.get("seed", 0), a.get("train_seqs", 0), a.get("eval_seqs", 0),
-                              **penalties)
-    task.meta, task.vocab_size, task.eos_id = meta, meta["vocab_size"], meta["eos_id"]
-    task.tokenizer = lambda: tokenizer_of(folder, meta)
-    task.signature = dict(dataset=a["dataset"], vocab_size=meta["vocab_size"],
-                          eos_id=meta["eos_id"], tokenizer=meta["tokenizer"],
-                          source=meta["source"]["sha256"], fingerprints=meta["fingerprints"])
-    task.note = ""
-    return task
+        return StreamTask(folder, a["batch_size"], a["bptt"], a.get("eval_seqs", 0), **kw)
+    max_len = a.get("block_size") if a["model"] in WINDOWED else None
+    return CompletionTask(splits, a.get("batch_size"), a.get("max_tokens"), max_len,
+                          a.get("seed", 0), a.get("train_seqs", 0), a.get("eval_seqs", 0), **kw)
 
 
 def _story_task(a, data_dir, vocab, verbose):
-    from data.stories import EOS
     data = load_sequences(a["dataset"], a["task"], a["model"], data_dir, a.get("min_count", 2),
                           a.get("synthetic_count", 200), vocab=vocab, verbose=verbose)
-    task = StoryTask(data, a["model"], a.get("order", "random"), a.get("batch_size") or 32,
-                     a.get("seed", 0), a.get("train_seqs", 0), a.get("eval_seqs", 0))
-    task.vocab_size, task.eos_id, task.note = len(data.vocab), EOS, data.note
-    task.variant = a["task"]  # story / storyline
     src = data.sources
     if a["dataset"] == "synthetic":
         prints = {s: f"synthetic-{src['synthetic']}-{s}" for s in ("train", "valid", "test")}
     else:  # without a train file, train and valid both come from dev
         prints = dict(train=src.get("train", src["dev"]), valid=src["dev"], test=src["test"])
     prints["vocab"] = hashlib.sha256("\n".join(data.vocab).encode()).hexdigest()
-    task.signature = dict(dataset=a["dataset"], task=a["task"], vocab_size=len(data.vocab),
-                          sources=src, fingerprints=prints)
+    signature = dict(dataset=a["dataset"], task=a["task"], vocab_size=len(data.vocab),
+                     sources=src, fingerprints=prints)
     if a["dataset"] == "rocstories":
-        task.signature["vocab"] = data.vocab
-    return task
+        signature["vocab"] = data.vocab
+    return StoryTask(data, a["model"], a.get("order", "random"), a.get("batch_size") or 32,
+                     a.get("seed", 0), a.get("train_seqs", 0), a.get("eval_seqs", 0),
+                     variant=a["task"], signature=signature)
 
 
 def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpoint", **given):
     """The task of a checkpoint's run, on all of its data (no --train_seqs / --eval_seqs
     limits), checked to be the data it was made from (for the splits to be read)."""
-    a = {"model": ckpt["config"]["model"], **ckpt["args"], "train_seqs": 0, "eval_seqs": 0,
-         **given}
+    from recipes import build_parser  # (recipes imports this module)
+    a = {**vars(build_parser().parse_args([])), "model": ckpt["config"]["model"], **ckpt["args"],
+         "train_seqs": 0, "eval_seqs": 0, **given}
     task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
     check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task
@@ -399,13 +476,3 @@ def check_same_data(saved, current, splits, path):
         raise CheckpointError(f"{path} was made from another {current['dataset']} source (sha256 "
                               f"{str(saved['source'])[:24]}...) than the one found here (point "
                               f"--data_dir at the data it was trained on)")
-
-
-def token_count(task):
-    """Training tokens per epoch (for the run summary)."""
-    if task.name == "completion":
-        lengths = task.splits["train"].lengths[:task.train_seqs or None]
-        return int(np.sum(lengths - 1))
-    if task.name == "stream":
-        return int(task.train.numel())
-    return sum(len(s["tokens"]) for s in task.splits["train"])

@@ -1,7 +1,13 @@
 """Shared test setup.  Real data: $NANOGEN_DATA when set (CI: ../shared/data), otherwise the
-datasets are downloaded, as on a user's machine.  Every test session prepares its data in a
-temporary cache of its own (never the user's ~/.cache/nanogen)."""
+datasets are downloaded, as on a user's machine.  The data is prepared in a cache of the tests'
+own (never the user's ~/.cache/nanogen): with $NANOGEN_DATA, a temporary one per session (CI
+starts clean); without it, ~/.cache/nanogen-tests (or $NANOGEN_TEST_CACHE), kept between runs
+so that a student's second run downloads and prepares nothing.
+
+`python -m pytest -q` runs the fast tests; `-m ""` adds the slow ones (marked `slow`: end to
+end, subprocesses, torchrun), which CI runs."""
 import os
+import shutil
 import sys
 import tempfile
 
@@ -11,13 +17,17 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(min(2, torch.get_num_threads()))
-SESSION_CACHE = tempfile.mkdtemp(prefix="nanogen-test-cache-")
+if os.environ.get("NANOGEN_DATA"):
+    SESSION_CACHE = tempfile.mkdtemp(prefix="nanogen-test-cache-")
+else:
+    SESSION_CACHE = os.path.expanduser(os.environ.get("NANOGEN_TEST_CACHE") or
+                                       os.path.join("~", ".cache", "nanogen-tests"))
 os.environ["NANOGEN_CACHE"] = SESSION_CACHE  # subprocesses inherit it
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import shutil
-    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
+    if os.environ.get("NANOGEN_DATA"):
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 def steps(first, shape):

@@ -48,7 +48,7 @@ def test_ct_with_unit_temperature_is_softmax():
 @pytest.mark.parametrize("kind", ["mos", "ct", "ctmos"])
 @pytest.mark.parametrize("scale", [1.0, 100.0])
 def test_rows_normalised_tau_range_and_gradients(kind, scale):
-    head = Head(kind, 12, 50, 0, n_experts=3, ct_rank=4 if kind == "ctmos" else 0)
+    head = Head(kind, 12, 50, 0, n_experts=3, ct_alpha=1.0, ct_beta=0.5, ct_rank=4 if kind == "ctmos" else 0)
     with torch.no_grad():
         for p in head.parameters():
             p.mul_(scale)
@@ -94,7 +94,7 @@ def test_batchify_and_bptt_cover_every_token_once():
 
 
 def test_hidden_state_detached_between_windows():
-    cfg = dict(model="lstm", head="ctmos", epsilon=1e-5, vocab_size=30, eos_id=0, n_layer=2, d_model=8, dropout=0.0,
+    cfg = dict(model="lstm", head="ctmos", epsilon=1e-5, ct_alpha=1.0, ct_beta=0.5, vocab_size=30, eos_id=0, n_layer=2, d_model=8, dropout=0.0,
                tie=True, n_experts=2, ct_rank=0)
     lm = LanguageModel(cfg)
     data = torch.randint(0, 30, (3, 21))

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cli
 import decode
 import fast
+import runs
 import tasks
 import train
 from conftest import steps
@@ -125,8 +126,8 @@ def test_at_most_one_read_per_training_step(model, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
     for name in ("validate", "check_data_fits"):
         monkeypatch.setattr(train, name, paused(counter, getattr(train, name)))
-    monkeypatch.setattr(train.Run, "save", paused(counter, train.Run.save))
-    monkeypatch.setattr(train.Run, "restore", paused(counter, train.Run.restore))
+    monkeypatch.setattr(runs.Run, "save", paused(counter, runs.Run.save))
+    monkeypatch.setattr(runs.Run, "restore", paused(counter, runs.Run.restore))
     with counter:
         assert train.main(["--model", model, *TINY, "--device", "cpu", "--out_dir",
                            str(tmp_path / model)]) == 0
@@ -179,7 +180,8 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
     index = [3, 10, 57, 99]
     batch = task.batch(index, "cpu")
     assert int(batch["lengths"].min()) < int(batch["lengths"].max())  # really padded
-    task.loss(lm, batch).value.backward()
+    log_p, mask, n = task.scores(lm, batch)
+    (-log_p[mask].sum() / n).backward()
     task.evaluate(lm, "cpu", limit=8)
     assert calls and all(calls_ == (True, True) for calls_ in calls)
     log_p = task.loss_terms(lm, batch)
@@ -210,7 +212,8 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     for key in task.epoch(0)[:16]:
         batch = task.batch(key, "cpu")
         shapes.add(tuple(batch["inputs"].shape))
-        task.loss(lm, batch).value.backward()
+        log_p, mask, n = task.scores(lm, batch)
+        (-log_p[mask].sum() / n).backward()
         counts.append(counter.frame_count)
     assert len(shapes) >= 8
     per_compile = counts[0]
@@ -264,7 +267,7 @@ def test_resumed_stream_state_moves_to_the_batch_device():
     task.loss_scale, task.ar, task.tar = 1.0, 0.0, 0.0
     task.load_state(dict(hidden=(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))))
     x = torch.zeros(2, 3, dtype=torch.long, device="meta")
-    task.loss(Model(), dict(x=x, y=x, start=70))
+    task.scores(Model(), dict(x=x, y=x, start=70))
     assert seen == [{"meta"}]
 
 

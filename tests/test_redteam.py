@@ -116,6 +116,7 @@ def test_lost_work_is_prevented(tmp_path, capsys):
             f.write('{"step": 5, "lo')
     assert train.main(TINY + ["--out_dir", str(torn), "--max_iters", "6", "--resume"]) == 0
     assert [r["step"] for r in steps_of(torn)] == [1, 2, 3, 4, 5, 6]
+    assert "skipped 1 damaged line(s)" in capsys.readouterr().err  # and says so
     # evaluate.py: an --out / --plot it could not write is an error before any work
     for flags, msg in ((["--out", str(tmp_path / "file.txt" / "res.json")], "cannot be written"),
                        (["--plot", str(torn / "steps.jsonl")], "is a file")):
@@ -322,11 +323,11 @@ def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
     ("--patience", "0", "--patience must be >= 1"), ("--grad_clip", "-1", "--grad_clip must be"),
     ("--weight_decay", "-0.1", "--weight_decay must be >= 0"), ("--seed", "-1", "--seed must be"),
     ("--ar", "nan", "--ar must be >= 0"), ("--tar", "-1", "--tar must be >= 0"),
-    ("--batch_size", "0", "--batch_size / --max_tokens must be >= 1"),
+    ("--batch_size", "0", "--batch_size must be >= 1"),
     ("--eval_seqs", "-1", "--eval_seqs must be >= 0"), ("--train_seqs", "-5", "--train_seqs must"),
     ("--max_iters", "-1", "--max_iters must be >= 0"), ("--bptt", "0", "--bptt must be >= 1"),
     ("--eval_interval", "-2", "--eval_interval must be"), ("--n_layer", "0", "--n_layer must"),
-    ("--dropout", "1", "--dropout must lie in [0, 1)"), ("--beta2", "1", "--beta1 / --beta2"),
+    ("--dropout", "1", "--dropout must lie in [0, 1)"), ("--beta2", "1", "--beta2 must lie in [0, 1)"),
     ("--block_size", "0", "--block_size must be >= 1"), ("--epsilon", "nan", "--epsilon must"),
     ("--max_epochs", "0", "--max_epochs must be >= 1"), ("--n_experts", "0", "--n_experts must"),
 ])

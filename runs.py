@@ -1,0 +1,336 @@
+"""A training run's folder and books, so that train.py can be read as the loop alone.
+
+The folder (--out_dir) is locked for the run's length, and knows its run (run.json: an id that
+every checkpoint written there carries, so a foreign ckpt_last.pt is refused).  A fresh run
+refuses a folder holding a run.  Logs are appended line by line: steps.jsonl gets every step's
+loss (read from the device every --log_interval steps), log.jsonl every evaluation; on resume
+the records past the checkpoint, and any damaged line, are dropped (saying so).  Checkpoints are
+written atomically (checkpoint.py) with every process's RNG state.  Ctrl-C, SIGTERM and SIGHUP
+finish the step, write ckpt_last.pt and exit 0; under torchrun the stop decisions (signals,
+--max_minutes) are taken together, so every process stops on the same step.
+"""
+import dataclasses
+import fcntl
+import json
+import math
+import os
+import signal
+import sys
+import time
+import uuid
+
+import torch
+
+import cli
+from checkpoint import CheckpointError
+from checkpoint import save as save_checkpoint
+from cli import UserError
+
+OWN = ("ckpt_last.pt", "ckpt_best.pt", "log.jsonl", "steps.jsonl")  # what makes a folder a run's
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    best_val: float = math.inf
+    bad_evals: int = 0
+    lr: float = 0.0
+    done: str = None
+    elapsed: float = 0.0  # seconds of training, evaluations included, over all resumes
+
+
+class Run:
+    """One run's folder and books (see the module docstring).  dist: cli.Dist; scaler: the
+    float16 GradScaler (a disabled one otherwise); epoch_tokens: for the CPU epoch estimate."""
+
+    def __init__(self, args, dist, scaler, epoch_tokens=0):
+        self.args, self.out_dir, self.dist, self.scaler = args, args.out_dir, dist, scaler
+        self.master, self.epoch_tokens = dist.rank == 0, epoch_tokens
+        self.state, self.stop_requested, self.lock = TrainState(lr=args.lr), None, None
+        self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
+        self.pending = []  # (step, lr, loss tensor, non-finite tensor) not yet in steps.jsonl
+        self.first_step, self.run_id, self.previous = 0, None, {}
+
+    def path(self, name):
+        return os.path.join(self.out_dir, name)
+
+    # -- the folder ---------------------------------------------------------------------------
+    def open(self, resuming):
+        """Lock the folder (before anything is written), learn or make its run id, clean it."""
+        if not self.master:
+            return
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            self.lock = open(self.path(".lock"), "a+")
+        except OSError as e:
+            raise UserError(f"cannot write to --out_dir {self.out_dir}: {e.strerror or e}") \
+                from None
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"{self.out_dir} is in use by another training run: wait for it, or "
+                            f"choose another --out_dir") from None
+        held = [n for n in OWN if os.path.exists(self.path(n))]
+        if held and not resuming:  # (check_folder said so already, unless it appeared since)
+            raise UserError(f"{self.out_dir} already holds a run ({', '.join(held)}): continue "
+                            f"it with --resume, or choose another --out_dir")
+        if resuming and "ckpt_last.pt" not in held:
+            print(f"note: {self.out_dir} holds no checkpoint yet (the run stopped before its "
+                  f"first one): starting again from step 0", file=sys.stderr)
+        self.run_id = self.run_id or folder_run_id(self.out_dir) or uuid.uuid4().hex
+        cli.write_json(self.path("run.json"), dict(run_id=self.run_id))
+        for name in os.listdir(self.out_dir):  # temporary files of an interrupted write
+            if name.startswith(".ckpt_") and name.endswith(".tmp"):
+                os.remove(self.path(name))
+        for name in ("log.jsonl", "steps.jsonl"):
+            keep_log_until(self.path(name), self.state.step)
+
+    def append(self, name, record):
+        if not self.master:
+            return
+        try:
+            with open(self.path(name), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise UserError(f"could not append to {self.path(name)}: {e.strerror or e}; "
+                            f"{self.last_good()}") from None
+
+    def last_good(self):
+        last = self.path("ckpt_last.pt")
+        return f"the last good checkpoint is {last}" if os.path.exists(last) else \
+            "no checkpoint was written yet"
+
+    # -- every step -----------------------------------------------------------------------------
+    def tally(self, nll, n, tokens):
+        """Running sums since the last evaluation: the nll on the device, the counts on the
+        host (nothing is read back)."""
+        r = self.since_eval
+        r["nll"], r["n"], r["tokens"] = r["nll"] + nll.detach().double(), r["n"] + n, \
+            r["tokens"] + tokens
+
+    def after_step(self, loss, bad):
+        """Keep the step's loss on the device; every --log_interval steps (and before any
+        evaluation, checkpoint or stop) `flush` reads them all at once into steps.jsonl.  Three
+        steps in, on a CPU, the time an epoch will take."""
+        st = self.state
+        self.pending.append((st.step, st.lr, loss.detach(), bad))
+        if st.step % self.args.log_interval == 0:
+            self.flush()
+        if st.step == self.first_step + 3 and self.master and self.dist.device == "cpu":
+            r = self.since_eval
+            rate = r["tokens"] * self.dist.world / max(time.time() - r["t0"], 1e-9)
+            hours = self.epoch_tokens / max(rate, 1e-9) / 3600
+            took = f"{hours:.1f} h" if hours >= 1 else f"{60 * hours:.1f} min"
+            print(f"\n{rate:,.0f} tokens/s on this CPU: about {took} per epoch"
+                  + ("; for a run sized for a laptop see `python reproduce.py nmst-table1 "
+                     "--scale cpu` (README, Coursework)" if hours > 1 else ""), flush=True)
+
+    def flush(self):
+        """Read the pending steps' losses (one read), append them to steps.jsonl, and stop the
+        run when a loss was not finite on any process."""
+        if not self.pending:
+            return
+        losses = torch.stack([p[2].float() for p in self.pending])
+        bad = torch.stack([torch.as_tensor(p[3], device=losses.device) for p in self.pending])
+        if self.dist.world > 1:
+            import torch.distributed as tdist
+            bad = bad.float()
+            tdist.all_reduce(bad)
+        values = torch.cat([losses, bad.float()]).tolist()  # the one read
+        n, records, self.pending = len(self.pending), self.pending, []
+        for (step, lr, _, _), loss in zip(records, values[:n]):
+            self.append("steps.jsonl", dict(step=step, loss=loss, lr=lr))
+        first_bad = next((r[0] for r, b in zip(records, values[n:]) if b), None)
+        if first_bad is not None:
+            raise UserError(f"non-finite training loss at step {first_bad}; stopping. "
+                            f"{self.last_good().capitalize()} (try a lower --lr or --grad_clip)")
+
+    def should_stop(self):
+        """-> why every process stops after this step, or None: the step / time limit and the
+        signals, decided together so that all processes stop on the same step (one small
+        all-reduce per step under torchrun; each process's clock only votes)."""
+        st, args, dist = self.state, self.args, self.dist
+        done = limit_reached(args, st)
+        if dist.world == 1:
+            return done
+        votes = dist.all_sum([float(done is not None), float(self.stop_requested is not None)])
+        if votes[1] and not self.stop_requested:
+            self.stop_requested = "a signal to another process"
+        if votes[0] and not done:
+            done = f"reached --max_minutes {args.max_minutes:g} (on another process's clock)"
+        return done
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, name, lm, optimizer, task, cfg):
+        if not bool(torch.stack([torch.isfinite(p).all() for p in lm.parameters()]).all()):
+            raise UserError(f"non-finite weights at step {self.state.step}; stopping. "
+                            f"{self.last_good().capitalize()} (try a lower --lr or --grad_clip)")
+        ranks = rng_states(self.dist)  # every process's generators (each draws its own dropout)
+        if not self.master:
+            return
+        save_checkpoint(dict(config=cfg, model=lm.state_dict(), optimizer=optimizer.state_dict(),
+                             train_state=dataclasses.asdict(self.state),
+                             task_state=task.state(), rng=dict(ranks[0], ranks=ranks),
+                             args=vars(self.args), data=task.signature, run_id=self.run_id,
+                             scaler=self.scaler.state_dict() if self.scaler.is_enabled()
+                             else None),
+                        self.path(name))
+
+    def restore(self, ckpt, lm, optimizer, task, cfg):
+        """Model, optimizer, counters, RNG, scaler and task state from ckpt_last.pt.  -> False
+        when the run had already finished (nothing to do)."""
+        if ckpt["config"] != cfg:
+            raise CheckpointError(f"{self.path('ckpt_last.pt')} does not match this model / "
+                                  f"vocabulary")
+        self.run_id = ckpt.get("run_id")
+        lm.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        saved = dict(ckpt["train_state"])
+        task.load_state(ckpt.get("task_state") or dict(hidden=saved.pop("hidden", None)))
+        self.state = TrainState(**{f.name: saved[f.name]
+                                   for f in dataclasses.fields(TrainState) if f.name in saved})
+        restore_rng(ckpt["rng"], self.dist, self.args.seed, self.state.step)
+        if self.scaler.is_enabled() and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        st, args = self.state, self.args
+        self.first_step = st.step
+        if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
+            again = limit_reached(args, st) or st.epoch >= args.max_epochs
+            st.done = "reached the same limit again" if again else None
+        if st.done and self.master:
+            print(f"{args.out_dir}: this run already finished ({st.done}); nothing to do (raise "
+                  f"--max_iters / --max_epochs / --max_minutes to go on)")
+        return not st.done
+
+    def stopped_message(self):
+        best = os.path.exists(self.path("ckpt_best.pt"))
+        return (f"stopped by {self.stop_requested} after step {self.state.step}; checkpoint "
+                f"written: continue with the same command and --resume.  evaluate.py can read "
+                f"{self.path('ckpt_last.pt')}" + ("" if best else " (no ckpt_best.pt yet: no "
+                                                                  "evaluation has run)"))
+
+    # -- signals --------------------------------------------------------------------------------
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._stop) for s in SIGNAL_NAMES}
+        return self
+
+    def _stop(self, signum, frame):
+        alone = self.dist.world == 1
+        if self.stop_requested:
+            if signum == signal.SIGINT and alone:  # Ctrl-C again: abort now
+                raise KeyboardInterrupt
+            return  # already stopping (torchrun forwards a signal the scheduler also sent)
+        self.stop_requested = SIGNAL_NAMES.get(signum, signal.Signals(signum).name)
+        again = " (Ctrl-C again to abort)" if alone else ""
+        print(f"\n{self.stop_requested}: finishing this step and writing a checkpoint{again}",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        if self.lock:
+            self.lock.close()
+        return False
+
+
+def limit_reached(args, st):
+    """-> why the run stops after this step (--max_iters, --max_minutes), or None."""
+    if args.max_iters and st.step >= args.max_iters:
+        return f"reached --max_iters {args.max_iters}"
+    if args.max_minutes and st.elapsed >= 60 * args.max_minutes:
+        return f"reached --max_minutes {args.max_minutes:g}"
+    return None
+
+
+def check_folder(args):
+    """Before anything else (on every process, so that none is left waiting for a collective
+    when one refuses): the folder must not be in use, a fresh run must not find a run there,
+    --resume must find something to resume, and a checkpoint there must be this folder's."""
+    try:
+        lock = open(os.path.join(args.out_dir, ".lock"))  # only looked at, not held
+    except OSError:  # no lock file, or no folder (Run.open says when it cannot be written)
+        lock = None
+    if lock is not None:
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                raise UserError(f"{args.out_dir} is in use by another training run: wait for "
+                                f"it, or choose another --out_dir") from None
+    held = [n for n in OWN if os.path.exists(os.path.join(args.out_dir, n))]
+    if held and not args.resume:
+        raise UserError(f"{args.out_dir} already holds a run ({', '.join(held)}): continue "
+                        f"it with --resume, or choose another --out_dir")
+    last = os.path.join(args.out_dir, "ckpt_last.pt")
+    if args.resume and not os.path.exists(last) and \
+            ("ckpt_best.pt" in held or not {"steps.jsonl", "log.jsonl"} & set(held)):
+        raise CheckpointError(f"--resume: no checkpoint {last}; start without --resume")
+
+
+def check_own_checkpoint(ckpt, out_dir):
+    """A ckpt_last.pt copied in from another run would be resumed in place and mix two runs'
+    logs and best checkpoints: the folder's run id must be the checkpoint's."""
+    own, theirs = folder_run_id(out_dir), ckpt.get("run_id")
+    if own and theirs and own != theirs:
+        raise CheckpointError(f"{out_dir}/ckpt_last.pt belongs to another run than {out_dir} "
+                              f"(run id {theirs[:8]}, the folder's {own[:8]}): resume it in its "
+                              f"own folder, or start a new run elsewhere")
+
+
+def folder_run_id(out_dir):
+    try:
+        with open(os.path.join(out_dir, "run.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def rng_states(dist):
+    """[dict(torch=..., cuda=...)] of every process, rank by rank (gathered under torchrun)."""
+    own = dict(torch=torch.get_rng_state(),
+               cuda=torch.cuda.get_rng_state() if dist.device.startswith("cuda") else None)
+    if dist.world == 1:
+        return [own]
+    import torch.distributed as tdist
+    ranks = [None] * dist.world
+    tdist.all_gather_object(ranks, own)
+    return ranks
+
+
+def restore_rng(rng, dist, seed, step):
+    """This process's own generators from a checkpoint; when it was written by another number
+    of processes, a fresh state per process from (seed, rank, step) instead."""
+    ranks = rng.get("ranks") or [dict(torch=rng["torch"], cuda=rng.get("cuda"))]
+    if len(ranks) == dist.world:
+        mine = ranks[dist.rank]
+        torch.set_rng_state(mine["torch"])
+        if dist.device.startswith("cuda") and mine.get("cuda") is not None:
+            torch.cuda.set_rng_state(mine["cuda"])
+    else:
+        torch.manual_seed((seed * 1_000_003 + dist.rank) * 1_000_003 + step)
+
+
+def keep_log_until(path, step):
+    """The logs may hold records past the checkpoint a run resumes from, a torn last line (a
+    crash or a full disk mid-write) or a damaged line: keep every whole record up to `step`,
+    skip the rest, and say what was dropped besides records past the checkpoint."""
+    if not os.path.exists(path):
+        return
+    keep, damaged = [], []
+    with open(path, errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                record = json.loads(line)
+                if record["step"] <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                damaged.append(number)
+    if damaged:
+        print(f"note: {path}: skipped {len(damaged)} damaged line(s) (line "
+              f"{', '.join(map(str, damaged[:5]))}{'...' if len(damaged) > 5 else ''}); every "
+              f"whole record up to step {step} is kept", file=sys.stderr)
+    with cli.atomic_file(path) as f:
+        f.writelines(keep)
