@@ -24,7 +24,7 @@ import zipfile
 
 import torch
 
-from cli import UserError
+from cli import UserError, current_umask
 
 FORMAT = "nanogen-checkpoint-2"
 LEGACY_FORMAT = "nanogen-checkpoint-1"
@@ -78,6 +78,7 @@ def save(obj, path):
             f.write(len(comment).to_bytes(2, "little") + comment)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # as open() would (mkstemp makes it 0600)
         os.replace(tmp, path)
     except OSError as e:
         raise CheckpointError(f"could not write {path}: {e.strerror or e} (the previous "
@@ -233,16 +234,25 @@ def read_hf_weights(path):
         path = _hf_file_in(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"--weights {path}: no such file")
-    if path.endswith(".safetensors"):
-        if not _has_safetensors():
-            raise CheckpointError(f"{path} needs the safetensors package (pip install safetensors)")
-        from safetensors.torch import load_file
-        return load_file(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
+        if path.endswith(".safetensors"):
+            if not _has_safetensors():
+                raise CheckpointError(f"{path} needs the safetensors package (pip install "
+                                      f"safetensors)")
+            from safetensors.torch import load_file
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated, malformed, not a weights file at all
         raise CheckpointError(f"{path} is not a readable GPT-2 checkpoint "
-                              f"({type(e).__name__})") from None
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})") \
+            from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path} does not hold a GPT-2 state dict (names -> tensors)")
+    return state
 
 
 def fetch_hf_weights(name):

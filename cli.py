@@ -9,8 +9,10 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -40,6 +42,7 @@ def run_cli(main, argv=None):
     """Run a CLI main(); a user error (UserError) becomes one 'error: ...' line and exit status
     2, Ctrl-C (outside training, which handles it itself) one line and status 130, running out
     of memory one line; every other exception is a bug and keeps its traceback."""
+    WRITTEN.clear()
     try:
         return main(argv) or 0
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
@@ -48,7 +51,8 @@ def run_cli(main, argv=None):
     except UserError as e:  # anything else is a bug: its traceback is shown
         print(f"error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
-        print("error: interrupted (Ctrl-C); no result was written", file=sys.stderr)
+        done = f"written before it: {', '.join(WRITTEN)}" if WRITTEN else "no result was written"
+        print(f"error: interrupted (Ctrl-C); {done}", file=sys.stderr)
         return 130
     except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):
@@ -64,6 +68,9 @@ RANGES = {  # a flag's range -> (test, words); NaN and infinities are never in o
     "(0,1)": (lambda v: 0 < v < 1, "must lie in (0, 1)"),
     "[0,1)": (lambda v: 0 <= v < 1, "must lie in [0, 1)"),
     "(0,1]": (lambda v: 0 < v <= 1, "must lie in (0, 1]"),
+    "seed": (lambda v: 0 <= v < 2 ** 63, "must lie in [0, 2^63)"),
+    "L": (lambda v: 1 <= v <= 10 ** 6, "must lie in [1, 10^6] (tokens decoded)"),
+    "beam": (lambda v: 1 <= v <= 1000, "must lie in [1, 1000]"),
 }
 
 
@@ -231,12 +238,22 @@ def setup_distributed(args):
 # ---------------------------------------------------------------------------------------------
 # output files: checked before the work, written atomically
 # ---------------------------------------------------------------------------------------------
-def check_output(path, flag, folder=False):
+def check_output(path, flag, folder=False, inputs=()):
     """Fail now, not after minutes of work, when `path` (a file, or with folder=True a folder of
-    files) cannot be written.  Nothing is created."""
+    files) cannot be written, or would replace one of the command's `inputs` or a checkpoint.
+    Nothing is created."""
     if path is None:
         return
     target = os.path.abspath(path)
+    for source in inputs:
+        if source and os.path.abspath(source) == target or (
+                source and os.path.exists(source) and os.path.exists(target) and
+                os.path.samefile(source, target)):
+            raise UserError(f"{flag} {path} is also an input of this command: it would be "
+                            f"replaced; choose another path")
+    if not folder and os.path.isfile(target) and is_checkpoint(target):
+        raise UserError(f"{flag} {path} is a checkpoint: it would be replaced; choose another "
+                        f"path")
     if os.path.exists(target) and os.path.isdir(target) != folder:
         kind = "a folder" if os.path.isdir(target) else "a file"
         raise UserError(f"{flag} {path} is {kind}; give a {'folder' if folder else 'file'} path")
@@ -245,6 +262,16 @@ def check_output(path, flag, folder=False):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path} cannot be written ({existing} is not a writable folder)")
+
+
+def is_checkpoint(path):
+    """A torch.save file (a zip holding data.pkl), which no other output may replace."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("data.pkl") for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 @contextlib.contextmanager
@@ -260,7 +287,9 @@ def atomic_file(path, mode="w"):
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # as open() would (mkstemp makes it 0600)
         os.replace(tmp, path)
+        WRITTEN.append(path)
     except OSError as e:
         raise UserError(f"could not write {path}: {e.strerror or e}") from None
     finally:
@@ -268,16 +297,61 @@ def atomic_file(path, mode="w"):
             os.remove(tmp)
 
 
+WRITTEN = []  # every output this process wrote (the Ctrl-C message names them)
+
+
+def current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_json(path, obj):
+    """Strict JSON (a NaN or an infinity is written as null, which every reader accepts)."""
     with atomic_file(path) as f:
-        json.dump(obj, f, indent=1)
+        json.dump(finite(obj), f, indent=1, allow_nan=False)
+
+
+def finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+@contextlib.contextmanager
+def file_set(folder, names):
+    """Write a set of files (a study's figures) all or nothing: into a temporary folder beside
+    `folder`, then moved in together; a file of the set that this run did not write (e.g.
+    p_eos.png without traces) is removed, so the folder never mixes two runs' figures.  Yields
+    the temporary folder."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(folder, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(folder)) + ".",
+                           dir=parent)
+    try:
+        yield tmp
+        made = set(os.listdir(tmp))
+        for name in names:
+            path = os.path.join(folder, name)
+            if name in made:
+                os.replace(os.path.join(tmp, name), path)
+                WRITTEN.append(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    except OSError as e:
+        raise UserError(f"could not write into {folder}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_figure(fig, path):
     """matplotlib figure -> PNG, atomically."""
     with atomic_file(path, "wb") as f:
         fig.savefig(f, dpi=120, format="png")
-    print(f"wrote {path}")
 
 
 def pyplot():

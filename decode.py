@@ -63,7 +63,11 @@ def filter_log_probs(log_probs, decoder, k=None, p=None, temperature=1.0, eos_id
                      consistent=False):
     """q(y_t = v) of eq. 12 / 14 (and plain sampling): temperature, then the candidate set,
     renormalised.  consistent=True always adds eos to V_t.  -> log q (N, V), -inf outside V_t."""
-    lp = log_probs / temperature if temperature != 1.0 else log_probs
+    if temperature != 1.0:  # shifted first: (lp - max) / T lies in [-inf, 0] for any T > 0, so
+        # a temperature too small for float (1e-39) leaves the argmax alone: greedy, no NaN
+        lp = (log_probs - log_probs.amax(-1, keepdim=True)) / temperature
+    else:
+        lp = log_probs
     lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
     if decoder == "topk":
         mask = topk_mask(lp, k)
@@ -142,9 +146,22 @@ def pad_prompts(prompts, device):
     return padded, lengths
 
 
-def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0, L=1):
-    if decoder not in DECODERS:
-        raise UserError(f"unknown decoder '{decoder}' (choose from {', '.join(DECODERS)})")
+STORY_DECODERS = ("greedy", "sample", "topk")  # insertion decoding: slot, then token
+
+
+def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0, L=1,
+                       allowed=DECODERS):
+    """Every entry point's decoder flags, for every kind of checkpoint: the decoder's own
+    arguments present and in range, and none it would silently ignore."""
+    if decoder not in allowed:
+        raise UserError(f"unknown decoder '{decoder}' here (choose from {', '.join(allowed)})")
+    unused = [f for f, v, used in (("--k", k, "topk"), ("--p", p, "nucleus"),
+                                   ("--beam_size", beam_size, "beam")) if v is not None and
+              decoder != used]
+    if temperature != 1.0 and decoder in ("greedy", "beam"):
+        unused.append("--temperature")
+    if unused:
+        raise UserError(f"--decoder {decoder} does not use {' / '.join(unused)}: drop it")
     if decoder == "topk" and (k is None or int(k) < 1):
         raise UserError(f"top-k needs --k >= 1, got {k}")
     if decoder == "nucleus" and (p is None or not 0.0 < float(p) <= 1.0):

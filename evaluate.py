@@ -30,8 +30,8 @@ from cli import UserError
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
 from data.loader import batchify, bptt_windows, load_stream
-from decode import (DECODERS, check_decoder_args, decode, decode_stats, eos_probs,
-                    sampling_generator)
+from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_stats,
+                    eos_probs, sampling_generator)
 from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
@@ -45,25 +45,25 @@ def build_parser():
     p.add_argument("--data_dir", default=None, help="local dataset folder (default: "
                                                     "$NANOGEN_DATA, else download)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto)")
-    p.add_argument("--batch_size", type=int, default=None, help="sequences per batch")
-    p.add_argument("--max_tokens", type=int, default=None, help="padded tokens per batch (GPT)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N sequences")
+    p.add_argument("--batch_size", type=cli.in_range(int, "--batch_size", ">=1"), default=None, help="sequences per batch")
+    p.add_argument("--max_tokens", type=cli.in_range(int, "--max_tokens", ">=1"), default=None, help="padded tokens per batch (GPT)")
+    p.add_argument("--limit", type=cli.in_range(int, "--limit", ">=1"), default=None, help="evaluate only the first N sequences")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no_ppl", action="store_true", help="skip the perplexity pass")
     d = p.add_argument_group("non-termination study (decode.py)")
     d.add_argument("--decoder", default=None, choices=DECODERS, help="decode every context")
-    d.add_argument("--L", type=int, nargs="+", default=[10, 100, 1000],
+    d.add_argument("--L", type=cli.in_range(int, "--L", "L"), nargs="+", default=[10, 100, 1000],
                    help="r_nt(L) thresholds; decodes run to max(L) (default 10 100 1000)")
-    d.add_argument("--k", type=int, default=None, help="top-k")
-    d.add_argument("--p", type=float, default=None, help="nucleus threshold mu, in (0, 1]")
-    d.add_argument("--beam_size", type=int, default=None, help="beam width")
-    d.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    d.add_argument("--k", type=cli.in_range(int, "--k", ">=1"), default=None, help="top-k")
+    d.add_argument("--p", type=cli.in_range(float, "--p", "(0,1]"), default=None, help="nucleus threshold mu, in (0, 1]")
+    d.add_argument("--beam_size", type=cli.in_range(int, "--beam_size", "beam"), default=None, help="beam width")
+    d.add_argument("--temperature", type=cli.in_range(float, "--temperature", ">0"), default=1.0, help="sampling temperature")
     d.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
-    d.add_argument("--length_penalty", type=float, default=0.0, help="beam: s / |y|^a (0: off)")
-    d.add_argument("--seed", type=int, default=0, help="sampling seed")
-    d.add_argument("--decode_batch", type=int, default=64, help="prompts decoded together")
-    d.add_argument("--examples", type=int, default=3, help="examples of each kind to keep")
-    d.add_argument("--traces", type=int, default=5, help="sequences with p(eos) traces (Fig. 3)")
+    d.add_argument("--length_penalty", type=cli.in_range(float, "--length_penalty", ">=0"), default=0.0, help="beam: s / |y|^a (0: off)")
+    d.add_argument("--seed", type=cli.in_range(int, "--seed", "seed"), default=0, help="sampling seed")
+    d.add_argument("--decode_batch", type=cli.in_range(int, "--decode_batch", ">=1"), default=64, help="prompts decoded together")
+    d.add_argument("--examples", type=cli.in_range(int, "--examples", ">=0"), default=3, help="examples of each kind to keep")
+    d.add_argument("--traces", type=cli.in_range(int, "--traces", ">=0"), default=5, help="sequences with p(eos) traces (Fig. 3)")
     d.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
     p.add_argument("--tau_report", action="store_true", help="ct / ctmos: temperature by position "
                    "and the highest / lowest temperature words (CT paper Fig. 1, Tables 5-6)")
@@ -72,16 +72,9 @@ def build_parser():
     return p
 
 
-RULES = [  # (broken(args), message), checked before any work
+RULES = [  # (broken(args), message): the rules between flags (each flag checks its own range)
     (lambda a: not a.compare and not a.ckpt, "the following arguments are required: --ckpt (or "
      "--compare JSON ...)"),
-    (lambda a: a.limit is not None and a.limit < 1, "--limit must be >= 1 (the number of "
-     "sequences to evaluate), got {limit}"),
-    (lambda a: any(v is not None and v < 1 for v in (a.batch_size, a.max_tokens)),
-     "--batch_size / --max_tokens must be >= 1"),
-    (lambda a: min(a.decode_batch, a.examples + 1, a.traces + 1) < 1 or a.seed < 0,
-     "--decode_batch must be >= 1 and --examples / --traces / --seed >= 0"),
-    (lambda a: not (a.length_penalty >= 0), "--length_penalty must be >= 0"),
 ]
 
 
@@ -90,8 +83,9 @@ def check_args(args):
     if args.decoder:
         check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature,
                            min(args.L))
-    cli.check_output(args.out, "--out")
-    cli.check_output(args.plot, "--plot", folder=True)
+    inputs = [args.ckpt, *(args.compare or [])]
+    cli.check_output(args.out, "--out", inputs=inputs)
+    cli.check_output(args.plot, "--plot", folder=True, inputs=inputs)
 
 
 def main(argv=None):
@@ -289,9 +283,9 @@ def evaluate_stories(args, ckpt, device):
     """A story checkpoint: the NLL of the split and, with --decoder greedy / sample / topk,
     generated stories scored with BLEU-1..4 against the references (and keyword inclusion for
     --task storyline)."""
-    if args.decoder not in (None, "greedy", "sample", "topk"):
-        raise UserError(f"--decoder {args.decoder}: story checkpoints decode with greedy, sample "
-                        f"or topk")
+    if args.decoder:
+        check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature,
+                           min(args.L), allowed=STORY_DECODERS)
     task, model = load_for(args, ckpt, device)
     if args.decoder and task.data.stories is None:
         raise UserError("generation is scored against ROCStories references: use a rocstories "
@@ -417,11 +411,44 @@ def compare(args):
                 "r_nt_curve" not in r["decoding"]:
             raise UserError(f"--compare: {path} is not an evaluate.py --decoder study (no "
                             f"'decoding' section); write one with --decoder ... --out")
+        problem = study_problem(r)
+        if problem:
+            raise UserError(f"--compare: {path} is a damaged study ({problem}); write it again "
+                            f"with evaluate.py --decoder ... --out")
         results.append(r)
     print_study_table(results)
     if args.plot:
         plot_study(results, args.plot)
     return 0
+
+
+NUMBER, TEXT, OPTIONAL = (int, float), (str,), (int, float, str, type(None))
+STUDY = dict(model=TEXT, dataset=TEXT, head=TEXT + (type(None),), epsilon=OPTIONAL)
+DECODING = dict(decoder=TEXT, r_nt=dict, r_nt_curve=dict, mean_length=NUMBER, n=NUMBER,
+                unique_non_terminated=OPTIONAL, generated_lengths=list,
+                ground_truth_lengths=list)
+
+
+def study_problem(r):
+    """-> what a study JSON lacks for the table and the figures, or None."""
+    for part, spec in ((r, STUDY), (r["decoding"], DECODING)):
+        for key, kinds in spec.items():
+            if not isinstance(part.get(key), kinds):
+                return f"'{key}' is missing or of the wrong kind"
+    d = r["decoding"]
+    for key in ("r_nt", "r_nt_curve"):
+        if not d[key] or not all(str(k).isdigit() and isinstance(v, NUMBER)
+                                 for k, v in d[key].items()):
+            return f"'{key}' is not a table of L -> ratio"
+    if not all(isinstance(n, int) for n in d["ground_truth_lengths"]) or \
+            not all(n is None or isinstance(n, int) for n in d["generated_lengths"]):
+        return "the lengths are not integers"
+    traces = r.get("eos_traces") or []
+    if not isinstance(traces, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("p_eos"), list) and "index" in t
+            for t in traces):
+        return "'eos_traces' is malformed"
+    return None
 
 
 def run_label(r, varying):
@@ -455,7 +482,13 @@ def print_study_table(results):
         eps = "-" if r["head"] == "softmax" else f"{r['epsilon']:.0e}"
         print(f"{r['model']:5s} {r['head']:8s} {eps:>7s} {decoder_name(d):12s} "
               + " ".join(f"{r_nt.get(L, float('nan')):11.4f}" for L in Ls)
-              + f" {d['mean_length']:9.1f} {d['unique_non_terminated']:13.3f} {d['n']:6d}")
+              + f" {d['mean_length']:9.1f} {none_nan(d['unique_non_terminated']):13.3f} "
+                f"{d['n']:6d}")
+
+
+def none_nan(x):
+    """JSON writes NaN as null (strict JSON): read back as NaN."""
+    return float("nan") if x is None else x
 
 
 def plot_study(results, out_dir):
@@ -473,10 +506,16 @@ def plot_study(results, out_dir):
                        if k not in varying)
     styles = [(f"C{i}", ("-", "--", ":", "-.")[i % 4]) for i in range(len(results))]
     labels = [run_label(r, varying) for r in results]
-    written = [plot_r_nt(plt, results, labels, styles, shared, out_dir),
-               plot_lengths(plt, results, labels, styles, out_dir)]
-    written.append(plot_traces(plt, results, labels, styles, out_dir))
-    return [w for w in written if w]
+    with cli.file_set(out_dir, STUDY_FIGURES) as tmp:  # all of them, or none
+        made = [plot_r_nt(plt, results, labels, styles, shared, tmp),
+                plot_lengths(plt, results, labels, styles, tmp),
+                plot_traces(plt, results, labels, styles, tmp)]
+    written = [os.path.join(out_dir, os.path.basename(m)) for m in made if m]
+    print(f"wrote {', '.join(written)}")
+    return written
+
+
+STUDY_FIGURES = ("r_nt.png", "lengths.png", "p_eos.png")
 
 
 def plot_r_nt(plt, results, labels, styles, shared, out_dir):
@@ -541,6 +580,7 @@ def plot_tau(report, path):
            title=f"contextual temperature by position ({report['sentences']} sentences)")
     fig.tight_layout()
     cli.save_figure(fig, path)
+    print(f"wrote {path}")
     plt.close(fig)
 
 

@@ -15,6 +15,7 @@ from collections import ChainMap
 import cli
 from checkpoint import GPT2_SIZES, CheckpointError
 from checkpoint import load as load_checkpoint
+from runs import check_own_checkpoint
 from data.prepare import DATASETS, VOCABS
 from heads import HEADS
 from model import MODELS
@@ -67,7 +68,7 @@ FLAGS = [
     ("run", "--init_from", dict(default="scratch", choices=ChainMap({"scratch": 0}, GPT2_SIZES),
                                 help="pretrained GPT-2 weights (sets the GPT-2 shape)")),
     ("run", "--weights", dict(default=None, help="local GPT-2 weights (file or folder)")),
-    ("run", "--seed", dict(range=">=0", type=int, default=0)),
+    ("run", "--seed", dict(range="seed", type=int, default=0)),
     ("run", "--device", dict(default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")),
     ("run", "--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                             help="autocast dtype on CUDA (auto: bfloat16 where the GPU runs it "
@@ -203,12 +204,13 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     explicit = {k: getattr(args, k) for k in typed_flags(argv)}
-    args = resolve(args, explicit)
-    path = os.path.join(args.out_dir, "ckpt_last.pt")
-    if not (args.resume and os.path.exists(path)):
-        return args, None
-    ckpt = load_checkpoint(path)
-    return resume_args(args, explicit, ckpt, path), ckpt
+    out_dir = args.out_dir or os.path.join("out", default_run_name(args))
+    path = os.path.join(out_dir, "ckpt_last.pt")
+    if args.resume and os.path.exists(path):  # the run's own arguments, already resolved
+        args.out_dir, ckpt = out_dir, load_checkpoint(path)
+        check_own_checkpoint(ckpt, out_dir)  # not a checkpoint copied in from another run
+        return resume_args(args, explicit, ckpt, path), ckpt
+    return resolve(args, explicit), None
 
 
 def typed_flags(argv=None):
@@ -252,7 +254,7 @@ def pretrained_shape(args, explicit):
 
 def default_run_name(a):
     if a.dataset in STORY:
-        return f"{a.dataset}-{a.task}-{a.model}" + ("-l2r" if a.order == "l2r" else "")
+        return f"{a.dataset}-{a.task or 'story'}-{a.model}" + ("-l2r" if a.order == "l2r" else "")
     return f"{a.dataset}{'-char' if a.vocab == 'char' else ''}-{a.model}-{a.head}"
 
 

@@ -82,10 +82,17 @@ def train_once(out_dir, flags):
     """Train into out_dir, or go on with a run stopped there, or reuse a finished one."""
     import train
     resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "steps.jsonl")) else []
-    rc = train.main([*flags, "--out_dir", out_dir, *resume])
-    if rc:
-        raise UserError(f"training into {out_dir} failed")
-    return os.path.join(out_dir, "ckpt_best.pt")
+    redo = f"reproduce.py reuses and continues its runs by itself: delete {out_dir} to train " \
+           f"that run again"
+    try:
+        rc = train.main([*flags, "--out_dir", out_dir, *resume])
+    except UserError as e:
+        raise UserError(f"the run in {out_dir} cannot be reused or continued ({e}); {redo}") \
+            from None
+    best = os.path.join(out_dir, "ckpt_best.pt")
+    if rc or not os.path.exists(best):
+        raise UserError(f"{out_dir} holds no ckpt_best.pt (removed, or the run failed); {redo}")
+    return best
 
 
 def evaluate_once(ckpt, flags, path):

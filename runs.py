@@ -310,7 +310,7 @@ def restore_rng(rng, dist, seed, step):
         if dist.device.startswith("cuda") and mine.get("cuda") is not None:
             torch.cuda.set_rng_state(mine["cuda"])
     else:
-        torch.manual_seed((seed * 1_000_003 + dist.rank) * 1_000_003 + step)
+        torch.manual_seed(((seed * 1_000_003 + dist.rank) * 1_000_003 + step) % 2 ** 63)
 
 
 def keep_log_until(path, step):

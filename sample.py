@@ -21,7 +21,8 @@ import cli
 from cli import UserError
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
-from decode import DECODERS, check_decoder_args, decode, eos_probs, sampling_generator
+from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, eos_probs,
+                    sampling_generator)
 from model import WINDOWED
 from tasks import INSERTION_MODELS, STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
@@ -34,12 +35,13 @@ def build_parser():
     p.add_argument("--title", default=None, help="insertion / story checkpoints: the title")
     p.add_argument("--keywords", nargs="*", default=[], help="storyline checkpoints: keywords")
     p.add_argument("--decoder", default="greedy", choices=DECODERS)
-    p.add_argument("--L", type=int, default=100, help="the length cap (tokens generated)")
-    p.add_argument("--k", type=int, default=None, help="top-k")
-    p.add_argument("--p", type=float, default=None, help="nucleus threshold")
-    p.add_argument("--beam_size", type=int, default=None, help="beam width")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--L", type=cli.in_range(int, "--L", "L"), default=100, help="the length cap (tokens generated)")
+    p.add_argument("--k", type=cli.in_range(int, "--k", ">=1"), default=None, help="top-k")
+    p.add_argument("--p", type=cli.in_range(float, "--p", "(0,1]"), default=None, help="nucleus threshold")
+    p.add_argument("--beam_size", type=cli.in_range(int, "--beam_size", "beam"), default=None, help="beam width")
+    p.add_argument("--temperature", type=cli.in_range(float, "--temperature", ">0"), default=1.0)
+    p.add_argument("--seed", type=cli.in_range(int, "--seed", "seed"), default=None,
+                   help="sampling seed (default: a fresh one, printed so the run can be repeated)")
     p.add_argument("--show_eos", action="store_true", help="print p(eos) at every step")
     p.add_argument("--allow_unk", action="store_true", help="read unknown words as <unk>")
     p.add_argument("--data_dir", default=None, help="local dataset folder (for the vocabulary)")
@@ -54,7 +56,6 @@ def main(argv=None):
     device = cli.setup_device(cli.resolve_device(args.device))
     task = checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt)
     model = model_from_checkpoint(ckpt, args.ckpt).to(device)
-    torch.manual_seed(args.seed)
     if ckpt["args"]["dataset"] in STORY_DATASETS:
         return sample_story(args, task, model, device)
     if not prompts:
@@ -69,10 +70,21 @@ def main(argv=None):
                         f"context window of {window} tokens: shorten it or lower --L")
     out = decode(model, [torch.tensor(x, device=device) for x in ids], args.L, args.decoder,
                  k=args.k, p=args.p, beam_size=args.beam_size, temperature=args.temperature,
-                 generator=sampling_generator(device, args.seed))
+                 generator=sampling_generator(device, choose_seed(args)))
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
         show(model, tok, text, x, toks, done, args)
     return 0
+
+
+def choose_seed(args):
+    """--seed, or a fresh one for a sampling decoder, said so that the sample can be repeated."""
+    if args.seed is None:
+        args.seed = int(torch.randint(0, 2 ** 31, ()).item()) if args.decoder != "greedy" else 0
+        if args.decoder != "greedy":
+            print(f"seed {args.seed} (pass --seed {args.seed} to repeat this sample)",
+                  file=sys.stderr)
+    torch.manual_seed(args.seed)
+    return args.seed
 
 
 def read_prompts(args):
@@ -120,14 +132,16 @@ def sample_story(args, task, model, device):
     """A story checkpoint: L2R continues "title [storyline]"; an insertion model fills the
     canvas, printed after every insertion."""
     from data.stories import BOS, EOS, PAD, SEP
-    if not args.title:
+    if not (args.title or "").strip():
         raise UserError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
+    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
+                       allowed=STORY_DECODERS)
     vocab = task.data.vocab
     title, kws = story_ids(vocab, args)
     prefix = [BOS, *title, SEP] + ([*kws, SEP] if task.kind not in INSERTION_MODELS and kws else [])
     if task.kind not in INSERTION_MODELS:
         out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
-                     generator=sampling_generator(device, args.seed))
+                     temperature=args.temperature, generator=sampling_generator(device, choose_seed(args)))
         story = [vocab[t] for t in out["tokens"][0] if t not in (PAD, BOS, EOS, SEP)]
         ended = "[eos]" if bool(out["terminated"][0]) else f"[length cap {args.L}]"
         print(f"{args.title} >>> {' '.join(story)} {ended}")
@@ -137,9 +151,13 @@ def sample_story(args, task, model, device):
 
 def story_ids(vocab, args):
     """--title and --keywords as ids of the story vocabulary (lower-cased, like the data)."""
-    from data.stories import UNK
+    from data.stories import SPECIALS, UNK
     stoi = {w: i for i, w in enumerate(vocab)}
     words = args.title.lower().split() + [k.lower() for k in args.keywords]
+    control = sorted({w for w in words if w in SPECIALS})
+    if control:
+        raise UserError(f"{', '.join(control)}: a control token, not a word: leave it out of "
+                        f"--title / --keywords")
     unknown = [w for w in words if w not in stoi]
     if unknown and not args.allow_unk:
         raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
@@ -157,7 +175,7 @@ def insertion_trace(args, model, vocab, prefix, kws, banned, device):
     out = generate(model, [*prefix, *kws, EOS], len(prefix) + len(kws) + 1 + args.L,
                    decoder=args.decoder, k=args.k, temperature=args.temperature,
                    slot_start=len(prefix) - 1, banned=banned, trace=trace,
-                   generator=sampling_generator(device, args.seed))
+                   generator=sampling_generator(device, choose_seed(args)))
     for step, (canvas, p_end) in enumerate(trace, start=1):
         print(f"{step:3d}  p(terminate)={p_end:.3f}  {' '.join(vocab[t] for t in canvas[1:-1])}")
     ended = "terminated" if out["terminated"] else f"length cap {args.L}"

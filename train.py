@@ -40,7 +40,6 @@ def main(argv=None):
                                               verbose=dist.rank == 0))  # one process prepares
     if ckpt:
         check_same_data(ckpt["data"], task.signature, ("train", "valid"), args.out_dir)
-        runs.check_own_checkpoint(ckpt, args.out_dir)
     check_data_fits(args, task)
     cfg = model_config(args, task.vocab_size, task.eos_id)
     lm = build_model(cfg)

@@ -529,6 +529,45 @@ def fingerprints(folder, meta):
     return out
 
 
+VERIFIED = set()  # prepared folders whose content this process checked against meta.json
+
+
+def verify_once(folder, meta):
+    """-> what differs between the prepared files and the fingerprints meta.json recorded
+    (a file damaged without changing its size), or None; hashed once per process and folder
+    (WikiText-103 at full size: RESULTS.md, "Preparation")."""
+    if folder in VERIFIED:
+        return None
+    now = fingerprints(folder, meta)
+    bad = [k for k, v in meta.get("fingerprints", {}).items() if now.get(k) != v]
+    if bad:
+        return f"the content of {', '.join(bad)} differs from what meta.json recorded"
+    VERIFIED.add(folder)
+    return None
+
+
+def remove_stale_temporaries(out):
+    """Temporary folders of preparations that were killed (their process is gone)."""
+    parent, base = os.path.dirname(out), os.path.basename(out)
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        if not name.startswith(f".{base}-"):
+            continue
+        pid = name[len(base) + 2:].split("-")[0]
+        alive = pid.isdigit() and _alive(int(pid))
+        if not alive:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
 def _usable(out, verbose):
     """True when `out` holds a complete prepared folder of this protocol; a damaged one is
     removed (with a note) so that it is rebuilt."""
@@ -538,7 +577,7 @@ def _usable(out, verbose):
     try:
         meta = load_meta(out)
         problem = None if meta.get("protocol_version") == PROTOCOL_VERSION else "old protocol"
-        problem = problem or check_prepared(out, meta)
+        problem = problem or check_prepared(out, meta) or verify_once(out, meta)
     except (OSError, ValueError, KeyError, TypeError) as e:
         problem = f"meta.json is unreadable ({e})"
     if problem and verbose and problem != "old protocol":
@@ -546,6 +585,10 @@ def _usable(out, verbose):
               file=sys.stderr)
     if problem:
         shutil.rmtree(out, ignore_errors=True)
+        if os.path.exists(meta_path):  # a read-only cache: it cannot be rebuilt in place
+            raise DataError(f"the prepared data in {out} is damaged ({problem}) and cannot be "
+                            f"removed (read-only?): delete it, or set NANOGEN_CACHE to a "
+                            f"writable folder")
     return problem is None
 
 
@@ -584,17 +627,21 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word"):
     if _usable(out, verbose):
         return out
     make_dirs(os.path.dirname(out))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=os.path.dirname(out))
+    remove_stale_temporaries(out)
+    tmp = None
     try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-{os.getpid()}-",
+                               dir=os.path.dirname(out))
         _build(dataset, vocab, source, tmp)
         if os.path.exists(out):  # a stale folder from an older protocol
             shutil.rmtree(out)
         os.replace(tmp, out)
+        VERIFIED.add(out)  # just written from its source
     except OSError as e:
         raise DataError(f"could not write the prepared data under {os.path.dirname(out)}: "
                         f"{e.strerror or e} (set NANOGEN_CACHE to a writable folder)") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     if verbose and not source["official"]:
         print(f"note: {source['path']} is not the official {DATASETS[dataset]['archive']}; "

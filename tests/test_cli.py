@@ -14,6 +14,8 @@ import train
 from checkpoint import load as load_checkpoint
 from conftest import ROOT, assert_one_line_error, run_in_process
 
+pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+
 TINY = ["--dataset", "ptb", "--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--train_seqs", "400",
         "--eval_seqs", "60", "--seed", "1"]
 
@@ -168,11 +170,12 @@ def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("args,pattern", [
-    (["--decoder", "topk", "--k", "0"], "top-k needs --k >= 1"),
-    (["--decoder", "nucleus", "--p", "1.5"], "nucleus needs --p in (0, 1]"),
-    (["--decoder", "nucleus", "--p", "0"], "nucleus needs --p in (0, 1]"),
-    (["--decoder", "beam", "--beam_size", "0"], "beam search needs --beam_size >= 1"),
-    (["--decoder", "greedy", "--L", "0"], "--L must be >= 1"),
+    (["--decoder", "topk", "--k", "0"], "--k must be >= 1"),
+    (["--decoder", "topk"], "top-k needs --k >= 1"),
+    (["--decoder", "nucleus", "--p", "1.5"], "--p must lie in (0, 1]"),
+    (["--decoder", "nucleus", "--p", "0"], "--p must lie in (0, 1]"),
+    (["--decoder", "beam", "--beam_size", "0"], "--beam_size must lie in [1, 1000]"),
+    (["--decoder", "greedy", "--L", "0"], "--L must lie in [1, 10^6]"),
     (["--decoder", "bfs"], "invalid choice: 'bfs'"),
 ])
 def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):

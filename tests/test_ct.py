@@ -108,6 +108,7 @@ def test_hidden_state_detached_between_windows():
         lp3.sum().backward()  # without detaching, backward runs into the first window
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["mos", "ct", "ctmos"])
 def test_stream_training_on_real_ptb(head, tmp_path):
     out = tmp_path / head

@@ -63,6 +63,7 @@ def test_ptb_counts():
         assert (len(splits[s]), int(splits[s].lengths.sum())) == (n_seq, n_tok)
 
 
+@pytest.mark.slow
 def test_wikitext103_bpe(tmp_path):
     meta, splits = load("wikitext103", verbose=False)
     assert meta["tokenizer"] == "gpt2" and meta["eos_id"] == 50256 and meta["vocab_size"] == 50257
@@ -196,6 +197,7 @@ def test_collate_and_loss_mask_select_the_continuation():
     assert t[1, :9].tolist() == list(range(-8, 1)) and t[0, 11:].tolist() == [0] * 4  # context, padding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["ptb", "wikitext2"])
 def test_char_vocabulary_round_trip_and_protocol(dataset):
     """--vocab char (the survey's section 2.1): decode(encode(text)) == text for every line of

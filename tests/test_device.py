@@ -78,6 +78,7 @@ def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
     assert cli.autocast_dtype("cpu", "bfloat16") is None
 
 
+@pytest.mark.slow
 def test_float16_trains_with_a_grad_scaler(monkeypatch, tmp_path):
     """With float16 autocast (emulated here on the CPU) the loop scales the loss, unscales
     before clipping and steps through the scaler; the checkpoint keeps the scaler's state."""
@@ -110,6 +111,7 @@ class ReadCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "lstm"])
 def test_at_most_one_read_per_training_step(model, monkeypatch, tmp_path):
     """Outside the CPU fast paths (which are CPU-only by design), a training step reads no
@@ -194,6 +196,7 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
 # ---------------------------------------------------------------------------------------------
 # torch.compile: no recompiles after warm-up
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "gcnn", "lstm"])
 def test_compiled_models_stop_recompiling(model, wikitext2):
     """train.py --compile compiles with dynamic shapes: batches of ever new (B, T) reuse the
@@ -304,6 +307,7 @@ def test_mos_flops_count_every_expert():
     assert lm.flops_per_token(10) - base.flops_per_token(10) == 6 * (extra + 3 * 100 * 8)
 
 
+@pytest.mark.slow
 def test_bench_gpu_checks_run_on_cpu():
     """`python bench.py gpu`'s equalities are device-generic: on the CPU they pass too (the
     command itself only runs them on a CUDA device)."""

@@ -19,6 +19,8 @@ from checkpoint import save as save_checkpoint
 from cli import run_cli
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+
 WORKER = os.path.join(ROOT, "tests", "train_worker.py")
 
 ARGS = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "wikitext2", "--d_model", "32",

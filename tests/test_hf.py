@@ -3,6 +3,7 @@ HF-format model the test builds itself): logits and greedy decoding."""
 import os
 import sys
 
+import pytest
 import torch
 
 from cli import UserError
@@ -61,6 +62,7 @@ def test_shape_mismatch_is_refused():
         raise AssertionError("a 64-wide checkpoint loaded into a 32-wide model")
 
 
+@pytest.mark.slow
 def test_train_init_from_hf_checkpoint(tmp_path):
     """--init_from gpt2 --weights DIR with a HF-format checkpoint (pytorch_model.bin) saved by
     the test: the run starts from exactly those weights (same loss as HF's at step 0)."""

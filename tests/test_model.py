@@ -102,6 +102,7 @@ def test_unknown_model_rejected():
         make("transformer-xl")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")),
                     reason="torch.compile (inductor) needs a C++ compiler on CPU")
 def test_compiled_model_matches_eager():

@@ -92,6 +92,7 @@ TINY = ["--n_layer", "1", "--d_model", "32", "--n_head", "2", "--batch_size", "1
         "--train_seqs", "128", "--eval_seqs", "16", "--max_iters", "8", "--eval_interval", "4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,task,order", [("insnet", "storyline", "random"), ("insertion_transformer", "story", "l2r"),
                                               ("gpt", "storyline", "random")])
 def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys):
@@ -117,6 +118,7 @@ def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys):
     assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["step"] == 10
 
 
+@pytest.mark.slow
 def test_synthetic_runs_all_three_models(tmp_path):
     for model in ("insnet", "insertion_transformer", "gpt"):
         out = tmp_path / model
@@ -139,12 +141,14 @@ def test_synthetic_runs_all_three_models(tmp_path):
     (["--model", "insnet", "--dataset", "rocstories", "--max_tokens", "1000"], "not --max_tokens"),
     (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20"),
 ])
+@pytest.mark.slow
 def test_story_bad_input(args, pattern, tmp_path, capsys):
     assert run_cli(train.main, args + ["--out_dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and pattern in err[0], err
 
 
+@pytest.mark.slow
 def test_evaluate_story_bad_decoder(tmp_path, capsys):
     out = tmp_path / "run"
     assert train.main(["--model", "insnet", "--dataset", "synthetic", "--synthetic_count", "1", "--n_layer", "1",
@@ -152,6 +156,6 @@ def test_evaluate_story_bad_decoder(tmp_path, capsys):
                        "--block_size", "200"]) == 0
     assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "beam",
                                             "--beam_size", "2"]) == 2
-    assert "decode with greedy, sample or topk" in capsys.readouterr().err
+    assert "choose from greedy, sample, topk" in capsys.readouterr().err
     assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "greedy"]) == 2
     assert "scored against ROCStories references" in capsys.readouterr().err

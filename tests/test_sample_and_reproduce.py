@@ -12,6 +12,8 @@ import sample
 import train
 from conftest import assert_one_line_error, run_in_process
 
+pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):

@@ -21,6 +21,8 @@ from checkpoint import save as save_checkpoint
 from conftest import ROOT
 from conftest import assert_one_line_error, run_in_process
 
+pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+
 SHARED = os.environ.get("NANOGEN_DATA") or os.path.join(ROOT, "..", "shared", "data")
 TINY = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "ptb",
         "--d_model", "16", "--dropout", "0.1", "--batch_size", "8", "--lr", "3e-3",
@@ -321,7 +323,7 @@ def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("flag,value,msg", [
     ("--lr", "-1", "--lr must be a positive number"), ("--lr", "nan", "--lr must be a positive"),
     ("--patience", "0", "--patience must be >= 1"), ("--grad_clip", "-1", "--grad_clip must be"),
-    ("--weight_decay", "-0.1", "--weight_decay must be >= 0"), ("--seed", "-1", "--seed must be"),
+    ("--weight_decay", "-0.1", "--weight_decay must be >= 0"), ("--seed", "-1", "--seed must lie in [0, 2^63)"),
     ("--ar", "nan", "--ar must be >= 0"), ("--tar", "-1", "--tar must be >= 0"),
     ("--batch_size", "0", "--batch_size must be >= 1"),
     ("--eval_seqs", "-1", "--eval_seqs must be >= 0"), ("--train_seqs", "-5", "--train_seqs must"),

@@ -1,0 +1,214 @@
+"""Hostile inputs, one test per class (RESULTS.md, the failure table): numeric flags at the edge
+of floating point, story checkpoints' decoder flags, multi-file outputs all or nothing, typed
+flags on resume, a foreign checkpoint in a run folder, a damaged log line, an output naming an
+input, prepared data damaged in place, a read-only or full cache, malformed HF weights, a
+malformed study, a damaged reproduce.py folder."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import cli
+import evaluate
+import reproduce
+import runs
+import sample
+import train
+from checkpoint import CheckpointError, read_hf_weights
+from conftest import assert_one_line_error, run_in_process
+
+pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+TINY = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "ptb", "--d_model", "16",
+        "--dropout", "0.1", "--batch_size", "8", "--lr", "3e-3", "--train_seqs", "96", "--eval_seqs", "16",
+        "--max_iters", "4", "--eval_interval", "2", "--seed", "2"]
+STORY = ["--model", "insnet", "--dataset", "synthetic", "--synthetic_count", "4", "--n_layer", "1",
+         "--d_model", "16", "--n_head", "2", "--block_size", "256", "--batch_size", "4", "--max_iters", "2",
+         "--eval_interval", "2", "--warmup", "0"]
+
+
+@pytest.fixture(scope="module")
+def lstm_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lstm") / "run"
+    assert train.main(TINY + ["--out_dir", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def story_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("story") / "run"
+    assert train.main(STORY + ["--out_dir", str(out)]) == 0
+    return str(out / "ckpt_last.pt")
+
+
+def test_numbers_at_the_edge_of_floating_point(lstm_run, capsys):
+    """A temperature that underflows samples greedily; absurd lengths, beams and seeds are one
+    line each, in every entry point."""
+    ckpt = str(lstm_run / "ckpt_best.pt")
+    common = ["--ckpt", ckpt, "--prompt", "the company said it", "--L", "12", "--seed", "1"]
+    assert sample.main(common + ["--decoder", "greedy"]) == 0
+    greedy = capsys.readouterr().out
+    for decoder in (["sample"], ["topk", "--k", "5"], ["nucleus", "--p", "0.9"]):
+        assert sample.main(common + ["--decoder", *decoder, "--temperature", "1e-39"]) == 0
+        assert capsys.readouterr().out == greedy
+    for main, flags, msg in (
+            (sample.main, ["--ckpt", ckpt, "--prompt", "the", "--L", str(10 ** 30)], "--L must lie in"),
+            (sample.main, ["--ckpt", ckpt, "--prompt", "the", "--decoder", "beam", "--beam_size", str(10 ** 30)],
+             "--beam_size must lie in"),
+            (sample.main, ["--ckpt", ckpt, "--prompt", "the", "--seed", str(2 ** 64)], "--seed must lie in"),
+            (evaluate.main, ["--ckpt", ckpt, "--decoder", "sample", "--seed", str(2 ** 64)], "--seed must lie in"),
+            (evaluate.main, ["--ckpt", ckpt, "--decoder", "sample", "--temperature", "inf"], "--temperature"),
+            (train.main, TINY + ["--seed", str(2 ** 64)], "--seed must lie in")):
+        assert_one_line_error(*run_in_process(main, flags, capsys), msg)
+
+
+def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
+    for main, flags, msg in (
+            (sample.main, ["--title", "w10 w11", "--decoder", "topk"], "top-k needs --k"),
+            (sample.main, ["--title", "w10", "--decoder", "sample", "--p", "0.5"], "does not use --p"),
+            (sample.main, ["--title", "w10", "--L", "0"], "--L must lie in"),
+            (sample.main, ["--title", "   "], "take --title"),
+            (sample.main, ["--title", "w10 <eos>"], "control token"),
+            (sample.main, ["--title", "w10", "--keywords", "<sep>"], "control token"),
+            (evaluate.main, ["--decoder", "topk", "--no_ppl"], "top-k needs --k"),
+            (evaluate.main, ["--decoder", "beam", "--beam_size", "2"], "unknown decoder 'beam' here")):
+        assert_one_line_error(*run_in_process(main, ["--ckpt", story_ckpt, *flags], capsys), msg)
+
+
+def test_a_set_of_figures_is_written_all_or_nothing(tmp_path):
+    """Interrupted while the figures are drawn: the folder keeps the previous run's set; a
+    complete set replaces it, and a figure this run does not draw is removed."""
+    folder = tmp_path / "figs"
+    folder.mkdir()
+    for name in evaluate.STUDY_FIGURES:
+        (folder / name).write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        with cli.file_set(str(folder), evaluate.STUDY_FIGURES) as tmp:
+            open(os.path.join(tmp, "r_nt.png"), "w").write("new")
+            raise KeyboardInterrupt
+    assert all((folder / n).read_text() == "old" for n in evaluate.STUDY_FIGURES)
+    with cli.file_set(str(folder), evaluate.STUDY_FIGURES) as tmp:
+        for name in ("r_nt.png", "lengths.png"):  # no traces: no p_eos.png
+            open(os.path.join(tmp, name), "w").write("new")
+    assert sorted(os.listdir(folder)) == ["lengths.png", "r_nt.png"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary left
+
+
+def test_a_flag_typed_at_its_default_is_honoured_or_refused_on_resume(lstm_run, tmp_path, capsys):
+    """--model gpt and --head softmax are argparse's defaults, typed here on an LSTM NMST run."""
+    out = tmp_path / "resume"
+    shutil.copytree(lstm_run, out)
+    os.remove(out / "run.json")  # (a copy is another folder; here it stands in for the same run)
+    for flag in (["--model", "gpt"], ["--head", "softmax"], ["--dropout", "0.1", "--seed", "0"]):
+        rc, err = run_in_process(train.main, TINY + ["--out_dir", str(out), "--resume", *flag], capsys)
+        assert_one_line_error(rc, err, "was trained with")
+
+
+def test_a_foreign_checkpoint_in_a_run_folder_is_refused(lstm_run, tmp_path, capsys):
+    other = tmp_path / "other"
+    assert train.main(TINY + ["--out_dir", str(other), "--seed", "3"]) == 0
+    shutil.copy(lstm_run / "ckpt_last.pt", other / "ckpt_last.pt")
+    rc, err = run_in_process(train.main, TINY + ["--out_dir", str(other), "--seed", "3", "--resume",
+                                                 "--max_iters", "6"], capsys)
+    assert_one_line_error(rc, err, "belongs to another run")
+
+
+def test_a_damaged_log_line_costs_only_itself(tmp_path, capsys):
+    path = tmp_path / "steps.jsonl"
+    lines = [json.dumps(dict(step=i, loss=1.0)) for i in range(1, 11)]
+    lines[3] = "\x00garbage{"
+    path.write_text("\n".join(lines) + "\n")
+    runs.keep_log_until(str(path), 8)
+    kept = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert kept == [1, 2, 3, 5, 6, 7, 8]
+    assert "skipped 1 damaged line(s) (line 4)" in capsys.readouterr().err
+
+
+def test_an_output_never_replaces_an_input_or_a_checkpoint(lstm_run, tmp_path, capsys):
+    ckpt = tmp_path / "c.pt"
+    shutil.copy(lstm_run / "ckpt_best.pt", ckpt)
+    before = ckpt.read_bytes()
+    for out, msg in ((ckpt, "also an input"), (lstm_run / "ckpt_last.pt", "is a checkpoint")):
+        rc, err = run_in_process(evaluate.main, ["--ckpt", str(ckpt), "--out", str(out)], capsys)
+        assert_one_line_error(rc, err, msg)
+    assert ckpt.read_bytes() == before
+
+
+def test_prepared_data_damaged_in_place_is_found_and_rebuilt(tmp_path, monkeypatch, capsys):
+    """A byte changed in a prepared file, its size kept: the fingerprints catch it (once per
+    process) and the folder is rebuilt, giving the same sequences as before."""
+    import data.prepare as prepare
+    from data.loader import load
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    _, splits = load("ptb", verbose=False)
+    folder, first = splits["train"].folder, splits["train"][0].copy()
+    raw = bytearray(open(os.path.join(folder, "train.bin"), "rb").read())
+    raw[0] ^= 0x01
+    open(os.path.join(folder, "train.bin"), "wb").write(bytes(raw))
+    monkeypatch.setattr(prepare, "VERIFIED", set())  # a new process
+    _, splits = load("ptb", verbose=True)
+    assert "differs from what meta.json recorded" in capsys.readouterr().err
+    assert (splits["train"][0] == first).all()
+
+
+def test_a_read_only_or_full_cache_is_one_line(tmp_path, monkeypatch):
+    import tempfile
+
+    import data.prepare as prepare
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    out = prepare.prepared_dir("ptb", prepare.locate("ptb"))
+    stale = tmp_path / "cache" / "prepared" / f".{os.path.basename(out)}-999999999-abc"
+    stale.mkdir(parents=True)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tempfile, "mkdtemp", full)
+    with pytest.raises(prepare.DataError, match="No space left on device"):
+        prepare.prepare("ptb", verbose=False)
+    assert not stale.exists()  # a killed preparation's temporary folder is removed
+
+
+@pytest.mark.parametrize("content", ["truncated safetensors", "a list", "a dict of strings"])
+def test_malformed_hf_weights_are_one_line(content, tmp_path):
+    if content == "truncated safetensors":
+        from safetensors.torch import save_file
+        path = tmp_path / "model.safetensors"
+        save_file({"w": torch.zeros(100)}, str(path))
+        path.write_bytes(path.read_bytes()[:60])
+    else:
+        path = tmp_path / "pytorch_model.bin"
+        torch.save([torch.zeros(3)] if content == "a list" else {"w": "x"}, str(path))
+    with pytest.raises(CheckpointError, match="GPT-2"):
+        read_hf_weights(str(tmp_path))
+
+
+def test_a_malformed_study_is_one_line(lstm_run, tmp_path, capsys):
+    study = tmp_path / "s.json"
+    assert evaluate.main(["--ckpt", str(lstm_run / "ckpt_best.pt"), "--no_ppl", "--decoder", "greedy", "--L",
+                          "5", "--limit", "4", "--out", str(study)]) == 0
+    good = json.loads(study.read_text())
+    for damage in (lambda r: r["decoding"].pop("mean_length"), lambda r: r["decoding"]["r_nt"].update(x=1),
+                   lambda r: r.update(eos_traces=[1])):
+        r = json.loads(json.dumps(good))
+        damage(r)
+        study.write_text(json.dumps(r))
+        assert_one_line_error(*run_in_process(evaluate.main, ["--compare", str(study)], capsys), "damaged study")
+
+
+def test_reproduce_over_a_damaged_results_folder(tmp_path, monkeypatch):
+    """A finished run whose checkpoint was removed: one line naming the folder to delete (and
+    no advice of a flag reproduce.py does not have)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "steps.jsonl").write_text("")
+    monkeypatch.setattr(train, "main", lambda argv: 0)  # "already finished"
+    with pytest.raises(cli.UserError, match="delete") as e:
+        reproduce.train_once(str(out), ["--model", "lstm"])
+    assert "--resume" not in str(e.value)
+
+    def refused(argv):
+        raise cli.UserError("x already holds a run: continue it with --resume")
+    monkeypatch.setattr(train, "main", refused)
+    with pytest.raises(cli.UserError, match="delete"):
+        reproduce.train_once(str(out), ["--model", "lstm"])
