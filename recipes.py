@@ -61,9 +61,11 @@ FLAGS = [
     ("run", "--epsilon", dict(range="(0,1)", type=float, default=1e-5, help="eps of ST / NMST, in (0, 1)")),
     ("run", "--dataset", dict(default="wikitext103", choices=sorted(DATASETS) +
                               list(STORY_DATASETS), help="(default wikitext103)")),
-    ("run", "--vocab", dict(default="word", choices=VOCABS, help="wikitext2 / ptb: word or char")),
+    ("run", "--vocab", dict(default="word", choices=VOCABS, help="wikitext2 / ptb: word or char; "
+                            "text: word, char or bpe (GPT-2's)")),
     ("run", "--data_dir", dict(default=None, help="folder with the dataset files (default "
-                               "$NANOGEN_DATA, else download)")),
+                               "$NANOGEN_DATA, else download); --dataset text: your train.txt "
+                               "[valid.txt test.txt]")),
     ("run", "--out_dir", dict(default=None, help="checkpoints and logs (default out/...)")),
     ("run", "--init_from", dict(default="scratch", choices=ChainMap({"scratch": 0}, GPT2_SIZES),
                                 help="pretrained GPT-2 weights (sets the GPT-2 shape)")),
@@ -187,7 +189,12 @@ RULES = [
      "--ar / --tar / --locked_dropout act on the recurrent models' last layer (rnn/lstm)"),
     (lambda a: a.kernel_size != 4 and a.model != "gcnn", "--kernel_size is the width of the "
      "gcnn's convolutions; --model {model} has none"),
-    (lambda a: a.vocab == "char" and a.dataset not in ("wikitext2", "ptb"),
+    (lambda a: a.vocab == "bpe" and a.dataset != "text",
+     "--vocab bpe is for --dataset text (wikitext103 is BPE already; wikitext2 / ptb: word, char)"),
+    (lambda a: a.dataset == "text" and not (a.data_dir or os.environ.get("NANOGEN_DATA")),
+     "--dataset text reads your own text: --data_dir DIR with DIR/train.txt (valid.txt, test.txt "
+     "optional)"),
+    (lambda a: a.vocab == "char" and a.dataset not in ("wikitext2", "ptb", "text"),
      "--vocab char is for the word-level datasets (wikitext2, ptb), not {dataset}"),
     (lambda a: a.batch_size is not None and a.max_tokens is not None,
      "give --batch_size (sequences per batch) or --max_tokens (tokens per batch), not both"),
@@ -255,7 +262,7 @@ def pretrained_shape(args, explicit):
 def default_run_name(a):
     if a.dataset in STORY:
         return f"{a.dataset}-{a.task or 'story'}-{a.model}" + ("-l2r" if a.order == "l2r" else "")
-    return f"{a.dataset}{'-char' if a.vocab == 'char' else ''}-{a.model}-{a.head}"
+    return f"{a.dataset}{'' if a.vocab == 'word' else '-' + a.vocab}-{a.model}-{a.head}"
 
 
 def resume_args(args, explicit, ckpt, path):

@@ -23,7 +23,7 @@ from checkpoint import check_run
 from checkpoint import load as load_checkpoint
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, eos_probs,
                     sampling_generator)
-from model import WINDOWED
+from data.prepare import tokenizer_from
 from tasks import INSERTION_MODELS, STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
 
@@ -54,26 +54,30 @@ def main(argv=None):
     prompts = read_prompts(args)
     ckpt = check_run(load_checkpoint(args.ckpt), args.ckpt)
     device = cli.setup_device(cli.resolve_device(args.device))
-    task = checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt)
     model = model_from_checkpoint(ckpt, args.ckpt).to(device)
     if ckpt["args"]["dataset"] in STORY_DATASETS:
+        task = checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt)
         return sample_story(args, task, model, device)
     if not prompts:
         raise UserError("give --prompt TEXT (or --prompt_file FILE) to continue")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L)
-    tok = task.tokenizer()
+    tok = checkpoint_tokenizer(ckpt, args)
     ids = [encode_prompt(tok, text, args.allow_unk) for text in prompts]
-    window = ckpt["config"].get("block_size") if ckpt["config"]["model"] in WINDOWED else None
-    longest = max(len(x) for x in ids)
-    if window and longest + args.L > window:
-        raise UserError(f"a prompt of {longest} tokens + --L {args.L} exceeds the model's "
-                        f"context window of {window} tokens: shorten it or lower --L")
     out = decode(model, [torch.tensor(x, device=device) for x in ids], args.L, args.decoder,
                  k=args.k, p=args.p, beam_size=args.beam_size, temperature=args.temperature,
                  generator=sampling_generator(device, choose_seed(args)))
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
         show(model, tok, text, x, toks, done, args)
     return 0
+
+
+def checkpoint_tokenizer(ckpt, args):
+    """The checkpoint's own vocabulary (no data needed); a checkpoint written before they carried
+    one reads it from its prepared data."""
+    vocabulary = ckpt.get("data", {}).get("vocabulary")
+    if vocabulary:
+        return tokenizer_from(vocabulary)
+    return checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt).tokenizer()
 
 
 def choose_seed(args):

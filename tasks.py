@@ -35,7 +35,7 @@ import torch
 from checkpoint import CheckpointError
 from cli import Dist, UserError
 from data.loader import batches, batchify, bptt_windows, collate, load, load_stream
-from data.prepare import tokenizer_of
+from data.prepare import tokenizer_of, vocabulary_of
 from data.stories import EOS, load_sequences
 from heads import loss_scale
 from insnet import InsertionTransformer, InsNet, collate_insertions, sequence_nll
@@ -416,7 +416,8 @@ def load_task(a, data_dir=None, vocab=None, verbose=True):
         else 1.0
     signature = dict(dataset=a["dataset"], vocab_size=meta["vocab_size"], eos_id=meta["eos_id"],
                      tokenizer=meta["tokenizer"], source=meta["source"]["sha256"],
-                     fingerprints=meta["fingerprints"])
+                     fingerprints=meta["fingerprints"],  # and what encodes / decodes text:
+                     vocabulary=vocabulary_of(tokenizer_of(folder, meta)))
     kw = dict(meta=meta, signature=signature, loss_scale=ls, ar=a.get("ar", 0.0),
               tar=a.get("tar", 0.0))
     if a.get("task") == "stream":

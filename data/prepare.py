@@ -66,7 +66,8 @@ CONTEXT_LEN = 10
 MAX_BPE_LEN = 1024
 SPLITS = ("train", "valid", "test")
 PROTOCOL_VERSION = 3
-VOCABS = ("word", "char")  # --vocab of the word-level datasets
+VOCABS = ("word", "char", "bpe")  # --vocab: word-level datasets also at char level; text: any
+HELD_OUT = 20  # your own text without valid.txt / test.txt: the last 1/20 of train.txt each
 
 _WIKITEXT_MIRRORS = ("https://wikitext.smerity.com/",
                      "https://s3.amazonaws.com/research.metamind.io/wikitext/")
@@ -91,6 +92,7 @@ DATASETS = {
                          "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2"),
                "test": ("ptb.test.txt",
                         "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0")}),
+    "text": dict(tokenizer="word", archive=None, own=True),  # --data_dir DIR: DIR/train.txt ...
 }
 
 
@@ -258,11 +260,27 @@ def _locate_in_folder(dataset, spec, data_dir):
                     f"those files extracted")
 
 
+def _locate_own(data_dir):
+    """Your own text: DIR/train.txt, and DIR/valid.txt, DIR/test.txt when there (else held-out
+    slices of train.txt: open_split)."""
+    train = os.path.join(data_dir or "", "train.txt")
+    if not data_dir or not os.path.isfile(train):
+        raise DataError("--dataset text reads your own text: --data_dir DIR with DIR/train.txt "
+                        "(one sequence a line; valid.txt / test.txt optional)")
+    paths = {s: os.path.join(data_dir, f"{s}.txt") for s in SPLITS}
+    paths = {s: p if os.path.isfile(p) else None for s, p in paths.items()}
+    return {"kind": "text", "paths": paths, "official": False,
+            "sha256": {s: sha256_file(p) if p else f"held-out-{HELD_OUT}" for s, p in
+                       paths.items()}}
+
+
 def locate(dataset, data_dir=None):
-    """-> source dict: {"kind": "zip"|"dir"|"files", "path(s)": ..., "official": bool,
+    """-> source dict: {"kind": "zip"|"dir"|"files"|"text", "path(s)": ..., "official": bool,
     "sha256": ...}."""
     spec = DATASETS[dataset]
     data_dir = default_data_dir(data_dir)
+    if spec.get("own"):
+        return _locate_own(data_dir)
     if spec["archive"] is None:
         return _locate_ptb(spec, data_dir)
     if not data_dir:
@@ -276,13 +294,31 @@ def locate(dataset, data_dir=None):
 def open_split(source, dataset, split):
     """A text stream over one split's raw lines (read straight from the zip: never extracted)."""
     spec = DATASETS[dataset]
-    if source["kind"] == "files":
+    if source["kind"] == "text" and source["paths"][split] is None:
+        return io.StringIO("".join(held_out(source["paths"], split)))
+    if source["kind"] == "text" and split == "train" and None in source["paths"].values():
+        return io.StringIO("".join(held_out(source["paths"], split)))
+    if source["kind"] in ("files", "text"):
         return open(source["paths"][split], encoding="utf-8")
     if source["kind"] == "dir":
         name = os.path.basename(spec["members"][split])
         return open(os.path.join(source["path"], name), encoding="utf-8")
     z = zipfile.ZipFile(source["path"])  # locate() has refused unsafe archives
     return io.TextIOWrapper(z.open(spec["members"][split]), encoding="utf-8")
+
+
+def held_out(paths, split):
+    """Your own text without valid.txt / test.txt: train.txt's last 1/HELD_OUT lines are the
+    test split, the 1/HELD_OUT before them the valid split (each only when its file is
+    missing), the rest the train split.  -> the split's lines."""
+    with open(paths["train"], encoding="utf-8") as f:
+        lines = f.readlines()
+    k, end, parts = max(1, len(lines) // HELD_OUT), len(lines), {}
+    for s in ("test", "valid"):
+        if paths[s] is None:
+            parts[s], end = lines[max(0, end - k):end], max(0, end - k)
+    parts["train"] = lines[:end]
+    return parts[split]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +353,8 @@ class Vocabulary:
         counts = collections.Counter()
         for line in lines:
             counts.update(line.split() if kind == "word" else " ".join(line.split()))
-        specials = ["<eos>"] if kind == "word" else ["<eos>", "<unk>"]
+        # wikitext / ptb bring their own <unk>; your own text (and chars) get one
+        specials = ["<eos>"] if kind == "word" and dataset != "text" else ["<eos>", "<unk>"]
         for s in specials:
             counts.pop(s, None)
         return cls(kind, specials + [w for w, _ in counts.most_common()], dataset)
@@ -378,6 +415,19 @@ def tokenizer_of(folder, meta=None):
     if meta["tokenizer"] == "gpt2":
         return BPE()
     return Vocabulary.load(meta["tokenizer"], os.path.join(folder, "vocab.txt"))
+
+
+def vocabulary_of(tok):
+    """What a checkpoint keeps to encode and decode without any data: the kind and the tokens
+    (GPT-2's BPE: its name only)."""
+    return dict(kind=tok.kind, tokens=None if tok.kind == "gpt2" else tok.tokens)
+
+
+def tokenizer_from(vocabulary):
+    """The tokenizer a checkpoint carries (vocabulary_of), without reading any data."""
+    if vocabulary["kind"] == "gpt2":
+        return BPE()
+    return Vocabulary(vocabulary["kind"], vocabulary["tokens"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +498,7 @@ def _write_lines(lines, tok, split, max_len, writer, stream, contexts, batch=204
 def read_split(source, dataset, split, consume):
     """consume(lines) over one split's raw lines; a damaged archive member (bad CRC, truncated)
     or text that is not UTF-8 becomes a DataError naming the file."""
-    name = source.get("path") or source["paths"][split]
+    name = source.get("path") or source["paths"][split] or source["paths"]["train"]
     try:
         with open_split(source, dataset, split) as f:
             return consume(f)
@@ -479,7 +529,7 @@ def _write_split(source, dataset, split, tok, max_len, tmp, dtype):
 def prepared_dir(dataset, source, vocab="word"):
     sha = source["sha256"] if isinstance(source["sha256"], str) else \
         hashlib.sha256("".join(source["sha256"][s] for s in SPLITS).encode()).hexdigest()
-    name = dataset + ("-char" if vocab == "char" else "")
+    name = dataset + ("" if vocab == "word" else f"-{vocab}")
     return os.path.join(cache_dir(), "prepared", f"{name}-{sha[:12]}")
 
 
@@ -595,7 +645,7 @@ def _usable(out, verbose):
 def _build(dataset, vocab, source, tmp):
     """Tokenize every split into the temporary folder `tmp`; -> meta."""
     spec = DATASETS[dataset]
-    if spec["tokenizer"] == "gpt2":
+    if spec["tokenizer"] == "gpt2" or vocab == "bpe":
         tok, max_len = BPE(), MAX_BPE_LEN
     else:
         tok = read_split(source, dataset, "train", lambda f: Vocabulary.build(vocab, f, dataset))
@@ -619,9 +669,10 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word"):
     """Make sure the prepared memmaps exist and match their meta.json; return their folder."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset '{dataset}' (choose from {', '.join(DATASETS)})")
-    if vocab not in VOCABS or (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word"):
-        raise DataError(f"--vocab {vocab}: {dataset} comes with its own vocabulary (GPT-2 BPE); "
-                        f"--vocab char is for wikitext2 and ptb")
+    if vocab not in VOCABS or (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word") or \
+            (vocab == "bpe" and not DATASETS[dataset].get("own")):
+        raise DataError(f"--vocab {vocab}: not for {dataset} (wikitext103 is GPT-2 BPE; --vocab "
+                        f"char is for wikitext2, ptb and text; --vocab bpe for text)")
     source = locate(dataset, data_dir)
     out = prepared_dir(dataset, source, vocab)
     if _usable(out, verbose):
@@ -643,7 +694,12 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word"):
     finally:
         if tmp and os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-    if verbose and not source["official"]:
+    if verbose and source["kind"] == "text":
+        held = [s for s, p in source["paths"].items() if p is None]
+        print(f"note: your text from {os.path.dirname(source['paths']['train'])}"
+              + (f"; {' and '.join(held)} held out of train.txt (its last lines, 1/{HELD_OUT} "
+                 f"each)" if held else ""), file=sys.stderr)
+    elif verbose and not source["official"]:
         print(f"note: {source['path']} is not the official {DATASETS[dataset]['archive']}; "
               f"used as found (its sha256 is recorded in meta.json)", file=sys.stderr)
     if verbose:
@@ -673,7 +729,7 @@ def main(argv=None):
     p = CLIParser(description="Download / verify / tokenize a dataset for nanogen.")
     p.add_argument("--dataset", required=True, choices=sorted(DATASETS))
     p.add_argument("--vocab", default="word", choices=VOCABS,
-                   help="wikitext2 / ptb: word (default) or char level")
+                   help="wikitext2 / ptb: word (default) or char level; text: also bpe")
     p.add_argument("--data_dir", default=None, help="folder holding the archives/files (default: "
                    "$NANOGEN_DATA, else download into $NANOGEN_CACHE)")
     args = p.parse_args(argv)

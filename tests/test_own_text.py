@@ -1,0 +1,77 @@
+"""Your own text (--dataset text --data_dir DIR), at word, char and BPE level: it trains,
+evaluates, and samples with no data at all (the checkpoint carries its vocabulary); and
+sample.py and evaluate.py agree to the token on a GPT's context window."""
+import os
+
+import pytest
+
+import evaluate
+import sample
+import train
+from conftest import ROOT, assert_one_line_error, run_in_process
+
+pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+SHARED = os.environ.get("NANOGEN_DATA") or os.path.join(ROOT, "..", "shared", "data")
+
+
+@pytest.fixture(scope="module")
+def own_text(tmp_path_factory):
+    """A folder with a train.txt only: 1,500 lines of PTB, lower-cased words (valid and test
+    are held out of it)."""
+    folder = tmp_path_factory.mktemp("mytext")
+    ptb = os.path.join(SHARED, "ptb", "ptb.train.txt")
+    if not os.path.exists(ptb):
+        ptb = os.path.join(SHARED, "ptb.train.txt")
+    with open(ptb) as f:
+        lines = [line for _, line in zip(range(1500), f)]
+    (folder / "train.txt").write_text("".join(lines))
+    return folder
+
+
+@pytest.mark.parametrize("vocab,model", [("word", "lstm"), ("char", "lstm"), ("bpe", "gpt")])
+def test_own_text_trains_evaluates_and_samples_without_data(vocab, model, own_text, tmp_path, monkeypatch,
+                                                            capsys):
+    out = tmp_path / "run"
+    flags = ["--dataset", "text", "--data_dir", str(own_text), "--vocab", vocab, "--model", model,
+             "--head", "nmst", "--epsilon", "1e-3", "--d_model", "32", "--n_layer", "1", "--n_head", "2",
+             "--block_size", "512", "--batch_size", "8", "--lr", "3e-3", "--max_iters", "4",
+             "--eval_interval", "2", "--out_dir", str(out)]
+    assert train.main(flags) == 0
+    assert "valid and test held out of train.txt" in capsys.readouterr().err
+    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--data_dir", str(own_text)]) == 0
+    assert "ppl" in capsys.readouterr().out
+    # sampling needs no data: no --data_dir, no NANOGEN_DATA, an empty cache
+    monkeypatch.delenv("NANOGEN_DATA", raising=False)
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("NANOGEN_OFFLINE", "1")
+    assert sample.main(["--ckpt", str(out / "ckpt_best.pt"), "--prompt", "the company said it",
+                        "--L", "8", "--allow_unk"]) == 0
+    assert ">>>" in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / "empty-cache" / "prepared")
+
+
+def test_own_text_needs_a_train_file(tmp_path, capsys):
+    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(tmp_path), "--model", "lstm"],
+                             capsys)
+    assert_one_line_error(rc, err, "DIR/train.txt")
+
+
+def test_sample_and_evaluate_agree_on_the_context_window(tmp_path, capsys):
+    """A 10-token prompt and --L tokens use 10 + L - 1 positions (the last token is never fed
+    back): with a 64-token window, --L 55 fits and --L 56 does not, in both commands."""
+    out = tmp_path / "gpt"
+    assert train.main(["--model", "gpt", "--head", "softmax", "--dataset", "ptb", "--d_model", "16", "--n_layer",
+                       "1", "--n_head", "2", "--block_size", "64", "--batch_size", "8", "--train_seqs", "64",
+                       "--eval_seqs", "8", "--max_iters", "1", "--eval_interval", "1", "--out_dir", str(out)]) == 0
+    ckpt = str(out / "ckpt_last.pt")
+    prompt = "the company said it will sell the unit to its parent"  # 11 words: use the first 10
+    prompt = " ".join(prompt.split()[:10])
+    for L, fits in ((55, True), (56, False)):
+        rc, err = run_in_process(sample.main, ["--ckpt", ckpt, "--prompt", prompt, "--L", str(L)], capsys)
+        rc2, err2 = run_in_process(evaluate.main, ["--ckpt", ckpt, "--no_ppl", "--decoder", "greedy", "--L", str(L),
+                                                   "--limit", "2"], capsys)
+        if fits:
+            assert rc == 0 and rc2 == 0, (err, err2)
+        else:
+            assert_one_line_error(rc, err, "context window")
+            assert_one_line_error(rc2, err2, "context window")
