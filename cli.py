@@ -354,14 +354,20 @@ def save_figure(fig, path):
         fig.savefig(f, dpi=120, format="png")
 
 
-def pyplot():
-    """matplotlib.pyplot with a file-only backend, or None (and a note) when it is missing."""
+def pyplot(quiet=False):
+    """matplotlib.pyplot with a file-only backend (no display needed), or None (and a note,
+    once) when it is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: --plot needs matplotlib (pip install matplotlib); no figures written",
-              file=sys.stderr)
+        if not (quiet and pyplot.said):
+            print("note: figures need matplotlib (pip install matplotlib); none written",
+                  file=sys.stderr)
+        pyplot.said = True
         return None
     return plt
+
+
+pyplot.said = False

@@ -537,8 +537,9 @@ def plot_lengths(plt, results, labels, styles, out_dir):
             alpha=0.4, color="gray", label="ground truth")
     for r, label, (color, _) in zip(results, labels, styles):
         gl = [Lmax if n is None else n for n in r["decoding"]["generated_lengths"]]
-        ax.hist(gl, bins=bins, histtype="step", color=color, label=f"{label} (non-terminated "
-                                                                   f"at L)")
+        cut = sum(n is None for n in r["decoding"]["generated_lengths"])
+        ax.hist(gl, bins=bins, histtype="step", color=color,
+                label=f"{label} ({cut} non-terminated, drawn at L={Lmax})" if cut else label)
     ax.set(xlabel="continuation length", ylabel="count", yscale="log",
            title="length distribution")
     return finish(plt, fig, ax, os.path.join(out_dir, "lengths.png"))
@@ -560,8 +561,11 @@ def plot_traces(plt, results, labels, styles, out_dir):
 
 
 def finish(plt, fig, ax, path):
-    """Legend, layout, the PNG written atomically; -> its path."""
-    ax.legend(fontsize=8)
+    """Legend (one entry per run, however many curves it drew), layout, the PNG written
+    atomically; -> its path."""
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
     fig.tight_layout()
     cli.save_figure(fig, path)
     plt.close(fig)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import fast
 
 HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos")
+TERMINATION_HEADS = ("st", "nmst")  # the heads that model the end of a sequence: they read t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ def check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature)
     recipes.py, once)."""
     if kind not in HEADS:
         raise ValueError(f"unknown head '{kind}' (choose from {', '.join(HEADS)})")
-    if kind in ("st", "nmst"):
+    if kind in ("st", "nmst"):  # eq. 9, 10: epsilon in (0, 1)
         _check_epsilon(epsilon)
     if n_experts < 1:
         raise ValueError(f"--n_experts must be >= 1, got {n_experts}")
@@ -250,7 +251,7 @@ class Head(nn.Module):
         return self.proj(latent)
 
     def _needs_t(self, t):
-        if self.kind in ("st", "nmst") and t is None:
+        if self.kind in TERMINATION_HEADS and t is None:
             raise ValueError(f"the {self.kind} head needs the continuation step t of each position")
 
     def forward(self, h, t=None, head_state=None):
@@ -315,5 +316,5 @@ class Head(nn.Module):
         return torch.where(is_eos, log_alpha, log_one_minus_alpha + log_rest), head_state
 
     def extra_repr(self):
-        eps = f", epsilon={self.epsilon:g}" if self.kind in ("st", "nmst") else ""
+        eps = f", epsilon={self.epsilon:g}" if self.kind in ("st", "nmst") else ""  # (eq. 9, 10)
         return f"kind={self.kind}, eos_id={self.eos_id}{eps}"

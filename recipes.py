@@ -17,7 +17,7 @@ from checkpoint import GPT2_SIZES, CheckpointError
 from checkpoint import load as load_checkpoint
 from runs import check_own_checkpoint
 from data.prepare import DATASETS, VOCABS
-from heads import HEADS
+from heads import HEADS, TERMINATION_HEADS
 from model import MODELS
 from tasks import INSERTION_MODELS, STORY_DATASETS
 
@@ -27,13 +27,17 @@ from tasks import INSERTION_MODELS, STORY_DATASETS
 RECURRENT_RECIPE = dict(n_layer=2, d_model=512, dropout=0.5, lr=1e-3, lr_schedule="plateau",
                         batch_size=32, max_tokens=None, max_iters=0, eval_interval=0,
                         weight_decay=0.01, decay_steps=500_000, warmup=0)
-RECIPES = {  # NMST paper appendix D (rnn, lstm), 4.2 (gpt); InsNet paper 4.3 (story); gcnn: ours
+RECIPES = {  # NMST paper appendix D (rnn, lstm), 4.2 (gpt_finetune); InsNet paper 4.3 (story);
+    # gcnn and gpt from scratch: nanogen's (the paper only finetunes GPT-2)
     "rnn": dict(RECURRENT_RECIPE, d_model=256, dropout=0.3),
     "lstm": RECURRENT_RECIPE,
     "gcnn": dict(RECURRENT_RECIPE, n_layer=8, dropout=0.1),
-    "gpt": dict(n_layer=12, d_model=768, dropout=0.1, lr=5e-5, lr_schedule="linear",
+    "gpt": dict(n_layer=12, d_model=768, dropout=0.1, lr=6e-4, lr_schedule="linear",
                 batch_size=None, max_tokens=1024, max_iters=300_000, eval_interval=2000,
-                weight_decay=0.01, decay_steps=500_000, warmup=0),
+                weight_decay=0.01, decay_steps=300_000, warmup=2000),  # from scratch: nanoGPT's
+    "gpt_finetune": dict(n_layer=12, d_model=768, dropout=0.1, lr=5e-5, lr_schedule="linear",
+                         batch_size=None, max_tokens=1024, max_iters=300_000, eval_interval=2000,
+                         weight_decay=0.01, decay_steps=500_000, warmup=0),  # --init_from: NMST 4.2
     "story": dict(n_layer=12, d_model=768, dropout=0.1, lr=1e-4, lr_schedule="linear",
                   batch_size=64, max_tokens=None, max_iters=80_000, eval_interval=1000,
                   weight_decay=0.02, decay_steps=80_000, warmup=400),
@@ -43,7 +47,8 @@ ARCH_KEYS = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_
              "ct_rank", "temperature", "locked_dropout", "order", "max_offset", "min_count",
              "synthetic_count", "vocab", "dataset", "kernel_size")
 RESUMABLE = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "eval_seqs",
-             "data_dir", "patience", "peak_flops", "max_minutes", "log_interval", "dtype")  # flags a --resume may change
+             "data_dir", "patience", "peak_flops", "max_minutes", "log_interval", "dtype", "probe",
+             "probe_L", "no_curves", "tensorboard")  # flags a --resume may change
 
 # (group, flag, argparse keywords): None defaults come from RECIPES
 FLAGS = [
@@ -128,6 +133,14 @@ FLAGS = [
                                              "steps (0: every epoch)")),
     ("optimisation", "--log_interval", dict(range=">=1", type=int, default=10, help="steps.jsonl: losses "
                                             "read from the device every N steps")),
+    ("watching", "--probe", dict(range=">=0", type=int, default=64, help="termination probe "
+                                 "at each evaluation: greedy-decode N validation contexts (0: off)")),
+    ("watching", "--probe_L", dict(range=">=1", type=int, default=200, help="probe: the length "
+                                   "cap L of r_nt(L)")),
+    ("watching", "--no_curves", dict(action="store_true", help="do not draw OUT_DIR/curves.png "
+                                     "at each evaluation")),
+    ("watching", "--tensorboard", dict(action="store_true", help="also log the scalars to "
+                                       "OUT_DIR/tensorboard (pip install tensorboard)")),
     ("optimisation", "--eval_seqs", dict(range=">=0", type=int, default=0, help="validate on the first N")),
     ("optimisation", "--train_seqs", dict(range=">=0", type=int, default=0, help="train on the first N")),
 ]
@@ -179,7 +192,7 @@ RULES = [
      "--weights is for --init_from gpt2 / gpt2-medium / gpt2-large / gpt2-xl"),
     (lambda a: a.task == "stream" and a.model not in RECURRENT,
      "--task stream runs the recurrent models (CT paper): use --model rnn or lstm"),
-    (lambda a: a.task == "stream" and a.head in ("st", "nmst"),
+    (lambda a: a.task == "stream" and a.head in TERMINATION_HEADS,
      "--head {head} models the end of a sequence: use it with --task completion"),
     (lambda a: a.temperature != 1.0 and a.head not in ("softmax", "mos"),
      "a constant --temperature is the baseline of the softmax / mos heads, not of {head}"),
@@ -234,7 +247,8 @@ def resolve(args, explicit):
     """Fill the defaults (RECIPES; the GPT-2 shape of --init_from; the task of the dataset),
     then check RULES.  Explicit flags are never changed."""
     story = args.dataset in STORY or args.model in INSERTION_MODELS
-    recipe = dict(RECIPES["story" if story else args.model])
+    name = "story" if story else "gpt_finetune" if args.init_from != "scratch" else args.model
+    recipe = dict(RECIPES[name])
     if "batch_size" in explicit or "max_tokens" in explicit:  # the user picked how to batch
         recipe.update(batch_size=None, max_tokens=None)
     if args.init_from != "scratch":

@@ -23,6 +23,7 @@ import time
 
 import cli
 from cli import UserError
+from heads import HEADS as HEADS_AVAILABLE
 
 RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
 
@@ -66,7 +67,7 @@ PAPER_TABLE4 = {  # r_nt(1000) in the paper's Table 4, in the order of TABLE4
            "0.15 ± 0.07"),
     "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02",
              "0.01 ± 0.01")}
-HEADS = ("softmax", "st", "nmst")
+HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
 
 
 def decoder_flags(name):
@@ -112,16 +113,37 @@ def evaluate_once(ckpt, flags, path):
 
 
 def mean_std(values, digits=1):
+    """mean ± std over seeds; one seed: the value alone (one run has no spread to show)."""
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
         return "-"
-    sd = statistics.pstdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
+
+
+class Progress:
+    """One line per stage of a reproduce.py command: k of n, elapsed, and time left (the mean
+    time of the stages done so far; a reused stage costs nothing)."""
+
+    def __init__(self, total):
+        self.total, self.done, self.t0 = total, 0, time.time()
+
+    def step(self, what):
+        self.done += 1
+        spent = time.time() - self.t0
+        left = spent / max(self.done - 1, 1) * (self.total - self.done + 1) if self.done > 1 \
+            else None
+        print(f"[{self.done}/{self.total}] {what}  ({spent / 60:.1f} min elapsed"
+              + (f", ~{left / 60:.1f} min left)" if left is not None else ")"), flush=True)
 
 
 def base_flags(cfg, model, head, seed, eps):
-    steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(cfg["steps"]),
-             "--eval_seqs", "400"] if cfg["steps"] else []
+    """Four evaluations per run (and as many termination probes: the curves over training);
+    tiny: one."""
+    every = cfg["steps"] if cfg["dataset"] == "ptb" and cfg["steps"] < 20 else cfg["steps"] // 4
+    steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(every), "--eval_seqs",
+             "400"] if cfg["steps"] else []
     return ["--model", model, "--head", head, "--epsilon", str(eps), "--dataset", cfg["dataset"],
             "--seed", str(seed), *cfg["models"][model], *steps]
 
@@ -135,13 +157,16 @@ def nmst_runs(table, args):
     cfg = nmst_settings(args.scale, table)
     limit = ["--limit", str(cfg["contexts"])] if cfg["contexts"] else []
     curve = [str(x) for x in sorted({1, 3, 10, 30, 100, 300, 1000, cfg["L"]}) if x <= cfg["L"]]
-    runs = {}
+    runs, heads = {}, args.heads
+    progress = Progress(len(cfg["models"]) * len(heads) * cfg["seeds"] * 2)
     for model in cfg["models"]:
-        for head in HEADS:
+        for head in heads:
             for seed in range(cfg["seeds"]):
                 name = f"{model}-{head}-s{seed}"
+                progress.step(f"training {name}")
                 ckpt = train_once(os.path.join(args.runs, name),
                                   base_flags(cfg, model, head, seed, cfg["eps"]))
+                progress.step(f"evaluating {name} (perplexity, {len(cfg['decoders'])} decoders)")
                 ppl_flags = ["--split", "valid"] + (limit if args.scale == "tiny" else [])
                 r = dict(ppl=evaluate_once(ckpt, ppl_flags,
                                            os.path.join(args.out, f"{name}-ppl.json"))["ppl"])
@@ -159,23 +184,25 @@ def r_nt(results, dec, L):
 
 
 def report_table1(cfg, runs, args):
+    """Perplexity by model and head (the paper's layout: a column per model and terminating
+    head, VA in its own row), any heads given, the paper's value beside nanogen's."""
+    heads = [h for h in args.heads if h != "softmax"]
     lines = [f"NMST Table 1 (scale {args.scale}): validation perplexity, mean ± std over "
              f"{cfg['seeds']} seed(s); {cfg['dataset']}, eps = {cfg['eps']:g}.  In () the paper's "
              f"(WikiText-2, eps = 1e-5, 10 runs, converged 2x256 RNN / 2x512 LSTM).", "",
-             "| eps | " + " | ".join(f"{m.upper()} ST+ | {m.upper()} NMST+" for m in cfg["models"])
-             + " |", "|---" * (1 + 2 * len(cfg["models"])) + "|"]
-    row = [f"{cfg['eps']:g}"]
-    for m in cfg["models"]:
-        row += [f"{mean_std([r['ppl'] for r in runs[m, h]])} ({PAPER_TABLE1[m, h]})"
-                for h in ("st", "nmst")]
-    lines.append("| " + " | ".join(row) + " |")
-    va = [f"{mean_std([r['ppl'] for r in runs[m, 'softmax']])} ({PAPER_TABLE1[m, 'softmax']}) | "
-          for m in cfg["models"]]
-    lines.append("| VA+ | " + " | ".join(va) + " |")
-    return lines + rnt_rows(cfg, runs)
+             "| eps | " + " | ".join(f"{m.upper()} {h.upper()}+" for m in cfg["models"]
+                                     for h in heads) + " |",
+             "|---" * (1 + len(heads) * len(cfg["models"])) + "|"]
+    cell = lambda m, h: f"{mean_std([r['ppl'] for r in runs[m, h]])} " \
+        f"({PAPER_TABLE1.get((m, h), '-')})"  # noqa: E731
+    lines.append(f"| {cfg['eps']:g} | " + " | ".join(cell(m, h) for m in cfg["models"]
+                                                     for h in heads) + " |")
+    if "softmax" in args.heads:
+        lines.append("| VA+ | " + " | ".join(cell(m, "softmax") for m in cfg["models"]) + " |")
+    return lines + rnt_rows(cfg, runs, args)
 
 
-def rnt_rows(cfg, runs):
+def rnt_rows(cfg, runs, args):
     """r_nt(L) at L = 10, 100 and the largest L, by model, head and decoder."""
     Ls = [L for L in (10, 100, cfg["L"]) if L <= cfg["L"]]
     lines = ["", f"Non-termination ratio r_nt(L) by decoder (mean ± std over seeds; "
@@ -187,23 +214,29 @@ def rnt_rows(cfg, runs):
             cells = [mean_std(r_nt(res, dec, L), 3) for L in Ls]
             length = mean_std([r[dec]["decoding"]["mean_length"] for r in res])
             lines.append(f"| {m} | {h} | {dec} | " + " | ".join(cells) + f" | {length} |")
-    return lines + verdict_table1(cfg, runs)
+    return lines + verdict_table1(cfg, runs, args)
 
 
-def verdict_table1(cfg, runs):
-    """The paper's qualitative claim, checked on these numbers (said plainly either way)."""
+def verdict_table1(cfg, runs, args):
+    """The paper's qualitative claim, checked on these numbers (said plainly either way); at the
+    tiny scale (a smoke test: a few steps, one seed) no conclusion is drawn."""
+    if args.scale == "tiny":
+        return ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."]
     out, L = [""], cfg["L"]
+    others = [h for h in args.heads if h != "softmax"]
     for m in cfg["models"]:
-        va, st, nm = (r_nt(runs[m, h], "greedy", L) for h in HEADS)
+        rates = {h: r_nt(runs[m, h], "greedy", L) for h in args.heads}
+        va = rates.get("softmax", [])
         looping = sum(v > 0 for v in va)
-        shows = looping and not any(st) and not any(nm)
-        out.append(f"- {m.upper()}, greedy: VA r_nt({L}) = {statistics.mean(va):.3f} (> 0 in "
-                   f"{looping} of {len(va)} seeds), ST {statistics.mean(st):.3f}, NMST "
-                   f"{statistics.mean(nm):.3f}: " +
-                   ("the paper's effect shows (VA continuations that never end; none for ST and "
-                    "NMST)." if shows else "the paper's effect does NOT show at this scale" +
-                    (" (no VA continuation loops here: a small, briefly trained VA model need "
-                     "not)" if not looping else "") + "."))
+        shows = looping and not any(any(rates[h]) for h in others)
+        out.append(f"- {m.upper()}, greedy: " + ", ".join(
+            f"{h.upper()} r_nt({L}) = {statistics.mean(rates[h]):.3f}" for h in args.heads)
+            + (f" (VA > 0 in {looping} of {len(va)} seeds): " if va else ": ") +
+            ("the paper's effect shows (VA continuations that never end; none for "
+             f"{' and '.join(h.upper() for h in others)})." if shows else
+             "the paper's effect does NOT show at this scale" +
+             (" (no VA continuation loops here: a small, briefly trained VA model need not)"
+              if va and not looping else "") + "."))
     return out
 
 
@@ -215,55 +248,79 @@ def report_table4(cfg, runs, args):
              f"validation contexts, {model} on {cfg['dataset']}, eps = {cfg['eps']:g}.  In () the "
              f"paper's (GPT-2 finetuned on WikiText-103, eps = 1e-5).", "",
              "| head | " + " | ".join(decs) + " |", "|---" * (1 + len(decs)) + "|"]
-    for h in HEADS:
-        paper = dict(zip(TABLE4, PAPER_TABLE4[h]))
+    for h in args.heads:
+        paper = dict(zip(TABLE4, PAPER_TABLE4.get(h, ())))
         cells = [f"{mean_std(r_nt(runs[model, h], d, cfg['L']), 3)} ({paper.get(d, '-')})"
                  for d in decs]
         lines.append(f"| {h} | " + " | ".join(cells) + " |")
     lines.append("")
-    for h in HEADS:
+    if args.scale == "tiny":
+        return lines + ["- smoke test (tiny scale: a few steps, one seed): no conclusion."]
+    for h in args.heads:
         worst = max(statistics.mean(r_nt(runs[model, h], d, cfg["L"])) for d in decs)
         lines.append(f"- {h}: the largest r_nt({cfg['L']}) over these decoders is {worst:.3f}"
                      + (" (Theorem 3: NMST terminates under all of them)" if h == "nmst" else ""))
     return lines
 
 
+STYLES = {"softmax": ("tab:red", ":", "o"), "st": ("tab:green", "--", "s"),
+          "nmst": ("tab:blue", "-", "^")}  # other heads: the next colours of the cycle
+
+
 def plot_nmst(cfg, runs, args):
-    """Fig. 2 / 7: r_nt(L) against L (log-log), mean ± std over seeds, one panel per decoder
-    and model; a zero is drawn at the 1e-3 floor."""
+    """Fig. 2 / 7 (Table 4: the same per decoder): r_nt(L) against L (log-log), mean ± std over
+    seeds, one panel per decoder and model.  r_nt = 0 cannot be drawn on a log axis: it is drawn
+    at the 1e-3 floor (a grey line, said in the axis label), with markers so that heads sharing
+    a curve stay visible."""
     plt = cli.pyplot()
     if plt is None:
         return
     models, decs = list(cfg["models"]), cfg["decoders"]
     fig, axes = plt.subplots(len(models), len(decs), figsize=(3.2 * len(decs), 2.8 * len(models)),
                              squeeze=False)
-    style = {"softmax": ("tab:red", ":"), "st": ("tab:green", "--"), "nmst": ("tab:blue", "-")}
     for i, m in enumerate(models):
         for j, d in enumerate(decs):
             ax = axes[i, j]
-            for h in HEADS:
+            ax.axhline(1e-3, color="0.7", lw=0.8)
+            for k, h in enumerate(args.heads):
+                color, ls, marker = STYLES.get(h, (f"C{k + 3}", "-.", "D"))
                 curves = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
                 Ls = sorted(int(L) for L in curves[0])
                 ys = [[max(c[str(L)], 1e-3) for c in curves] for L in Ls]
                 mean = [statistics.mean(y) for y in ys]
                 sd = [statistics.pstdev(y) for y in ys]
-                ax.plot(Ls, mean, style[h][1], color=style[h][0], label=h.upper())
+                ax.plot(Ls, mean, ls, color=color, marker=marker, markersize=5 - k,
+                        fillstyle="none", label=h.upper())
                 ax.fill_between(Ls, [max(a - b, 1e-3) for a, b in zip(mean, sd)],
-                                [a + b for a, b in zip(mean, sd)], color=style[h][0], alpha=0.15)
+                                [a + b for a, b in zip(mean, sd)], color=color, alpha=0.15)
             ax.set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}",
-                   xlabel="L" if i == len(models) - 1 else None, ylabel="r_nt(L)" if j == 0
-                   else None)
+                   xlabel="L" if i == len(models) - 1 else None,
+                   ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None)
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     cli.save_figure(fig, os.path.join(args.out, "r_nt.png"))
     plt.close(fig)
 
 
+def over_training(cfg, args):
+    """How each head's termination behaves over training (curves.py: validation perplexity and
+    the probe's r_nt against steps, seed 0 of each head), one figure per model."""
+    import curves
+    lines = []
+    for model in cfg["models"]:
+        folders = [os.path.join(args.runs, f"{model}-{h}-s0") for h in args.heads]
+        path = os.path.join(args.out, f"training-{model}.png")
+        rows, _ = curves.overlay(folders, path)
+        lines += ["", f"Over training ({model}, seed 0; {os.path.basename(path)}): the probe "
+                      f"greedy-decodes 64 validation contexts at each evaluation.", "", *rows]
+    return lines
+
+
 def run_nmst(table, args):
     cfg, runs = nmst_runs(table, args)
     lines = report_table1(cfg, runs, args) if table == 1 else report_table4(cfg, runs, args)
-    if table == 1:
-        plot_nmst(cfg, runs, args)
+    plot_nmst(cfg, runs, args)
+    lines += over_training(cfg, args)
     raw = {f"{m}/{h}": res for (m, h), res in runs.items()}
     return lines, raw
 
@@ -303,12 +360,14 @@ def ct_settings(scale):
 
 def run_ct(args):
     cfg = ct_settings(args.scale)
-    runs = {}
+    runs, progress = {}, Progress(2 * len(CT_ROWS) * cfg["seeds"])
     for label, head, extra in CT_ROWS:
         for seed in range(cfg["seeds"]):
             name = f"{head}{extra[1] if extra else ''}-s{seed}"
+            progress.step(f"training {name}")
             ckpt = train_once(os.path.join(args.runs, name),
                               [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)])
+            progress.step(f"evaluating {name} (valid, test)")
             ppl = {split: evaluate_once(ckpt, ["--split", split, *cfg["limit"]],
                                         os.path.join(args.out, f"{name}-{split}.json"))["ppl"]
                    for split in ("valid", "test")}
@@ -321,6 +380,8 @@ def run_ct(args):
         lines.append(f"| {label} | {mean_std([r['valid'] for r in runs[label]])} | "
                      f"{mean_std([r['test'] for r in runs[label]])} | {PAPER_CT[label]} |")
     best = min(runs, key=lambda k: statistics.mean(r["valid"] for r in runs[k]))
+    if args.scale == "tiny":
+        return lines + ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."], runs
     lines += ["", f"- Lowest mean validation perplexity here: {best}.  The paper's claim (CT-MoS "
                   f"beats every constant-temperature MoS) " + ("holds at this scale." if best ==
                                                                 "CT-MoS" else "does NOT hold at "
@@ -357,13 +418,15 @@ PAPER_INSNET = {"insnet": "52.86 / 36.86 / 26.39 / 19.35, 100%",
 def run_insnet(args):
     cfg = insnet_settings(args.scale)
     limit = ["--limit", str(cfg["stories"])] if cfg["stories"] else []
-    runs = {}
+    runs, progress = {}, Progress(2 * 2 * cfg["seeds"] + 1)
     for model in ("insnet", "gpt"):
         for seed in range(cfg["seeds"]):
             name = f"{model}-s{seed}"
+            progress.step(f"training {name}")
             ckpt = train_once(os.path.join(args.runs, name),
                               ["--model", model, "--dataset", "rocstories", "--task", "storyline",
                                "--seed", str(seed), *cfg["flags"]])
+            progress.step(f"generating {name}'s stories")
             runs.setdefault(model, []).append(evaluate_once(
                 ckpt, ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
                 os.path.join(args.out, f"{name}-generation.json"))["generation"])
@@ -377,6 +440,7 @@ def run_insnet(args):
         bleu = [mean_std([r["bleu"][str(n)] for r in g], 2) for n in range(1, 5)]
         inc = mean_std([100 * r["keyword_inclusion"] for r in g], 1)
         lines.append(f"| {label} | " + " | ".join(bleu) + f" | {inc} % | {PAPER_INSNET[model]} |")
+    progress.step("Fig. 12 (bench.py insnet)")
     lines += fig12(cfg, args)
     return lines, runs
 
@@ -409,6 +473,9 @@ def build_parser():
     p.add_argument("--scale", default="cpu", choices=["tiny", "cpu", "paper"])
     p.add_argument("--out", default=None, help="results folder (default results/NAME-SCALE)")
     p.add_argument("--runs", default=None, help="training runs (default OUT/runs)")
+    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS_AVAILABLE,
+                   help="nmst-table1 / nmst-table4: the output heads compared (default "
+                        "softmax st nmst)")
     return p
 
 

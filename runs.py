@@ -46,13 +46,16 @@ class Run:
     """One run's folder and books (see the module docstring).  dist: cli.Dist; scaler: the
     float16 GradScaler (a disabled one otherwise); epoch_tokens: for the CPU epoch estimate."""
 
-    def __init__(self, args, dist, scaler, epoch_tokens=0):
+    def __init__(self, args, dist, scaler, epoch_tokens=0, epoch_steps=1):
         self.args, self.out_dir, self.dist, self.scaler = args, args.out_dir, dist, scaler
-        self.master, self.epoch_tokens = dist.rank == 0, epoch_tokens
+        self.master, self.epoch_tokens, self.epoch_steps = dist.rank == 0, epoch_tokens, \
+            max(epoch_steps, 1)
+        self.warm = None  # (time, tokens) after the first step of this process: the estimate's start
         self.state, self.stop_requested, self.lock = TrainState(lr=args.lr), None, None
         self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
         self.pending = []  # (step, lr, loss tensor, non-finite tensor) not yet in steps.jsonl
         self.first_step, self.run_id, self.previous = 0, None, {}
+        self.tensorboard = None  # a SummaryWriter with --tensorboard (rank 0)
 
     def path(self, name):
         return os.path.join(self.out_dir, name)
@@ -81,12 +84,34 @@ class Run:
             print(f"note: {self.out_dir} holds no checkpoint yet (the run stopped before its "
                   f"first one): starting again from step 0", file=sys.stderr)
         self.run_id = self.run_id or folder_run_id(self.out_dir) or uuid.uuid4().hex
-        cli.write_json(self.path("run.json"), dict(run_id=self.run_id))
+        cli.write_json(self.path("run.json"), dict(run_id=self.run_id, args=vars(self.args)))
         for name in os.listdir(self.out_dir):  # temporary files of an interrupted write
             if name.startswith(".ckpt_") and name.endswith(".tmp"):
                 os.remove(self.path(name))
         for name in ("log.jsonl", "steps.jsonl"):
             keep_log_until(self.path(name), self.state.step)
+        if self.args.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("--tensorboard needs the tensorboard package: pip install "
+                                "tensorboard (then: tensorboard --logdir OUT_DIR)") from None
+            self.tensorboard = SummaryWriter(self.path("tensorboard"), purge_step=self.state.step
+                                             + 1)
+
+    def draw(self, record):
+        """After an evaluation: RUN/curves.png redrawn from the logs (curves.py; one warning,
+        not a failure, when it cannot be written) and, with --tensorboard, the record's
+        scalars."""
+        if not self.args.no_curves:
+            import curves
+            curves.draw_run(self.out_dir)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                        key not in ("step", "epoch"):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+            self.tensorboard.flush()
 
     def append(self, name, record):
         if not self.master:
@@ -119,14 +144,25 @@ class Run:
         self.pending.append((st.step, st.lr, loss.detach(), bad))
         if st.step % self.args.log_interval == 0:
             self.flush()
-        if st.step == self.first_step + 3 and self.master and self.dist.device == "cpu":
-            r = self.since_eval
-            rate = r["tokens"] * self.dist.world / max(time.time() - r["t0"], 1e-9)
-            hours = self.epoch_tokens / max(rate, 1e-9) / 3600
-            took = f"{hours:.1f} h" if hours >= 1 else f"{60 * hours:.1f} min"
-            print(f"\n{rate:,.0f} tokens/s on this CPU: about {took} per epoch"
-                  + ("; for a run sized for a laptop see `python reproduce.py nmst-table1 "
-                     "--scale cpu` (README, Coursework)" if hours > 1 else ""), flush=True)
+        if st.step == self.first_step + 1:  # the first step warms up (allocator, compile)
+            self.warm = (time.time(), self.since_eval["tokens"])
+        if st.step == self.first_step + 4 and self.master and self.dist.device == "cpu":
+            self.estimate()
+
+    def estimate(self):
+        """On a CPU, three steps after warm-up: the speed, an epoch's time and the whole run's
+        (--max_iters, else --max_epochs) at that speed."""
+        seconds = max(time.time() - self.warm[0], 1e-9)
+        rate = (self.since_eval["tokens"] - self.warm[1]) * self.dist.world / seconds
+        args, st = self.args, self.state
+        total = args.max_iters or args.max_epochs * self.epoch_steps
+        left = max(total - st.step, 0) * seconds / 3
+        print(f"\n{rate:,.0f} tokens/s on this CPU: {hours(self.epoch_tokens / max(rate, 1e-9))} "
+              f"per epoch; this run ({total:,} steps"
+              + (f", about {total / self.epoch_steps:,.1f} epochs" if args.max_iters else "")
+              + f") has about {hours(left)} to go"
+              + ("; for a run sized for a laptop see `python reproduce.py nmst-table1 --scale "
+                 "cpu` (README, Coursework)" if left > 3600 else ""), flush=True)
 
     def flush(self):
         """Read the pending steps' losses (one read), append them to steps.jsonl, and stop the
@@ -231,9 +267,15 @@ class Run:
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.lock:
             self.lock.close()
         return False
+
+
+def hours(seconds):
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def limit_reached(args, st):

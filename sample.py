@@ -13,6 +13,7 @@ IT-vanilla) take a title (and storyline keywords) and print the canvas after eve
 with p(terminate).  Word-level prompts must be in the model's vocabulary (PTB is lower-cased);
 --allow_unk reads unknown words as <unk>.
 """
+import math
 import sys
 
 import torch
@@ -125,11 +126,26 @@ def show(model, tok, text, prompt_ids, toks, terminated, args):
     ended = "[eos]" if terminated else f"[length cap {args.L}: not terminated]"
     body = [t for t in toks if t != model.eos_id]
     sep = "" if tok.kind == "char" else " "
-    print(f"{text}{sep}>>> {tok.decode(body)} {ended}")
+    print(f"{text}{sep}>>> {tok.decode(body)} {ended}{why(model, toks, terminated, args)}")
     if args.show_eos:
         for t, (token, p_eos) in enumerate(zip(toks, eos_probs(model, prompt_ids, toks)),
                                            start=1):
             print(f"    t={t:4d}  p(eos)={p_eos:.4f}  {tok.decode([token])!r}")
+
+
+def why(model, toks, terminated, args):
+    """What the user may wonder about: an ST / NMST continuation cut before its guaranteed end
+    (p(eos) >= 1 - (1 - eps)^t passes 1/2 at t = ln 2 / eps, NMST paper Theorem 3), and a beam
+    search whose best finished hypothesis is eos alone."""
+    head, eps = model.cfg.get("head"), model.cfg.get("epsilon")
+    if not terminated and head in ("st", "nmst"):
+        bound = math.log(2) / -math.log1p(-eps)
+        if bound > args.L:
+            return (f"  (the {head.upper()} head's p(eos) passes 1/2 by t = ln 2 / eps = "
+                    f"{bound:,.0f} at the latest; --L {args.L} cut it before that)")
+    if terminated and toks == [model.eos_id] and args.decoder == "beam":
+        return "  (beam search: eos alone was the best-scoring finished hypothesis)"
+    return ""
 
 
 def sample_story(args, task, model, device):

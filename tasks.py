@@ -111,6 +111,10 @@ class Task:
         """The mean training sequence length (for the MFU estimate), or None."""
         return None
 
+    def probe(self, lm, device, n, L):
+        """The termination probe of a training run (CompletionTask has contexts to continue)."""
+        return None
+
 
 class LanguageModelTask(Task):
     """What the completion and stream tasks share: a prepared dataset (meta, its folder, its
@@ -157,6 +161,33 @@ class CompletionTask(LanguageModelTask):
 
     def decodable_split(self, name):
         return self.splits[name]
+
+    @torch.no_grad()
+    def probe(self, lm, device, n, L, decode_batch=64):
+        """The termination probe (train.py, at every evaluation): greedy continuations of the
+        first n validation contexts, up to L tokens (less where a window is shorter), batched as
+        evaluate.py --decoder greedy --limit n --L L does, so its r_nt(L) is evaluate.py's.
+        -> dict(r_nt, L, n, mean_length, example: the first continuation), or None."""
+        from decode import decode, non_termination_ratio
+        split = self.splits["valid"]
+        n = min(n, len(split))
+        window = lm.cfg.get("block_size") if lm.cfg["model"] in WINDOWED else None
+        longest = max((int(split.contexts[i]) for i in range(n)), default=0)
+        L = min(L, window - longest + 1) if window else L
+        if n == 0 or L < 1:
+            return None
+        lengths, done, first = [], [], None
+        for lo in range(0, n, decode_batch):
+            prompts = [torch.as_tensor(split.context(i))
+                       for i in range(lo, min(n, lo + decode_batch))]
+            res = decode(lm, prompts, L, "greedy")
+            lengths.append(res["lengths"])
+            done.append(res["terminated"])
+            first = first or (split.context(0).tolist(), res["tokens"][0],
+                              bool(res["terminated"][0]))
+        lengths, done = torch.cat(lengths), torch.cat(done)
+        return dict(r_nt=non_termination_ratio(lengths, done, L), L=L, n=n,
+                    mean_length=float(lengths.double().mean()), example=first)
 
     def tokens_per_epoch(self):
         return int(np.sum(self.splits["train"].lengths[:self.train_seqs or None] - 1))

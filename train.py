@@ -49,7 +49,7 @@ def main(argv=None):
     optimizer = configure_optimizer(lm, args, dist.device)
     fp16 = cli.autocast_dtype(dist.device, args.dtype) == torch.float16  # needs loss scaling
     run = runs.Run(args, dist, torch.amp.GradScaler(dist.device.split(":")[0], enabled=fp16),
-                   task.tokens_per_epoch())
+                   task.tokens_per_epoch(), len(task.epoch(0)) // args.grad_accum)
     if ckpt is not None and not run.restore(ckpt, lm, optimizer, task, cfg):
         return 0
     if args.compile:
@@ -162,15 +162,44 @@ def validate(args, task, lm, run, save, autocast, clock):
                val_ppl=math.exp(min(val["nll"], 700)), lr=st.lr, tokens_per_s=tok_per_s, mfu=mfu,
                best=improved, elapsed_s=time.time() - clock.start,
                **{k: v for k, v in val.items() if k == "nll_per_story"})
+    probe = run_probe(args, task, lm, val, dist) if dist.rank == 0 else None
     if dist.rank == 0:
         print(f"step {st.step:7d} | epoch {st.epoch:3d} | train loss {rec['train_loss']:.4f} | "
               f"val loss {val['nll']:.4f} | val ppl {rec['val_ppl']:9.2f} | lr {st.lr:.2e} | "
               f"{tok_per_s:8.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
               + (" | best" if improved else ""), flush=True)
+        if probe:
+            rec.update({k: v for k, v in probe.items() if k != "line"})
+            print(probe["line"], flush=True)
     run.append("log.jsonl", rec)
     if improved:
         save("ckpt_best.pt")
+    if dist.rank == 0:
+        run.draw(rec)  # curves.png (and TensorBoard when asked)
     run.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
+
+
+def run_probe(args, task, lm, val, dist):
+    """The termination probe (NMST paper eq. 11 during training): greedy continuations of
+    --probe validation contexts up to --probe_L tokens; r_nt, the mean length, the mean p(eos)
+    at the true end (from the evaluation), one example and where and why it stopped.  Its time
+    counts as training time.  -> the log fields and the line to print, or None."""
+    t0 = time.time()
+    p = task.probe(lm, dist.device, args.probe, args.probe_L) if args.probe else None
+    if p is None:
+        return None
+    context, tokens, ended = p["example"]
+    tok = task.tokenizer()
+    body = [t for t in tokens if t != task.eos_id]
+    why = f"eos at t={len(tokens)}" if ended else f"cut at L={p['L']}: not terminated"
+    text = tok.decode(body)
+    line = (f"        probe: r_nt({p['L']}) {p['r_nt']:.3f} over {p['n']} contexts | mean length "
+            f"{p['mean_length']:.1f} | p(eos) at the true end {val['eos_prob_at_end']:.4f} | "
+            f"\"{tok.decode(context)}\" >>> \"{text[:120]}{'...' if len(text) > 120 else ''}\" "
+            f"[{why}]")
+    return dict(probe_r_nt=p["r_nt"], probe_L=p["L"], probe_n=p["n"],
+                probe_mean_length=p["mean_length"], probe_eos_at_end=val["eos_prob_at_end"],
+                probe_seconds=time.time() - t0, line=line)
 
 
 def next_epoch(args, run, evaluate, save):

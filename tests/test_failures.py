@@ -166,12 +166,12 @@ def mount_tmpfs(path, size):
 
 
 def test_real_full_disk(tmp_path, capsys):
-    """A 6 MB tmpfs filled up: the checkpoint that does not fit is an error naming the disk and
+    """An 8 MB tmpfs filled up: the checkpoint that does not fit is an error naming the disk and
     leaves the previous one intact, a log line that does not fit is an error too, and once
     space is freed the run resumes to exactly the uninterrupted run's losses."""
     ref = tiny_run(tmp_path / "ref", iters=6, every=2)
     disk = tmp_path / "disk"
-    mount_tmpfs(disk, "6m")
+    mount_tmpfs(disk, "8m")
     try:
         out = tiny_run(disk / "run", iters=2, every=2)
         filler = disk / "filler"

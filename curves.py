@@ -1,0 +1,182 @@
+"""Watch runs learn: one run's curves (train.py redraws RUN/curves.png at every evaluation) and
+several runs side by side.
+
+    python curves.py out/ptb-lstm-softmax out/ptb-lstm-st out/ptb-lstm-nmst --out cmp.png
+
+A run's figure: train and validation perplexity (log axis) and the learning rate against steps,
+and the termination probe (NMST paper eq. 11: r_nt(L) of greedy continuations of fixed
+validation contexts, and the mean p(eos) at the true end) when the run has one.  Side by side:
+validation perplexity and the probe's r_nt(L) of every run, each labelled by the flags in which
+the runs differ, and a table of the best values.  Figures are written atomically; a figure that
+cannot be written is one warning, never a failed run.
+"""
+import json
+import math
+import os
+import sys
+
+import cli
+
+LABEL_FLAGS = ("model", "head", "epsilon", "dataset", "vocab", "d_model", "n_layer", "lr",
+               "dropout", "seed", "task", "order")
+
+
+def read_log(folder):
+    """The evaluations of a run (log.jsonl), whole records only."""
+    records = []
+    try:
+        with open(os.path.join(folder, "log.jsonl")) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return records
+
+
+def read_steps(folder):
+    """(step, loss) of every logged step (steps.jsonl)."""
+    out = []
+    try:
+        with open(os.path.join(folder, "steps.jsonl")) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                    out.append((r["step"], r["loss"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except OSError:
+        pass
+    return out
+
+
+def read_args(folder):
+    try:
+        with open(os.path.join(folder, "run.json")) as f:
+            return json.load(f).get("args") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def ppl(loss):
+    return math.exp(min(loss, 50.0))
+
+
+def draw_run(folder, path=None):
+    """RUN/curves.png from its logs; -> the path, or None (and one warning) when it could not
+    be drawn or written."""
+    path = path or os.path.join(folder, "curves.png")
+    log = read_log(folder)
+    plt = cli.pyplot(quiet=True)
+    if not log or plt is None:
+        return None
+    probe = [r for r in log if r.get("probe_r_nt") is not None]
+    fig, axes = plt.subplots(1, 3 if probe else 2, figsize=(12 if probe else 8.5, 3.4))
+    steps = [r["step"] for r in log]
+    every = read_steps(folder)
+    if every:  # every step's training loss, as a running mean over 10 steps
+        xs, ys = zip(*every)
+        mean = [sum(ys[max(0, i - 9):i + 1]) / len(ys[max(0, i - 9):i + 1]) for i in range(len(ys))]
+        axes[0].plot(xs, [ppl(v) for v in mean], "-", color="C0", alpha=0.35, lw=1,
+                     label="train, per step (mean of 10)")
+    axes[0].plot(steps, [ppl(r["train_loss"]) for r in log], "o-", label="train")
+    axes[0].plot(steps, [r["val_ppl"] for r in log], "s-", label="validation")
+    axes[0].set(yscale="log", xlabel="step", ylabel="perplexity (log axis)", title="perplexity")
+    axes[0].legend(fontsize=8)
+    axes[1].plot(steps, [r["lr"] for r in log], ".-", color="0.3")
+    axes[1].set(xlabel="step", ylabel="learning rate", title="learning rate")
+    if probe:
+        L = probe[-1]["probe_L"]
+        ps = [r["step"] for r in probe]
+        axes[2].plot(ps, [r["probe_r_nt"] for r in probe], "o-", color="tab:red",
+                     label=f"r_nt({L}), greedy")
+        axes[2].plot(ps, [r["probe_eos_at_end"] for r in probe], "^-", color="tab:blue",
+                     label="mean p(eos) at the true end")
+        axes[2].set(xlabel="step", ylim=(-0.02, 1.02), title=f"termination probe "
+                    f"({probe[-1]['probe_n']} contexts)")
+        axes[2].legend(fontsize=8)
+    fig.suptitle(os.path.basename(os.path.abspath(folder)), fontsize=9)
+    fig.tight_layout()
+    return save(plt, fig, path)
+
+
+def save(plt, fig, path):
+    try:
+        cli.save_figure(fig, path)
+    except cli.UserError as e:
+        print(f"warning: {e} (training goes on)", file=sys.stderr)
+        path = None
+    finally:
+        plt.close(fig)
+    return path
+
+
+def differing(args_list):
+    """The flags whose values differ between runs (what labels them)."""
+    keys = [k for k in LABEL_FLAGS if len({repr(a.get(k)) for a in args_list}) > 1]
+    return keys or ["model"]
+
+
+def label(args, keys, folder):
+    parts = [f"{k}={args[k]:g}" if isinstance(args.get(k), float) else str(args.get(k))
+             for k in keys if args.get(k) is not None]
+    return " ".join(parts) or os.path.basename(os.path.abspath(folder))
+
+
+def overlay(folders, path):
+    """Several runs side by side (validation perplexity; the probe's r_nt) and a table of their
+    best values.  -> (the table's lines, the figure's path or None)."""
+    runs = [(f, read_args(f), read_log(f)) for f in folders]
+    missing = [f for f, _, log in runs if not log]
+    if missing:
+        raise cli.UserError(f"no evaluations logged in {', '.join(missing)} (a run folder of "
+                            f"train.py holds log.jsonl)")
+    keys = differing([a for _, a, _ in runs])
+    rows = [f"| run ({', '.join(keys)}) | best val ppl | at step | last r_nt(L) | last p(eos) "
+            f"at end |", "|---|---|---|---|---|"]
+    plt = cli.pyplot(quiet=True)
+    fig, axes = (None, None) if plt is None else plt.subplots(1, 2, figsize=(10, 3.6))
+    for i, (folder, args, log) in enumerate(runs):
+        name = label(args, keys, folder)
+        best = min(log, key=lambda r: r["val_loss"])
+        probe = [r for r in log if r.get("probe_r_nt") is not None]
+        rows.append(f"| {name} | {best['val_ppl']:.2f} | {best['step']} | "
+                    + (f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
+                       f"{probe[-1]['probe_eos_at_end']:.4f} |" if probe else "- | - |"))
+        if axes is not None:
+            style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
+            axes[0].plot([r["step"] for r in log], [r["val_ppl"] for r in log], label=name,
+                         **style)
+            if probe:
+                axes[1].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe],
+                             marker="os^D"[i % 4], fillstyle="none", label=name, **style)
+    if axes is None:
+        return rows, None
+    axes[0].set(yscale="log", xlabel="step", ylabel="validation perplexity (log axis)")
+    L = next((r["probe_L"] for _, _, log in runs for r in log if r.get("probe_L")), "L")
+    axes[1].set(xlabel="step", ylabel=f"r_nt({L}), greedy", ylim=(-0.02, 1.02),
+                title="termination probe")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return rows, save(plt, fig, path)
+
+
+def main(argv=None):
+    p = cli.CLIParser(description="Runs side by side: validation perplexity and the termination "
+                                  "probe against steps, labelled by the flags that differ.")
+    p.add_argument("runs", nargs="+", help="run folders of train.py (--out_dir)")
+    p.add_argument("--out", default="curves.png", help="the PNG (default curves.png)")
+    args = p.parse_args(argv)
+    cli.check_output(args.out, "--out", inputs=args.runs)
+    rows, path = overlay(args.runs, args.out)
+    print("\n".join(rows))
+    if path:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main))

@@ -1,0 +1,86 @@
+"""Coursework exercise 1 (README), done by following its own text on a copy of the code: a new
+termination head, alpha_t = sigmoid(z_eos + w log t), goes through training, evaluation and
+`reproduce.py nmst-table1 --scale tiny --heads ... logt`; and a head name without its branch
+is an error, never a silent ST."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+
+# the exercise's places, in the README's order: (file, anchor, what is put before / after it)
+EXERCISE_1 = [
+    ("heads.py", 'HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos")',
+     'HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos", "logt")'),
+    ("heads.py", 'TERMINATION_HEADS = ("st", "nmst")', 'TERMINATION_HEADS = ("st", "nmst", "logt")'),
+    ("heads.py", "def st_log_alpha(", '''def logt_log_alpha(z_eos, t, w):
+    """Coursework exercise 1: alpha_t = sigmoid(z_eos + w log t), w a learned scalar.
+    -> (log alpha_t, log(1 - alpha_t))."""
+    a = z_eos.float() + w * torch.log(torch.clamp(torch.as_tensor(t, device=z_eos.device), min=1)
+                                      .float())
+    return F.logsigmoid(a), F.logsigmoid(-a)
+
+
+def st_log_alpha('''),
+    ("heads.py", "        self.proj = nn.Linear(d_model, vocab_size, bias=bias)  # U, the (tied) decoder",
+     "        self.proj = nn.Linear(d_model, vocab_size, bias=bias)  # U, the (tied) decoder\n"
+     "        if kind == \"logt\":\n            self.w = nn.Parameter(torch.zeros(()))"),
+    ("heads.py", '        if self.kind == "st":\n            return st_log_probs(',
+     '        if self.kind == "logt":\n            return _assemble(logits, self.eos_id, *logt_log_alpha('
+     'logits[..., self.eos_id], t, self.w)), None\n'
+     '        if self.kind == "st":\n            return st_log_probs('),
+    ("heads.py", '        elif self.kind == "st":\n            log_alpha, log_one_minus_alpha, head_state',
+     '        elif self.kind == "logt":\n            log_alpha, log_one_minus_alpha = logt_log_alpha(z_eos, t, '
+     'self.w)\n        elif self.kind == "st":\n            log_alpha, log_one_minus_alpha, head_state'),
+]
+
+
+def copy_of_the_code(dest):
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for name in files:
+        if name.endswith(".py") or name.startswith("data/"):
+            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
+            with open(os.path.join(ROOT, name), "rb") as src, open(os.path.join(dest, name), "wb") as out:
+                out.write(src.read())
+
+
+def apply(dest, edits):
+    for name, anchor, new in edits:
+        path = os.path.join(dest, name)
+        text = open(path).read()
+        assert text.count(anchor) == 1, (name, anchor)  # the exercise's text names real places
+        open(path, "w").write(text.replace(anchor, new))
+
+
+def test_exercise_1_a_fourth_head_goes_through_reproduce(tmp_path):
+    code = tmp_path / "code"
+    copy_of_the_code(str(code))
+    apply(str(code), EXERCISE_1)
+    out = tmp_path / "results"
+    p = subprocess.run([sys.executable, "reproduce.py", "nmst-table1", "--scale", "tiny", "--heads", "softmax",
+                        "st", "nmst", "logt", "--out", str(out)], cwd=code, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = (out / "table.md").read_text()
+    assert "LOGT+" in table and "no conclusion" in table and "± 0.0" not in table
+    assert (out / "r_nt.png").exists()
+
+
+def test_a_head_without_its_branch_is_an_error(tmp_path):
+    """Only the name added to HEADS (the branches forgotten): an error, not a silent ST."""
+    code = tmp_path / "code"
+    copy_of_the_code(str(code))
+    apply(str(code), EXERCISE_1[:2])
+    probe = ("import torch, heads\n"
+             "h = heads.Head('logt', 4, 10, 0)\n"
+             "x = torch.randn(1, 3, 4)\n"
+             "for call in (lambda: h(x, torch.ones(1, 3)), lambda: h.target_log_probs(x, torch.ones(1, 3, "
+             "dtype=torch.long), torch.ones(1, 3))):\n"
+             "    try:\n        call()\n        print('SILENT')\n"
+             "    except ValueError as e:\n        print('REFUSED', e)\n")
+    p = subprocess.run([sys.executable, "-c", probe], cwd=code, capture_output=True, text=True, timeout=120)
+    assert p.stdout.count("REFUSED") == 2 and "SILENT" not in p.stdout, p.stdout + p.stderr

@@ -1,0 +1,105 @@
+"""Watching a run learn: the termination probe equals evaluate.py's greedy study, curves.png is
+redrawn at every evaluation (a figure that cannot be written is a warning), TensorBoard gets the
+same scalars, runs side by side are labelled by the flags that differ, and a resumed run leaves
+the logs of an uninterrupted one."""
+import json
+import sys
+import types
+
+import pytest
+
+import cli
+import curves
+import evaluate
+import train
+
+pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+TINY = ["--model", "lstm", "--epsilon", "1e-3", "--dataset", "ptb", "--d_model", "16", "--dropout", "0.1",
+        "--batch_size", "8", "--lr", "3e-3", "--train_seqs", "96", "--eval_seqs", "16", "--seed", "2",
+        "--probe", "16", "--probe_L", "30", "--log_interval", "1"]
+TIMING = ("tokens_per_s", "elapsed_s", "probe_seconds", "mfu")
+
+
+def log(folder):
+    return [json.loads(line) for line in open(folder / "log.jsonl")]
+
+
+def test_the_probe_is_evaluate_greedy(tmp_path):
+    out = tmp_path / "run"
+    assert train.main(TINY + ["--head", "softmax", "--max_iters", "4", "--eval_interval", "2", "--out_dir",
+                              str(out)]) == 0
+    last = log(out)[-1]
+    study = tmp_path / "greedy.json"
+    assert evaluate.main(["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "greedy", "--L", "30", "--limit",
+                          "16", "--out", str(study)]) == 0
+    d = json.loads(study.read_text())
+    assert last["probe_r_nt"] == d["decoding"]["r_nt"]["30"]
+    assert last["probe_mean_length"] == pytest.approx(d["decoding"]["mean_length"])
+    assert last["probe_eos_at_end"] == pytest.approx(d["eos_prob_at_end"], rel=1e-6)
+
+
+def test_curves_are_redrawn_at_every_evaluation(tmp_path, monkeypatch, capsys):
+    drawn = []
+    draw = curves.draw_run
+    monkeypatch.setattr(curves, "draw_run", lambda folder: drawn.append(draw(folder)))
+    out = tmp_path / "run"
+    assert train.main(TINY + ["--head", "nmst", "--max_iters", "6", "--eval_interval", "2", "--out_dir",
+                              str(out)]) == 0
+    assert drawn == [str(out / "curves.png")] * 3 and (out / "curves.png").stat().st_size > 10_000
+    assert "probe: r_nt(30)" in capsys.readouterr().out
+
+
+def test_a_figure_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, capsys):
+    def refuse(fig, path):
+        raise cli.UserError(f"could not write {path}: Read-only file system")
+    monkeypatch.setattr(cli, "save_figure", refuse)
+    assert train.main(TINY + ["--head", "st", "--max_iters", "2", "--eval_interval", "2", "--out_dir",
+                              str(tmp_path / "run")]) == 0
+    assert "warning: could not write" in capsys.readouterr().err
+
+
+def test_tensorboard_gets_the_logged_scalars(tmp_path, monkeypatch):
+    scalars = []
+
+    class SummaryWriter:
+        def __init__(self, folder, purge_step=None):
+            self.folder = folder
+
+        def add_scalar(self, key, value, step):
+            scalars.append((key, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    assert train.main(TINY + ["--head", "nmst", "--max_iters", "2", "--eval_interval", "2", "--tensorboard",
+                              "--out_dir", str(tmp_path / "run")]) == 0
+    assert {"val_ppl", "train_loss", "lr", "probe_r_nt"} <= {k for k, _ in scalars}
+
+
+def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys):
+    folders = []
+    for head in ("softmax", "nmst"):
+        folders.append(str(tmp_path / head))
+        assert train.main(TINY + ["--head", head, "--max_iters", "4", "--eval_interval", "2", "--out_dir",
+                                  folders[-1]]) == 0
+    capsys.readouterr()
+    assert curves.main([*folders, "--out", str(tmp_path / "cmp.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| run (head) |" in out and "| softmax |" in out and "| nmst |" in out
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
+def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    flags = TINY + ["--head", "nmst", "--eval_interval", "2"]
+    assert train.main(flags + ["--max_iters", "6", "--out_dir", str(whole)]) == 0
+    assert train.main(flags + ["--max_iters", "2", "--out_dir", str(parts)]) == 0
+    assert train.main(flags + ["--max_iters", "6", "--out_dir", str(parts), "--resume"]) == 0
+
+    def same(records):
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+    assert same(log(whole)) == same(log(parts))
+    assert (parts / "curves.png").exists()
