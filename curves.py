@@ -21,11 +21,11 @@ LABEL_FLAGS = ("model", "head", "epsilon", "dataset", "vocab", "d_model", "n_lay
                "dropout", "seed", "task", "order")
 
 
-def read_log(folder):
-    """The evaluations of a run (log.jsonl), whole records only."""
+def read_records(folder, name="log.jsonl"):
+    """A run's records (log.jsonl: its evaluations; steps.jsonl: its steps), whole ones only."""
     records = []
     try:
-        with open(os.path.join(folder, "log.jsonl")) as f:
+        with open(os.path.join(folder, name)) as f:
             for line in f:
                 try:
                     records.append(json.loads(line))
@@ -36,20 +36,14 @@ def read_log(folder):
     return records
 
 
+def read_log(folder):
+    return read_records(folder, "log.jsonl")
+
+
 def read_steps(folder):
-    """(step, loss) of every logged step (steps.jsonl)."""
-    out = []
-    try:
-        with open(os.path.join(folder, "steps.jsonl")) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                    out.append((r["step"], r["loss"]))
-                except (ValueError, KeyError, TypeError):
-                    continue
-    except OSError:
-        pass
-    return out
+    """(step, loss) of every logged step."""
+    return [(r["step"], r["loss"]) for r in read_records(folder, "steps.jsonl")
+            if isinstance(r, dict) and "step" in r and "loss" in r]
 
 
 def read_args(folder):

@@ -165,7 +165,7 @@ def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(figs)) == ["lengths.png", "p_eos.png", "r_nt.png"]
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert evaluate.main(["--compare", str(a), "--plot", str(tmp_path / "none")]) == 0
-    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert "figures need matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()
 
 

@@ -317,3 +317,28 @@ def test_bench_gpu_checks_run_on_cpu():
             continue  # inductor on the CPU takes ~20 s; test_model covers compiled == eager
         err, tol = fn("cpu")
         assert err <= tol, name
+
+
+def test_mfu_counts_every_process_and_the_sequences_trained_on():
+    """MFU divides the global tokens/s by every process's peak, at the mean length of the
+    sequences actually trained on (--train_seqs), not of the whole split."""
+    lengths = {}
+
+    class LM:
+        def flops_per_token(self, length):
+            lengths["seen"] = length
+            return 1e9
+
+    class Task:
+        def mean_length(self):
+            return 42.0
+    args = types.SimpleNamespace(peak_flops=1e12, dtype="auto")
+    one = train.mfu_per_token(args, Task(), LM(), cli.Dist(0, 1, "cpu"))
+    two = train.mfu_per_token(args, Task(), LM(), cli.Dist(0, 2, "cpu"))
+    assert lengths["seen"] == 42.0 and one == pytest.approx(2 * two) == pytest.approx(1e-3)
+
+
+def test_the_mean_training_length_is_of_the_sequences_trained_on(wikitext2):
+    _, splits = wikitext2
+    task = tasks.CompletionTask(splits, batch_size=4, train_seqs=10)
+    assert task.mean_length() == pytest.approx(float((splits["train"].lengths[:10] - 1).mean()))
