@@ -1,7 +1,8 @@
 """Decoding algorithms for sequence completion: greedy, ancestral sampling (with temperature),
 top-k, nucleus (top-p) and beam search, batched over prompts and cached.
 
-Papers and equations (NMST paper, ../shared/papers/nmst-non-monotonic-self-terminating-lm.txt):
+Papers and equations (NMST paper: Choi et al., "A Non-monotonic Self-terminating Language Model",
+ICLR 2023):
   * greedy search                         eq. 8
   * top-k sampling                        eq. 12-13 (Definition A.1, Fan et al. 2018)
   * nucleus sampling                      eq. 14-15 (Definition A.2, Holtzman et al. 2020)

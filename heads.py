@@ -4,14 +4,12 @@ Papers and equations implemented here (each exactly once, next to a comment nami
   * Vanilla softmax (VA)                      NMST paper, eq. 2
   * Self-terminating (ST, Welleck et al. 2020) NMST paper, eq. 9
   * Non-monotonic self-terminating (NMST)     NMST paper, eq. 10
-(Choi et al., "A Non-monotonic Self-terminating Language Model", ICLR 2023;
- ../shared/papers/nmst-non-monotonic-self-terminating-lm.txt)
+(Choi et al., "A Non-monotonic Self-terminating Language Model", ICLR 2023)
   * Mixture of Softmaxes (MoS, Yang et al. 2018)   CT paper, eq. 4
   * Contextual temperature (CT)                    CT paper, eq. 5-6
   * CT-MoS                                         CT paper, eq. 7
   * loss scaling (LS)                              CT paper, eq. 8
-(Wang et al., "Contextual Temperature for Language Modeling";
- ../shared/papers/contextual-temperature.txt)
+(Wang et al., "Contextual Temperature for Language Modeling", 2020)
 
 Each parametrization is a *pure function* from logits z = U h (..., V) to log-probabilities,
 plus a thin nn.Module (`Head`) that owns the output projection U (optionally tied to the input

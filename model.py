@@ -1,7 +1,7 @@
 """Backbones: RNN (tanh), LSTM and GPT-2, under one contract, plus the LanguageModel that joins a
 backbone to an output head (heads.py).
 
-Papers: the survey (../shared/papers/survey-text-generation-with-neural-networks.txt) for the
+Papers: the survey ("Text generation with neural networks") for the
 RNN / LSTM / Transformer language models; NMST paper appendix D for the sizes (RNN 2x256,
 LSTM 2x512, tied input/output embeddings, dropout 0.3 / 0.5; GPT-2 124M, dropout 0.1);
 GPT-2 (Radford et al. 2019) for the architecture: learned absolute positions, pre-LayerNorm

@@ -14,7 +14,7 @@ copy they are downloaded (tqdm progress bar) into the cache and verified before 
 folder (--data_dir DIR, or env NANOGEN_DATA) may hold (NANOGEN_OFFLINE=1 forbids downloads):
   * the official file under its official name  -> its sha256 must match, else a clear error;
   * for the WikiText zips, another zip with the official member layout (e.g. the
-    WikiText-103 *subset* in ../shared/data), or the extracted folder  -> accepted, with a
+    WikiText-103 *subset*), or the extracted folder  -> accepted, with a
     note, and the checksums of what was read recorded in the prepared data's meta.json.
 
 Protocol (one sequence per non-empty line; the survey's section 2.1 for the vocabularies):

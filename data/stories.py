@@ -5,7 +5,7 @@ ROCStories (InsNet paper section 4.1; Yao et al. 2019, "Plan-and-Write"): one st
     title <EOT> k1 k2 k3 k4 k5 <EOL> </s> s1 </s> s2 </s> s3 </s> s4 </s> s5
 lower-cased and tokenised; k1..k5 is the storyline (one keyword per sentence).  The files are
 the public Plan-and-Write split (train / dev / test, about 78.5k / 9,816 / 9,816 stories).  When
-the train file is absent (as in ../shared/data, which holds dev and test only), nanogen trains
+the train file is absent (only dev and test are public in that copy), nanogen trains
 on dev minus its last 500 stories, validates on those 500 and tests on test, and says so.
 
 Word-level vocabulary from the training stories (words seen >= min_count times; the rest are
