@@ -106,10 +106,13 @@ def _digest_ok(path, comment, expected):
 def _safe_load(path_or_buffer, name, map_location):
     try:
         return torch.load(path_or_buffer, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
-        raise CheckpointError(f"{name} was refused by safe (weights_only) loading: "
-                              f"{first[:200]}") from None
+    except pickle.UnpicklingError as e:  # torch's text advises unsafe loading: never repeated
+        text = str(e)
+        why = text.split("WeightsUnpickler error:")[-1].strip().splitlines()[0] \
+            if "WeightsUnpickler error:" in text else "unsupported content"
+        raise CheckpointError(f"{name} is not a nanogen checkpoint: safe (weights_only) loading "
+                              f"refused it ({why[:160]}); nanogen never loads pickled code") \
+            from None
     except Exception as e:  # truncated / not a torch file
         msg = str(e).splitlines()[0][:160] if str(e) else ""
         raise CheckpointError(f"{name} is not a readable nanogen checkpoint (damaged or "

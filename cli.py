@@ -57,8 +57,9 @@ def run_cli(main, argv=None):
     except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):
             raise
-        print("error: out of memory: the model or batch does not fit; use smaller --d_model / "
-              "--n_layer / --batch_size / --max_tokens", file=sys.stderr)
+        print("error: out of memory: the model, its batch or its decoding does not fit; use "
+              "smaller --batch_size / --max_tokens / --decode_batch / --L / --beam_size, or a "
+              "smaller model (--d_model / --n_layer)", file=sys.stderr)
     return 2
 
 

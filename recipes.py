@@ -18,7 +18,7 @@ from checkpoint import load as load_checkpoint
 from runs import check_own_checkpoint
 from data.prepare import DATASETS, VOCABS
 from heads import HEADS, TERMINATION_HEADS
-from model import MODELS
+from model import MODELS, WINDOWED
 from tasks import INSERTION_MODELS, STORY_DATASETS
 
 # --------------------------------------------------------------------------------------------
@@ -230,7 +230,31 @@ def parse_args(argv=None):
         args.out_dir, ckpt = out_dir, load_checkpoint(path)
         check_own_checkpoint(ckpt, out_dir)  # not a checkpoint copied in from another run
         return resume_args(args, explicit, ckpt, path), ckpt
-    return resolve(args, explicit), None
+    args = resolve(args, explicit)
+    unused = [f"--{k}" for k, applies in APPLIES if k in explicit and not applies(args)]
+    if unused:  # said, not silently dropped (not refused: scripts pass them to every model)
+        print(f"note: {', '.join(unused)} do{'es' if len(unused) == 1 else ''} not apply to "
+              f"--model {args.model} --head {args.head} --task {args.task} and "
+              f"{'is' if len(unused) == 1 else 'are'} ignored")
+    return args, None
+
+
+APPLIES = [  # (flag, does it apply to these arguments?)
+    ("n_head", lambda a: a.model in ("gpt", *INSERTION_MODELS)),
+    ("block_size", lambda a: a.model in (*WINDOWED, *INSERTION_MODELS)),
+    ("warmup", lambda a: a.lr_schedule == "linear"),
+    ("decay_steps", lambda a: a.lr_schedule == "linear"),
+    ("lr_decay", lambda a: a.lr_schedule == "plateau"),
+    ("bptt", lambda a: a.task == "stream"),
+    ("n_experts", lambda a: a.head in ("mos", "ctmos")),
+    ("ct_rank", lambda a: a.head in ("ct", "ctmos")),
+    ("ct_alpha", lambda a: a.head in ("ct", "ctmos")),
+    ("ct_beta", lambda a: a.head in ("ct", "ctmos")),
+    ("max_offset", lambda a: a.model == "insnet"),
+    ("min_count", lambda a: a.dataset == "rocstories"),
+    ("synthetic_count", lambda a: a.dataset == "synthetic"),
+    ("no_bias", lambda a: a.model == "gpt"),
+]
 
 
 def typed_flags(argv=None):

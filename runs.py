@@ -236,9 +236,13 @@ class Run:
         if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
             again = limit_reached(args, st) or st.epoch >= args.max_epochs
             st.done = "reached the same limit again" if again else None
+        if st.done and st.done.startswith("early stop") and st.bad_evals < args.patience:
+            st.done = None  # a larger --patience: go on
         if st.done and self.master:
+            more = "--patience" if st.done.startswith("early stop") else \
+                "--max_iters / --max_epochs / --max_minutes"
             print(f"{args.out_dir}: this run already finished ({st.done}); nothing to do (raise "
-                  f"--max_iters / --max_epochs / --max_minutes to go on)")
+                  f"{more} to go on)")
         return not st.done
 
     def stopped_message(self):
@@ -291,6 +295,10 @@ def check_folder(args):
     """Before anything else (on every process, so that none is left waiting for a collective
     when one refuses): the folder must not be in use, a fresh run must not find a run there,
     --resume must find something to resume, and a checkpoint there must be this folder's."""
+    if os.path.islink(args.out_dir) and not os.path.exists(args.out_dir):
+        raise UserError(f"--out_dir {args.out_dir} is a symbolic link to a missing folder "
+                        f"({os.readlink(args.out_dir)}): create that folder, or choose another "
+                        f"--out_dir")
     try:
         lock = open(os.path.join(args.out_dir, ".lock"))  # only looked at, not held
     except OSError:  # no lock file, or no folder (Run.open says when it cannot be written)

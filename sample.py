@@ -100,6 +100,8 @@ def read_prompts(args):
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--prompt_file {args.prompt_file}: {e}") from None
+    if args.prompt_file and len(prompts) == len(args.prompt):
+        raise UserError(f"--prompt_file {args.prompt_file} holds no prompt (no line with text)")
     if any(not p.strip() for p in prompts):
         raise UserError("an empty --prompt: give some text to continue")
     return prompts
@@ -111,6 +113,10 @@ def encode_prompt(tok, text, allow_unk):
     if tok.kind == "gpt2":
         return tok.enc.encode_ordinary(text.strip())
     pieces = tok.split(text)
+    control = sorted({w for w in pieces if w in ("<eos>", "<unk>")} if tok.kind == "word" else ())
+    if control:
+        raise UserError(f"{', '.join(control)} in the prompt is a control token, not text: leave "
+                        f"it out (the model decides where the text ends)")
     unknown = sorted({w for w in pieces if w not in tok.stoi})
     if unknown and (not allow_unk or tok.unk is None):
         hint = "; the data is lower-cased" if any(w.lower() in tok.stoi for w in unknown) else ""

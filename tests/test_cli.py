@@ -116,7 +116,7 @@ def test_corrupt_and_foreign_checkpoints(tmp_path, capsys):
     evil = tmp_path / "evil.pt"
     torch.save({"format": "nanogen-checkpoint-1", "payload": subprocess.Popen}, evil)  # pickled code
     rc, err = run_in_process(evaluate.main, ["--ckpt", str(evil)], capsys)
-    assert_one_line_error(rc, err, "refused by safe (weights_only) loading")
+    assert_one_line_error(rc, err, "safe (weights_only) loading refused it")
     rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path / "missing.pt")], capsys)
     assert_one_line_error(rc, err, "no checkpoint at")
 

@@ -212,3 +212,38 @@ def test_reproduce_over_a_damaged_results_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "main", refused)
     with pytest.raises(cli.UserError, match="delete"):
         reproduce.train_once(str(out), ["--model", "lstm"])
+
+
+def test_the_smaller_things(lstm_run, tmp_path, capsys):
+    """A control token in a prompt, an empty prompt file, a dangling symbolic link as --out_dir,
+    a JSON given as a checkpoint (never torch's advice to load unsafely), an early-stopped run's
+    resume advice (and that following it works)."""
+    ckpt = str(lstm_run / "ckpt_best.pt")
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n  \n")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "missing")
+    study = tmp_path / "x.json"
+    study.write_text('{"a": 1}')
+    for main, flags, msg in (
+            (sample.main, ["--ckpt", ckpt, "--prompt", "the company <eos> said"], "a control token"),
+            (sample.main, ["--ckpt", ckpt, "--prompt_file", str(empty)], "holds no prompt"),
+            (train.main, TINY + ["--out_dir", str(link)], "symbolic link to a missing folder"),
+            (evaluate.main, ["--ckpt", str(study)], "is not a")):
+        rc, err = run_in_process(main, flags, capsys)
+        assert_one_line_error(rc, err, msg)
+        assert "weights_only=False" not in err and "weights_only` set to `False" not in err
+    out = tmp_path / "early"
+    flags = TINY + ["--out_dir", str(out), "--lr", "1e-30", "--max_iters", "40", "--patience", "1"]
+    assert train.main(flags) == 0
+    assert "early stop" in capsys.readouterr().out
+    assert train.main(flags + ["--resume"]) == 0
+    assert "raise --patience to go on" in capsys.readouterr().out
+    assert train.main([*flags[:-1], "3", "--resume"]) == 0  # --patience 3: it goes on
+    assert "early stop: no improvement in 3" in capsys.readouterr().out
+
+
+def test_flags_that_do_not_apply_are_said(tmp_path, capsys):
+    assert train.main(TINY + ["--n_head", "4", "--warmup", "3", "--out_dir", str(tmp_path / "r"),
+                              "--max_iters", "1", "--eval_interval", "1"]) == 0
+    assert "note: --n_head, --warmup do not apply to --model lstm" in capsys.readouterr().out
