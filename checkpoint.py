@@ -249,9 +249,9 @@ def read_hf_weights(path):
     except CheckpointError:
         raise
     except Exception as e:  # truncated, malformed, not a weights file at all
+        reason = str(e).splitlines()[0][:120] if str(e) else ""
         raise CheckpointError(f"{path} is not a readable GPT-2 checkpoint "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})") \
-            from None
+                              f"({type(e).__name__}: {reason})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v)
                                               for k, v in state.items()):
         raise CheckpointError(f"{path} does not hold a GPT-2 state dict (names -> tensors)")

@@ -85,8 +85,8 @@ def in_range(kind, flag, spec):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a{'n integer' if kind is int else ' number'}"
-                                             f", got {text!r}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{flag} takes {what}, got {text!r}") from None
         if not (math.isfinite(value) and test(value)):
             raise argparse.ArgumentTypeError(f"{flag} {words}, got {text}")
         return value

@@ -45,9 +45,12 @@ def build_parser():
     p.add_argument("--data_dir", default=None, help="local dataset folder (default: "
                                                     "$NANOGEN_DATA, else download)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto)")
-    p.add_argument("--batch_size", type=cli.in_range(int, "--batch_size", ">=1"), default=None, help="sequences per batch")
-    p.add_argument("--max_tokens", type=cli.in_range(int, "--max_tokens", ">=1"), default=None, help="padded tokens per batch (GPT)")
-    p.add_argument("--limit", type=cli.in_range(int, "--limit", ">=1"), default=None, help="evaluate only the first N sequences")
+    p.add_argument("--batch_size", type=cli.in_range(int, "--batch_size", ">=1"), default=None,
+                   help="sequences per batch")
+    p.add_argument("--max_tokens", type=cli.in_range(int, "--max_tokens", ">=1"), default=None,
+                   help="padded tokens per batch (GPT)")
+    p.add_argument("--limit", type=cli.in_range(int, "--limit", ">=1"), default=None,
+                   help="evaluate only the first N sequences")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no_ppl", action="store_true", help="skip the perplexity pass")
     d = p.add_argument_group("non-termination study (decode.py)")
@@ -55,15 +58,23 @@ def build_parser():
     d.add_argument("--L", type=cli.in_range(int, "--L", "L"), nargs="+", default=[10, 100, 1000],
                    help="r_nt(L) thresholds; decodes run to max(L) (default 10 100 1000)")
     d.add_argument("--k", type=cli.in_range(int, "--k", ">=1"), default=None, help="top-k")
-    d.add_argument("--p", type=cli.in_range(float, "--p", "(0,1]"), default=None, help="nucleus threshold mu, in (0, 1]")
-    d.add_argument("--beam_size", type=cli.in_range(int, "--beam_size", "beam"), default=None, help="beam width")
-    d.add_argument("--temperature", type=cli.in_range(float, "--temperature", ">0"), default=1.0, help="sampling temperature")
+    d.add_argument("--p", type=cli.in_range(float, "--p", "(0,1]"), default=None,
+                   help="nucleus threshold mu, in (0, 1]")
+    d.add_argument("--beam_size", type=cli.in_range(int, "--beam_size", "beam"), default=None,
+                   help="beam width")
+    d.add_argument("--temperature", type=cli.in_range(float, "--temperature", ">0"), default=1.0,
+                   help="sampling temperature")
     d.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
-    d.add_argument("--length_penalty", type=cli.in_range(float, "--length_penalty", ">=0"), default=0.0, help="beam: s / |y|^a (0: off)")
-    d.add_argument("--seed", type=cli.in_range(int, "--seed", "seed"), default=0, help="sampling seed")
-    d.add_argument("--decode_batch", type=cli.in_range(int, "--decode_batch", ">=1"), default=64, help="prompts decoded together")
-    d.add_argument("--examples", type=cli.in_range(int, "--examples", ">=0"), default=3, help="examples of each kind to keep")
-    d.add_argument("--traces", type=cli.in_range(int, "--traces", ">=0"), default=5, help="sequences with p(eos) traces (Fig. 3)")
+    d.add_argument("--length_penalty", type=cli.in_range(float, "--length_penalty", ">=0"),
+                   default=0.0, help="beam: s / |y|^a (0: off)")
+    d.add_argument("--seed", type=cli.in_range(int, "--seed", "seed"), default=0,
+                   help="sampling seed")
+    d.add_argument("--decode_batch", type=cli.in_range(int, "--decode_batch", ">=1"), default=64,
+                   help="prompts decoded together")
+    d.add_argument("--examples", type=cli.in_range(int, "--examples", ">=0"), default=3,
+                   help="examples of each kind to keep")
+    d.add_argument("--traces", type=cli.in_range(int, "--traces", ">=0"), default=5,
+                   help="sequences with p(eos) traces (Fig. 3)")
     d.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
     p.add_argument("--tau_report", action="store_true", help="ct / ctmos: temperature by position "
                    "and the highest / lowest temperature words (CT paper Fig. 1, Tables 5-6)")

@@ -8,7 +8,6 @@ raised before anything is read or written (`parse_args`).  A value of one flag t
 work is refused by the flag's own argparse type (its range is written with it); RULES holds
 the rules between flags.
 """
-import math
 import os
 from collections import ChainMap
 
@@ -63,7 +62,8 @@ FLAGS = [
     ("run", "--task", dict(default=None, choices=["completion", "stream", "story", "storyline"],
                            help="completion (default; NMST paper), stream (CT paper, rnn/lstm), "
                                 "story / storyline (default story on story data)")),
-    ("run", "--epsilon", dict(range="(0,1)", type=float, default=1e-5, help="eps of ST / NMST, in (0, 1)")),
+    ("run", "--epsilon", dict(range="(0,1)", type=float, default=1e-5,
+                              help="eps of ST / NMST, in (0, 1)")),
     ("run", "--dataset", dict(default="wikitext103", choices=sorted(DATASETS) +
                               list(STORY_DATASETS), help="(default wikitext103)")),
     ("run", "--vocab", dict(default="word", choices=VOCABS, help="wikitext2 / ptb: word or char; "
@@ -81,68 +81,99 @@ FLAGS = [
                             help="autocast dtype on CUDA (auto: bfloat16 where the GPU runs it "
                                  "natively, else float32; float16 trains with a GradScaler)")),
     ("run", "--compile", dict(action="store_true", help="torch.compile the model")),
-    ("run", "--peak_flops", dict(range=">0", type=float, default=None, help="peak FLOP/s for the MFU column")),
+    ("run", "--peak_flops", dict(range=">0", type=float, default=None,
+                                 help="peak FLOP/s for the MFU column")),
     ("run", "--resume", dict(action="store_true", help="continue from out_dir/ckpt_last.pt")),
     ("architecture", "--n_layer", dict(range=">=1", type=int, default=None)),
-    ("architecture", "--d_model", dict(range=">=1", type=int, default=None, help="embedding = hidden size")),
+    ("architecture", "--d_model", dict(range=">=1", type=int, default=None,
+                                       help="embedding = hidden size")),
     ("architecture", "--n_head", dict(range=">=1", type=int, default=12, help="attention heads")),
-    ("architecture", "--block_size", dict(range=">=1", type=int, default=1024, help="GPT / GCNN window")),
-    ("architecture", "--kernel_size", dict(range=">=1", type=int, default=4, help="gcnn: kernel width k")),
+    ("architecture", "--block_size", dict(range=">=1", type=int, default=1024,
+                                          help="GPT / GCNN window")),
+    ("architecture", "--kernel_size", dict(range=">=1", type=int, default=4,
+                                           help="gcnn: kernel width k")),
     ("architecture", "--dropout", dict(range="[0,1)", type=float, default=None)),
     ("architecture", "--no_tie", dict(action="store_true", help="untied output embeddings")),
     ("architecture", "--no_bias", dict(action="store_true", help="GPT without biases")),
-    ("architecture", "--n_experts", dict(range=">=1", type=int, default=4, help="mos / ctmos: softmaxes K")),
-    ("architecture", "--ct_alpha", dict(range=">=0", type=float, default=1.0, help="ct: alpha of eq. 6")),
-    ("architecture", "--ct_beta", dict(range=">0", type=float, default=0.5, help="ct: beta of eq. 6")),
-    ("architecture", "--ct_rank", dict(range=">=0", type=int, default=0, help="ct: rank of W_tau (0: full)")),
+    ("architecture", "--n_experts", dict(range=">=1", type=int, default=4,
+                                         help="mos / ctmos: softmaxes K")),
+    ("architecture", "--ct_alpha", dict(range=">=0", type=float, default=1.0,
+                                        help="ct: alpha of eq. 6")),
+    ("architecture", "--ct_beta", dict(range=">0", type=float, default=0.5,
+                                       help="ct: beta of eq. 6")),
+    ("architecture", "--ct_rank", dict(range=">=0", type=int, default=0,
+                                       help="ct: rank of W_tau (0: full)")),
     ("architecture", "--temperature", dict(range=">0", type=float, default=1.0,
                                            help="softmax / mos: a constant temperature")),
     ("architecture", "--locked_dropout", dict(action="store_true", help="rnn/lstm: variational "
                                               "dropout on the embeddings and the output")),
     ("stories", "--order", dict(default="random", choices=["random", "l2r"],
                                 help="insertion order of the training sequences")),
-    ("stories", "--max_offset", dict(range=">=1", type=int, default=256, help="insnet: offset clip K")),
-    ("stories", "--min_count", dict(range=">=1", type=int, default=2, help="rocstories: rarer words -> <unk>")),
-    ("stories", "--synthetic_count", dict(range=">=1", type=int, default=200, help="synthetic: per length")),
-    ("optimisation", "--lr", dict(range=">0", type=float, default=None, help="AdamW learning rate")),
+    ("stories", "--max_offset", dict(range=">=1", type=int, default=256,
+                                     help="insnet: offset clip K")),
+    ("stories", "--min_count", dict(range=">=1", type=int, default=2,
+                                    help="rocstories: rarer words -> <unk>")),
+    ("stories", "--synthetic_count", dict(range=">=1", type=int, default=200,
+                                          help="synthetic: per length")),
+    ("optimisation", "--lr", dict(range=">0", type=float, default=None,
+                                  help="AdamW learning rate")),
     ("optimisation", "--beta1", dict(range="[0,1)", type=float, default=0.9)),
     ("optimisation", "--beta2", dict(range="[0,1)", type=float, default=0.99)),
-    ("optimisation", "--weight_decay", dict(range=">=0", type=float, default=None, help="not on biases/norms")),
-    ("optimisation", "--grad_clip", dict(range=">=0", type=float, default=1.0, help="max grad norm (0: off)")),
+    ("optimisation", "--weight_decay", dict(range=">=0", type=float, default=None,
+                                            help="not on biases/norms")),
+    ("optimisation", "--grad_clip", dict(range=">=0", type=float, default=1.0,
+                                         help="max grad norm (0: off)")),
     ("optimisation", "--lr_schedule", dict(default=None, choices=["plateau", "linear", "constant"],
                                            help="plateau: x --lr_decay when validation does not "
                                                 "improve; linear: to 0 over --decay_steps")),
-    ("optimisation", "--lr_decay", dict(range="(0,1]", type=float, default=0.5, help="plateau factor, (0, 1]")),
-    ("optimisation", "--decay_steps", dict(range=">=1", type=int, default=None, help="linear schedule length")),
-    ("optimisation", "--warmup", dict(range=">=0", type=int, default=None, help="linear lr warm-up steps")),
-    ("optimisation", "--patience", dict(range=">=1", type=int, default=10, help="early stopping: evaluations "
+    ("optimisation", "--lr_decay", dict(range="(0,1]", type=float, default=0.5,
+                                        help="plateau factor, (0, 1]")),
+    ("optimisation", "--decay_steps", dict(range=">=1", type=int, default=None,
+                                           help="linear schedule length")),
+    ("optimisation", "--warmup", dict(range=">=0", type=int, default=None,
+                                      help="linear lr warm-up steps")),
+    ("optimisation", "--patience", dict(range=">=1", type=int, default=10,
+                                        help="early stopping: evaluations "
                                         "without improvement")),
-    ("optimisation", "--batch_size", dict(range=">=1", type=int, default=None, help="sequences per batch")),
-    ("optimisation", "--max_tokens", dict(range=">=1", type=int, default=None, help="padded tokens per batch")),
-    ("optimisation", "--bptt", dict(range=">=1", type=int, default=70, help="stream: BPTT window length")),
+    ("optimisation", "--batch_size", dict(range=">=1", type=int, default=None,
+                                          help="sequences per batch")),
+    ("optimisation", "--max_tokens", dict(range=">=1", type=int, default=None,
+                                          help="padded tokens per batch")),
+    ("optimisation", "--bptt", dict(range=">=1", type=int, default=70,
+                                    help="stream: BPTT window length")),
     ("optimisation", "--loss_scaling", dict(action="store_true", help="ct / ctmos: CT eq. 8's LS")),
-    ("optimisation", "--ar", dict(range=">=0", type=float, default=0.0, help="activation regularisation")),
-    ("optimisation", "--tar", dict(range=">=0", type=float, default=0.0, help="temporal AR (rnn/lstm)")),
-    ("optimisation", "--grad_accum", dict(range=">=1", type=int, default=1, help="batches per optimizer step, "
+    ("optimisation", "--ar", dict(range=">=0", type=float, default=0.0,
+                                  help="activation regularisation")),
+    ("optimisation", "--tar", dict(range=">=0", type=float, default=0.0,
+                                   help="temporal AR (rnn/lstm)")),
+    ("optimisation", "--grad_accum", dict(range=">=1", type=int, default=1,
+                                          help="batches per optimizer step, "
                                           "over all processes")),
     ("optimisation", "--max_epochs", dict(range=">=1", type=int, default=70)),
-    ("optimisation", "--max_iters", dict(range=">=0", type=int, default=None, help="step limit (0: none)")),
-    ("optimisation", "--max_minutes", dict(range=">=0", type=float, default=0.0, help="stop after this much "
+    ("optimisation", "--max_iters", dict(range=">=0", type=int, default=None,
+                                         help="step limit (0: none)")),
+    ("optimisation", "--max_minutes", dict(range=">=0", type=float, default=0.0,
+                                           help="stop after this much "
                                            "training time, evaluations included (0: no limit)")),
-    ("optimisation", "--eval_interval", dict(range=">=0", type=int, default=None, help="evaluate every N "
+    ("optimisation", "--eval_interval", dict(range=">=0", type=int, default=None,
+                                             help="evaluate every N "
                                              "steps (0: every epoch)")),
-    ("optimisation", "--log_interval", dict(range=">=1", type=int, default=10, help="steps.jsonl: losses "
+    ("optimisation", "--log_interval", dict(range=">=1", type=int, default=10,
+                                            help="steps.jsonl: losses "
                                             "read from the device every N steps")),
     ("watching", "--probe", dict(range=">=0", type=int, default=64, help="termination probe "
-                                 "at each evaluation: greedy-decode N validation contexts (0: off)")),
+                                 "at each evaluation: greedy-decode N validation "
+                                 "contexts (0: off)")),
     ("watching", "--probe_L", dict(range=">=1", type=int, default=200, help="probe: the length "
                                    "cap L of r_nt(L)")),
     ("watching", "--no_curves", dict(action="store_true", help="do not draw OUT_DIR/curves.png "
                                      "at each evaluation")),
     ("watching", "--tensorboard", dict(action="store_true", help="also log the scalars to "
                                        "OUT_DIR/tensorboard (pip install tensorboard)")),
-    ("optimisation", "--eval_seqs", dict(range=">=0", type=int, default=0, help="validate on the first N")),
-    ("optimisation", "--train_seqs", dict(range=">=0", type=int, default=0, help="train on the first N")),
+    ("optimisation", "--eval_seqs", dict(range=">=0", type=int, default=0,
+                                         help="validate on the first N")),
+    ("optimisation", "--train_seqs", dict(range=">=0", type=int, default=0,
+                                          help="train on the first N")),
 ]
 
 

@@ -381,7 +381,8 @@ def run_ct(args):
                      f"{mean_std([r['test'] for r in runs[label]])} | {PAPER_CT[label]} |")
     best = min(runs, key=lambda k: statistics.mean(r["valid"] for r in runs[k]))
     if args.scale == "tiny":
-        return lines + ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."], runs
+        return lines + ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."], \
+            runs
     lines += ["", f"- Lowest mean validation perplexity here: {best}.  The paper's claim (CT-MoS "
                   f"beats every constant-temperature MoS) " + ("holds at this scale." if best ==
                                                                 "CT-MoS" else "does NOT hold at "

@@ -50,7 +50,7 @@ class Run:
         self.args, self.out_dir, self.dist, self.scaler = args, args.out_dir, dist, scaler
         self.master, self.epoch_tokens, self.epoch_steps = dist.rank == 0, epoch_tokens, \
             max(epoch_steps, 1)
-        self.warm = None  # (time, tokens) after the first step of this process: the estimate's start
+        self.warm = None  # (time, tokens) after this process's first step: the estimate's start
         self.state, self.stop_requested, self.lock = TrainState(lr=args.lr), None, None
         self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
         self.pending = []  # (step, lr, loss tensor, non-finite tensor) not yet in steps.jsonl

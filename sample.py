@@ -36,10 +36,13 @@ def build_parser():
     p.add_argument("--title", default=None, help="insertion / story checkpoints: the title")
     p.add_argument("--keywords", nargs="*", default=[], help="storyline checkpoints: keywords")
     p.add_argument("--decoder", default="greedy", choices=DECODERS)
-    p.add_argument("--L", type=cli.in_range(int, "--L", "L"), default=100, help="the length cap (tokens generated)")
+    p.add_argument("--L", type=cli.in_range(int, "--L", "L"), default=100,
+                   help="the length cap (tokens generated)")
     p.add_argument("--k", type=cli.in_range(int, "--k", ">=1"), default=None, help="top-k")
-    p.add_argument("--p", type=cli.in_range(float, "--p", "(0,1]"), default=None, help="nucleus threshold")
-    p.add_argument("--beam_size", type=cli.in_range(int, "--beam_size", "beam"), default=None, help="beam width")
+    p.add_argument("--p", type=cli.in_range(float, "--p", "(0,1]"), default=None,
+                   help="nucleus threshold")
+    p.add_argument("--beam_size", type=cli.in_range(int, "--beam_size", "beam"), default=None,
+                   help="beam width")
     p.add_argument("--temperature", type=cli.in_range(float, "--temperature", ">0"), default=1.0)
     p.add_argument("--seed", type=cli.in_range(int, "--seed", "seed"), default=None,
                    help="sampling seed (default: a fresh one, printed so the run can be repeated)")
@@ -167,7 +170,8 @@ def sample_story(args, task, model, device):
     prefix = [BOS, *title, SEP] + ([*kws, SEP] if task.kind not in INSERTION_MODELS and kws else [])
     if task.kind not in INSERTION_MODELS:
         out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
-                     temperature=args.temperature, generator=sampling_generator(device, choose_seed(args)))
+                     temperature=args.temperature,
+                     generator=sampling_generator(device, choose_seed(args)))
         story = [vocab[t] for t in out["tokens"][0] if t not in (PAD, BOS, EOS, SEP)]
         ended = "[eos]" if bool(out["terminated"][0]) else f"[length cap {args.L}]"
         print(f"{args.title} >>> {' '.join(story)} {ended}")

@@ -354,7 +354,7 @@ def story_nll(model, batch):
     non-given insertion plus the termination: the NLL of the (sequence, order) pair."""
     if "order" in batch:  # through forward (= sequence_log_probs), so that DDP sees training
         return sequence_nll(model(**{k: batch[k] for k in INSERTION_BATCH}))
-    tokens, lengths, mask = batch["tokens"], batch["lengths"], batch["mask"]
+    tokens, mask = batch["tokens"], batch["mask"]
     log_p = model(tokens[:, :-1], None, targets=tokens[:, 1:])  # (B, L-1), right-padded
     return -(log_p.float() * mask).sum(1), mask.sum(1)
 

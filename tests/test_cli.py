@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-import cli
 import evaluate
 import train
 from checkpoint import load as load_checkpoint
