@@ -50,9 +50,10 @@ class Run:
         self.args, self.out_dir, self.dist, self.scaler = args, args.out_dir, dist, scaler
         self.master, self.epoch_tokens, self.epoch_steps = dist.rank == 0, epoch_tokens, \
             max(epoch_steps, 1)
-        self.warm = None  # (time, tokens) after this process's first step: the estimate's start
+        self.timed = []  # (seconds, tokens) of this process's steps 2-4: the CPU estimate
         self.state, self.stop_requested, self.lock = TrainState(lr=args.lr), None, None
         self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
+        self.step_tokens = 0  # tokens of the step under way
         self.pending = []  # (step, lr, loss tensor, non-finite tensor) not yet in steps.jsonl
         self.first_step, self.run_id, self.previous = 0, None, {}
         self.tensorboard = None  # a SummaryWriter with --tensorboard (rank 0)
@@ -135,28 +136,31 @@ class Run:
         r = self.since_eval
         r["nll"], r["n"], r["tokens"] = r["nll"] + nll.detach().double(), r["n"] + n, \
             r["tokens"] + tokens
+        self.step_tokens += tokens
 
-    def after_step(self, loss, bad):
+    def after_step(self, loss, bad, seconds):
         """Keep the step's loss on the device; every --log_interval steps (and before any
-        evaluation, checkpoint or stop) `flush` reads them all at once into steps.jsonl.  Three
-        steps in, on a CPU, the time an epoch will take."""
+        evaluation, checkpoint or stop) `flush` reads them all at once into steps.jsonl.  On a
+        CPU, after steps 2-4 (the first warms up: allocator, compile), the time an epoch and
+        the whole run will take."""
         st = self.state
         self.pending.append((st.step, st.lr, loss.detach(), bad))
         if st.step % self.args.log_interval == 0:
             self.flush()
-        if st.step == self.first_step + 1:  # the first step warms up (allocator, compile)
-            self.warm = (time.time(), self.since_eval["tokens"])
+        if self.first_step + 2 <= st.step <= self.first_step + 4:
+            self.timed.append((seconds, self.step_tokens))
+        self.step_tokens = 0
         if st.step == self.first_step + 4 and self.master and self.dist.device == "cpu":
             self.estimate()
 
     def estimate(self):
-        """On a CPU, three steps after warm-up: the speed, an epoch's time and the whole run's
+        """The speed of steps 2-4 (no evaluation counted), an epoch's time and the whole run's
         (--max_iters, else --max_epochs) at that speed."""
-        seconds = max(time.time() - self.warm[0], 1e-9)
-        rate = (self.since_eval["tokens"] - self.warm[1]) * self.dist.world / seconds
+        seconds = max(sum(s for s, _ in self.timed), 1e-9)
+        rate = sum(n for _, n in self.timed) * self.dist.world / seconds
         args, st = self.args, self.state
         total = args.max_iters or args.max_epochs * self.epoch_steps
-        left = max(total - st.step, 0) * seconds / 3
+        left = max(total - st.step, 0) * seconds / len(self.timed)
         print(f"\n{rate:,.0f} tokens/s on this CPU: {hours(self.epoch_tokens / max(rate, 1e-9))} "
               f"per epoch; this run ({total:,} steps"
               + (f", about {total / self.epoch_steps:,.1f} epochs" if args.max_iters else "")

@@ -86,6 +86,7 @@ def train(args, task, model, optimizer, run, cfg):
         keys = task.epoch(st.epoch)
         n_steps = len(keys) // args.grad_accum  # the last len % grad_accum batches are skipped
         for s in progress(range(st.batch_in_epoch, n_steps), st, n_steps, dist.rank):
+            t_step = time.time()
             st.lr = learning_rate(args, st)
             for group in optimizer.param_groups:
                 group["lr"] = st.lr
@@ -98,7 +99,7 @@ def train(args, task, model, optimizer, run, cfg):
             run.scaler.update()
             optimizer.zero_grad(set_to_none=True)
             st.step, st.batch_in_epoch = st.step + 1, s + 1
-            run.after_step(loss, bad)
+            run.after_step(loss, bad, time.time() - t_step)
             st.elapsed = time.time() - clock.start
             st.done = run.should_stop()  # the same answer on every process
             if (args.eval_interval and st.step % args.eval_interval == 0) or st.done:

@@ -114,6 +114,11 @@ def test_a_cpu_run_says_how_long_an_epoch_takes(tmp_path, capsys):
                        "--out_dir", str(tmp_path / "r"), "--resume"]) == 0
     out = capsys.readouterr().out  # resumed: measured again, after its own first step
     assert "this run (12 steps, " in out and "to go" in out
+    assert train.main(["--model", "lstm", "--dataset", "ptb", "--d_model", "16", "--batch_size",
+                       "8", "--max_iters", "5", "--eval_interval", "1", "--eval_seqs", "8",
+                       "--out_dir", str(tmp_path / "e")]) == 0  # evaluations between the steps
+    rate = capsys.readouterr().out.split(" tokens/s on this CPU")[0].split()[-1]
+    assert float(rate.replace(",", "")) > 0  # timed steps only, evaluations left out
 
 
 def test_compare_runs_that_differ_by_decoder(tmp_path, ckpts, monkeypatch):
