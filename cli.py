@@ -94,6 +94,18 @@ def in_range(kind, flag, spec):
     return parse
 
 
+def add_decoding_flags(p):
+    """--k, --p, --beam_size, --temperature: the decoders' own flags, with their ranges, as
+    evaluate.py and sample.py both take them (decode.check_decoder_args checks the rest)."""
+    p.add_argument("--k", type=in_range(int, "--k", ">=1"), default=None, help="top-k")
+    p.add_argument("--p", type=in_range(float, "--p", "(0,1]"), default=None,
+                   help="nucleus threshold mu, in (0, 1]")
+    p.add_argument("--beam_size", type=in_range(int, "--beam_size", "beam"), default=None,
+                   help="beam width")
+    p.add_argument("--temperature", type=in_range(float, "--temperature", ">0"), default=1.0,
+                   help="sampling temperature")
+
+
 def check_rules(rules, args):
     """Flag rules as data: the first (broken(args), message) whose condition holds is the error;
     the message may name flags as {flag} (their values)."""

@@ -57,13 +57,7 @@ def build_parser():
     d.add_argument("--decoder", default=None, choices=DECODERS, help="decode every context")
     d.add_argument("--L", type=cli.in_range(int, "--L", "L"), nargs="+", default=[10, 100, 1000],
                    help="r_nt(L) thresholds; decodes run to max(L) (default 10 100 1000)")
-    d.add_argument("--k", type=cli.in_range(int, "--k", ">=1"), default=None, help="top-k")
-    d.add_argument("--p", type=cli.in_range(float, "--p", "(0,1]"), default=None,
-                   help="nucleus threshold mu, in (0, 1]")
-    d.add_argument("--beam_size", type=cli.in_range(int, "--beam_size", "beam"), default=None,
-                   help="beam width")
-    d.add_argument("--temperature", type=cli.in_range(float, "--temperature", ">0"), default=1.0,
-                   help="sampling temperature")
+    cli.add_decoding_flags(d)
     d.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
     d.add_argument("--length_penalty", type=cli.in_range(float, "--length_penalty", ">=0"),
                    default=0.0, help="beam: s / |y|^a (0: off)")

@@ -38,12 +38,7 @@ def build_parser():
     p.add_argument("--decoder", default="greedy", choices=DECODERS)
     p.add_argument("--L", type=cli.in_range(int, "--L", "L"), default=100,
                    help="the length cap (tokens generated)")
-    p.add_argument("--k", type=cli.in_range(int, "--k", ">=1"), default=None, help="top-k")
-    p.add_argument("--p", type=cli.in_range(float, "--p", "(0,1]"), default=None,
-                   help="nucleus threshold")
-    p.add_argument("--beam_size", type=cli.in_range(int, "--beam_size", "beam"), default=None,
-                   help="beam width")
-    p.add_argument("--temperature", type=cli.in_range(float, "--temperature", ">0"), default=1.0)
+    cli.add_decoding_flags(p)
     p.add_argument("--seed", type=cli.in_range(int, "--seed", "seed"), default=None,
                    help="sampling seed (default: a fresh one, printed so the run can be repeated)")
     p.add_argument("--show_eos", action="store_true", help="print p(eos) at every step")
