@@ -58,8 +58,8 @@ def run_cli(main, argv=None):
         if not is_out_of_memory(e):
             raise
         print("error: out of memory: the model, its batch or its decoding does not fit; use "
-              "smaller --batch_size / --max_tokens / --decode_batch / --L / --beam_size, or a "
-              "smaller model (--d_model / --n_layer)", file=sys.stderr)
+              "smaller --batch_size / --max_tokens / --bptt / --decode_batch / --L / "
+              "--beam_size, or a smaller model (--d_model / --n_layer)", file=sys.stderr)
     return 2
 
 
