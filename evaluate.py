@@ -112,6 +112,9 @@ def main(argv=None):
 def load_for(args, ckpt, device):
     """The checkpoint's task (its data, checked to be the data it was made from) and model."""
     sizes = {k: getattr(args, k) for k in ("batch_size", "max_tokens") if getattr(args, k)}
+    if sizes and ckpt["args"].get("task") == "stream":
+        raise UserError("--batch_size / --max_tokens do not apply to a stream checkpoint (its "
+                        "perplexity reads 10 columns, as usual): drop them")
     if sizes:  # the user's batching replaces the checkpoint's
         sizes = dict(dict(batch_size=None, max_tokens=None), **sizes)
     task = checkpoint_task(ckpt, args.data_dir, (args.split,), args.ckpt, **sizes)

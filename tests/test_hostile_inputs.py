@@ -247,3 +247,12 @@ def test_flags_that_do_not_apply_are_said(tmp_path, capsys):
     assert train.main(TINY + ["--n_head", "4", "--warmup", "3", "--out_dir", str(tmp_path / "r"),
                               "--max_iters", "1", "--eval_interval", "1"]) == 0
     assert "note: --n_head, --warmup do not apply to --model lstm" in capsys.readouterr().out
+
+
+def test_batching_flags_on_a_stream_checkpoint_are_refused(tmp_path, capsys):
+    out = tmp_path / "stream"
+    assert train.main(["--model", "lstm", "--task", "stream", "--dataset", "ptb", "--d_model", "8",
+                       "--batch_size", "4", "--bptt", "10", "--max_iters", "1", "--eval_seqs", "50",
+                       "--out_dir", str(out)]) == 0
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--batch_size", "7"], capsys)
+    assert_one_line_error(rc, err, "do not apply to a stream checkpoint")
