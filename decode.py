@@ -132,6 +132,22 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
                        eos_id=lm.eos_id, consistent=consistent), generator)
 
 
+def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **kw):
+    """decode() over many prompts, `batch` at a time (a tqdm bar when `desc` is given): what
+    evaluate.py's study and train.py's termination probe both run, batched the same way so that
+    they decode the same.  -> decode()'s dict for all prompts."""
+    from tqdm import tqdm
+    tokens, lengths, terminated, scores = [], [], [], []
+    for lo in tqdm(range(0, len(prompts), batch), desc=desc, disable=None if desc else True):
+        res = decode(lm, prompts[lo:lo + batch], L, decoder, **kw)
+        tokens += res["tokens"]
+        lengths.append(res["lengths"])
+        terminated.append(res["terminated"])
+        scores.append(res["scores"])
+    return dict(tokens=tokens, lengths=torch.cat(lengths), terminated=torch.cat(terminated),
+                scores=torch.cat(scores))
+
+
 def pad_prompts(prompts, device):
     """A list of 1-D prompts (or an (N, P) tensor) -> right-padded (N, P) and lengths (N,)."""
     if torch.is_tensor(prompts) and prompts.dim() == 2:

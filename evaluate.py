@@ -30,8 +30,8 @@ from cli import UserError
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
 from data.loader import batchify, bptt_windows, load_stream
-from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_stats,
-                    eos_probs, sampling_generator)
+from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
+                    decode_stats, eos_probs, sampling_generator)
 from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
@@ -174,21 +174,12 @@ def eos_traces(lm, split, n):
 
 def decoding_study(lm, split, args, detok, device):
     """Decode every context once up to max(L); r_nt(L), lengths, uniqueness, examples."""
-    from tqdm import tqdm
     n = len(split) if args.limit is None else min(args.limit, len(split))
-    gen = sampling_generator(device, args.seed)
-    tokens, lengths, terminated = [], [], []
-    for lo in tqdm(range(0, n, args.decode_batch), desc=f"decoding ({args.decoder})",
-                   disable=None):
-        rows = range(lo, min(n, lo + args.decode_batch))
-        prompts = [torch.as_tensor(split.context(i)) for i in rows]
-        res = decode(lm, prompts, max(args.L), args.decoder, k=args.k, p=args.p,
-                     beam_size=args.beam_size, temperature=args.temperature,
-                     consistent=args.consistent, generator=gen, length_penalty=args.length_penalty)
-        tokens += res["tokens"]
-        lengths.append(res["lengths"])
-        terminated.append(res["terminated"])
-    result = dict(tokens=tokens, lengths=torch.cat(lengths), terminated=torch.cat(terminated))
+    result = decode_in_batches(
+        lm, [torch.as_tensor(split.context(i)) for i in range(n)], max(args.L), args.decoder,
+        args.decode_batch, desc=f"decoding ({args.decoder})", k=args.k, p=args.p,
+        beam_size=args.beam_size, temperature=args.temperature, consistent=args.consistent,
+        generator=sampling_generator(device, args.seed), length_penalty=args.length_penalty)
     stats = decode_stats(result, args.L)
     curve_L = sorted(set(int(round(x)) for x in torch.logspace(0, math.log10(max(args.L)),
                                                                 60).tolist()))

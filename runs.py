@@ -72,15 +72,8 @@ class Run:
         except OSError as e:
             raise UserError(f"cannot write to --out_dir {self.out_dir}: {e.strerror or e}") \
                 from None
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise UserError(f"{self.out_dir} is in use by another training run: wait for it, or "
-                            f"choose another --out_dir") from None
-        held = [n for n in OWN if os.path.exists(self.path(n))]
-        if held and not resuming:  # (check_folder said so already, unless it appeared since)
-            raise UserError(f"{self.out_dir} already holds a run ({', '.join(held)}): continue "
-                            f"it with --resume, or choose another --out_dir")
+        take_lock(self.lock, self.out_dir, fcntl.LOCK_EX)
+        held = refuse_a_run_there(self.out_dir, resuming)  # unless one appeared since
         if resuming and "ckpt_last.pt" not in held:
             print(f"note: {self.out_dir} holds no checkpoint yet (the run stopped before its "
                   f"first one): starting again from step 0", file=sys.stderr)
@@ -309,19 +302,30 @@ def check_folder(args):
         lock = None
     if lock is not None:
         with lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                raise UserError(f"{args.out_dir} is in use by another training run: wait for "
-                                f"it, or choose another --out_dir") from None
-    held = [n for n in OWN if os.path.exists(os.path.join(args.out_dir, n))]
-    if held and not args.resume:
-        raise UserError(f"{args.out_dir} already holds a run ({', '.join(held)}): continue "
-                        f"it with --resume, or choose another --out_dir")
+            take_lock(lock, args.out_dir, fcntl.LOCK_SH)
+    held = refuse_a_run_there(args.out_dir, args.resume)
     last = os.path.join(args.out_dir, "ckpt_last.pt")
     if args.resume and not os.path.exists(last) and \
             ("ckpt_best.pt" in held or not {"steps.jsonl", "log.jsonl"} & set(held)):
         raise CheckpointError(f"--resume: no checkpoint {last}; start without --resume")
+
+
+def take_lock(lock, out_dir, kind):
+    """flock without waiting; held by another run: a user error."""
+    try:
+        fcntl.flock(lock, kind | fcntl.LOCK_NB)
+    except OSError:
+        raise UserError(f"{out_dir} is in use by another training run: wait for it, or choose "
+                        f"another --out_dir") from None
+
+
+def refuse_a_run_there(out_dir, resuming):
+    """-> what of a run the folder holds; a fresh run (not resuming) refuses any of it."""
+    held = [n for n in OWN if os.path.exists(os.path.join(out_dir, n))]
+    if held and not resuming:
+        raise UserError(f"{out_dir} already holds a run ({', '.join(held)}): continue it with "
+                        f"--resume, or choose another --out_dir")
+    return held
 
 
 def check_own_checkpoint(ckpt, out_dir):

@@ -168,7 +168,7 @@ class CompletionTask(LanguageModelTask):
         first n validation contexts, up to L tokens (less where a window is shorter), batched as
         evaluate.py --decoder greedy --limit n --L L does, so its r_nt(L) is evaluate.py's.
         -> dict(r_nt, L, n, mean_length, example: the first continuation), or None."""
-        from decode import decode, non_termination_ratio
+        from decode import decode_in_batches, non_termination_ratio
         split = self.splits["valid"]
         n = min(n, len(split))
         window = lm.cfg.get("block_size") if lm.cfg["model"] in WINDOWED else None
@@ -176,18 +176,12 @@ class CompletionTask(LanguageModelTask):
         L = min(L, window - longest + 1) if window else L
         if n == 0 or L < 1:
             return None
-        lengths, done, first = [], [], None
-        for lo in range(0, n, decode_batch):
-            prompts = [torch.as_tensor(split.context(i))
-                       for i in range(lo, min(n, lo + decode_batch))]
-            res = decode(lm, prompts, L, "greedy")
-            lengths.append(res["lengths"])
-            done.append(res["terminated"])
-            first = first or (split.context(0).tolist(), res["tokens"][0],
-                              bool(res["terminated"][0]))
-        lengths, done = torch.cat(lengths), torch.cat(done)
+        res = decode_in_batches(lm, [torch.as_tensor(split.context(i)) for i in range(n)], L,
+                                "greedy", decode_batch)
+        lengths, done = res["lengths"], res["terminated"]
         return dict(r_nt=non_termination_ratio(lengths, done, L), L=L, n=n,
-                    mean_length=float(lengths.double().mean()), example=first)
+                    mean_length=float(lengths.double().mean()),
+                    example=(split.context(0).tolist(), res["tokens"][0], bool(done[0])))
 
     def tokens_per_epoch(self):
         return int(np.sum(self.splits["train"].lengths[:self.train_seqs or None] - 1))
