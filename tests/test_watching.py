@@ -103,3 +103,18 @@ def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
         return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
     assert same(log(whole)) == same(log(parts))
     assert (parts / "curves.png").exists()
+
+
+def test_no_display_and_no_font_cache_still_train(tmp_path):
+    """matplotlib with no display and an unwritable config / font-cache folder: the run trains
+    and draws (matplotlib falls back to a temporary folder)."""
+    import os
+    import subprocess
+    from conftest import ROOT
+    env = {k: v for k, v in os.environ.items() if k != "DISPLAY"}
+    env.update(MPLCONFIGDIR="/dev/null/nowhere", XDG_CACHE_HOME="/dev/null/nowhere", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "train.py", *TINY, "--head", "nmst", "--max_iters", "2", "--eval_interval",
+                        "2", "--out_dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "run" / "curves.png").exists()
