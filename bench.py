@@ -7,7 +7,6 @@
     python bench.py fast        # every fast path of fast.py on vs off (what each one pays)
     python bench.py checkpoint  # writing a checkpoint: time, peak extra memory, file size
     python bench.py insnet      # InsNet paper Fig. 12: epoch time vs length, InsNet / IT / L2R
-    python bench.py table4 --ckpts VA ST NMST   # NMST paper Table 4: r_nt(1000) x 6 decoders
     python bench.py arch        # the survey's RNN / LSTM / GCNN / GPT comparison (costs, speed)
     python bench.py gpu         # on a CUDA machine, first: the key equalities on CUDA, then the
                                 # GPT-2 124M bf16 compiled step (tokens/s, MFU) and nanogen vs HF
@@ -371,7 +370,7 @@ def bench_checkpoint(args):
 
 
 # --------------------------------------------------------------------------------------------
-# InsNet paper Fig. 12, NMST paper Table 4
+# InsNet paper Fig. 12
 # --------------------------------------------------------------------------------------------
 def bench_insnet(args):
     """InsNet paper Fig. 12 (section 5.1): seconds per training epoch (forward, backward, AdamW)
@@ -433,69 +432,6 @@ def plot_insnet(rows, args, shape):
     ax.legend()
     fig.tight_layout()
     cli.save_figure(fig, args.plot)
-
-
-TABLE4 = (("top-2", "topk", dict(k=2)), ("top-4", "topk", dict(k=4)),
-          ("nucleus-0.2", "nucleus", dict(p=0.2)), ("nucleus-0.4", "nucleus", dict(p=0.4)),
-          ("beam-2", "beam", dict(beam_size=2)), ("beam-4", "beam", dict(beam_size=4)))
-
-
-def bench_table4(args):
-    """NMST paper Table 4: r_nt(L) of every checkpoint (VA / ST / NMST) under top-{2,4},
-    nucleus-{0.2,0.4} and beam-{2,4} on the validation contexts, mean +- std over --runs seeds
-    (beam search is deterministic: run once), with the wall time of every cell and the grid."""
-    if not args.ckpts:
-        raise UserError("bench.py table4 needs --ckpts CKPT [CKPT ...] (e.g. the VA, ST and "
-                        "NMST checkpoints)")
-    device = cli.resolve_device(args.device)
-    cells, seconds, t0 = {}, {}, time.perf_counter()
-    for path in args.ckpts:
-        row, lm, split, detok = table4_model(path, args, device)
-        for name, decoder, kw in TABLE4:
-            t1 = time.perf_counter()
-            cells[row, name] = [table4_cell(lm, split, detok, decoder, kw, seed, args, device)
-                                for seed in range(1 if decoder == "beam" else args.runs)]
-            seconds[row, name] = time.perf_counter() - t1
-            print(f"{row} {name}: r_nt({args.L}) {statistics.mean(cells[row, name]):.3f} "
-                  f"({seconds[row, name]:.0f} s)", flush=True)
-    print_table4(cells, seconds, time.perf_counter() - t0, args, device)
-
-
-def table4_model(path, args, device):
-    from checkpoint import check_run, load
-    from tasks import checkpoint_task, model_from_checkpoint
-    ckpt = check_run(load(path), path)
-    task = checkpoint_task(ckpt, args.data_dir, ("valid",), path)
-    cfg = ckpt["config"]
-    row = cfg["head"] + ("" if cfg["head"] == "softmax" else f" {cfg['epsilon']:.0e}")
-    lm = model_from_checkpoint(ckpt, path).to(device).eval()
-    return row, lm, task.splits["valid"], task.tokenizer().decode
-
-
-def table4_cell(lm, split, detok, decoder, kw, seed, args, device):
-    from types import SimpleNamespace
-
-    from evaluate import decoding_study
-    study_args = SimpleNamespace(limit=args.limit, L=[args.L], seed=seed, decoder=decoder,
-                                 decode_batch=args.decode_batch, k=kw.get("k"), p=kw.get("p"),
-                                 beam_size=kw.get("beam_size"), temperature=1.0,
-                                 consistent=False, length_penalty=0.0, examples=0)
-    return decoding_study(lm, split, study_args, detok, device)["r_nt"][args.L]
-
-
-def print_table4(cells, seconds, total, args, device):
-    rows = list(dict.fromkeys(r for r, _ in cells))
-    print(f"\nTable 4: r_nt({args.L}), mean +- std over {args.runs} run(s) (beam: 1), "
-          f"{args.limit or 'all'} validation contexts, device {device}, threads "
-          f"{torch.get_num_threads()}")
-    print(f"{'head':12s} " + " ".join(f"{name:>13s}" for name, _, _ in TABLE4))
-    for r in rows:
-        print(f"{r:12s} " + " ".join(f"{statistics.mean(v):6.3f}+-{statistics.pstdev(v):.3f}"
-                                     for v in (cells[r, name] for name, _, _ in TABLE4)))
-    print(f"{'seconds':12s} " + " ".join(f"{name:>13s}" for name, _, _ in TABLE4))
-    for r in rows:
-        print(f"{r:12s} " + " ".join(f"{seconds[r, name]:13.0f}" for name, _, _ in TABLE4))
-    print(f"grid: {len(cells)} cells in {total:.0f} s ({total / 60:.1f} min)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -761,7 +697,7 @@ def argparse_ns(**kw):
 def build_parser():
     p = cli.CLIParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["train", "train_hf", "decode", "fast", "checkpoint", "insnet",
-                                    "table4", "arch", "gpu"])
+                                    "arch", "gpu"])
     p.add_argument("--device", default="auto")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds (the median counts)")
@@ -779,12 +715,8 @@ def build_parser():
     p.add_argument("--seqs", type=int, default=16, help="insnet: sequences per epoch and length")
     p.add_argument("--it_batch", type=int, default=2, help="insnet: IT-vanilla batch")
     p.add_argument("--plot", default=None, help="insnet / arch: write the figure to this PNG")
-    p.add_argument("--ckpts", nargs="+", default=None, help="table4: the checkpoints")
-    p.add_argument("--limit", type=int, default=None, help="table4: first N contexts")
-    p.add_argument("--L", type=int, default=1000, help="table4: maximum continuation length")
-    p.add_argument("--runs", type=int, default=1, help="table4: seeds per sampling decoder")
-    p.add_argument("--decode_batch", type=int, default=64, help="table4: prompts decoded together")
-    p.add_argument("--data_dir", default=None, help="table4 / arch: local dataset folder")
+    p.add_argument("--limit", type=int, default=None, help="arch: validation sequences")
+    p.add_argument("--data_dir", default=None, help="arch: local dataset folder")
     p.add_argument("--budget", type=float, default=120, help="arch: training seconds per model")
     p.add_argument("--eval_every", type=int, default=100, help="arch: steps between evaluations")
     return p
@@ -793,7 +725,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     for k in ("iters", "rounds", "batch", "seq", "prompts", "new_tokens", "seqs", "it_batch",
-              "runs", "decode_batch", "gpt_layers", "gpt_dim", "gpt_heads", "L"):
+              "gpt_layers", "gpt_dim", "gpt_heads"):
         if getattr(args, k) < 1:
             raise UserError(f"--{k} must be >= 1, got {getattr(args, k)}")
     if not args.mb > 0 or not args.budget > 0:

@@ -210,12 +210,6 @@ class InsertionModel(nn.Module):
                     token=torch.where(loss_mask, token_lp, zero), end=end_lp, loss_mask=loss_mask)
 
 
-def sequence_nll(scores):
-    """-log p(sequence, order) per sequence (B,) and the number of predicted events (B,)."""
-    nll = -(scores["slot"].sum(1) + scores["token"].sum(1) + scores["end"])
-    return nll, scores["loss_mask"].sum(1) + 1
-
-
 class InsNet(InsertionModel):
     """InsNet (section 3): one causal pass in insertion order with offset-relative attention."""
 

@@ -49,143 +49,135 @@ RESUMABLE = ("max_iters", "max_epochs", "device", "compile", "eval_interval", "e
              "data_dir", "patience", "peak_flops", "max_minutes", "log_interval", "dtype", "probe",
              "probe_L", "no_curves", "tensorboard")  # flags a --resume may change
 
-# (group, flag, argparse keywords): None defaults come from RECIPES
-FLAGS = [
-    ("run", "--model", dict(default="gpt", choices=MODELS + tuple(INSERTION_MODELS),
-                            help="backbone (default gpt); insnet / insertion_transformer: "
-                                 "insertion-based (insnet.py)")),
-    ("run", "--head", dict(default="softmax", choices=HEADS, help="softmax (VA, NMST eq. 2), st "
-                           "(eq. 9), nmst (eq. 10); mos, ct, ctmos (CT paper eq. 4, 6, 7), which "
-                           "hold full float32 rows per token: K*V*4 bytes (mos, ctmos; K = "
-                           "--n_experts) or 2*V*4 (ct), about 3x that with gradients, e.g. 6.6 "
-                           "GB for 8192 tokens at K=4, V=50257: size the batch to fit")),
-    ("run", "--task", dict(default=None, choices=["completion", "stream", "story", "storyline"],
-                           help="completion (default; NMST paper), stream (CT paper, rnn/lstm), "
-                                "story / storyline (default story on story data)")),
-    ("run", "--epsilon", dict(range="(0,1)", type=float, default=1e-5,
-                              help="eps of ST / NMST, in (0, 1)")),
-    ("run", "--dataset", dict(default="wikitext103", choices=sorted(DATASETS) +
-                              list(STORY_DATASETS), help="(default wikitext103)")),
-    ("run", "--vocab", dict(default="word", choices=VOCABS, help="wikitext2 / ptb: word or char; "
-                            "text: word, char or bpe (GPT-2's)")),
-    ("run", "--data_dir", dict(default=None, help="folder with the dataset files (default "
-                               "$NANOGEN_DATA, else download); --dataset text: your train.txt "
-                               "[valid.txt test.txt]")),
-    ("run", "--out_dir", dict(default=None, help="checkpoints and logs (default out/...)")),
-    ("run", "--init_from", dict(default="scratch", choices=ChainMap({"scratch": 0}, GPT2_SIZES),
-                                help="pretrained GPT-2 weights (sets the GPT-2 shape)")),
-    ("run", "--weights", dict(default=None, help="local GPT-2 weights (file or folder)")),
-    ("run", "--seed", dict(range="seed", type=int, default=0)),
-    ("run", "--device", dict(default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")),
-    ("run", "--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                            help="autocast dtype on CUDA (auto: bfloat16 where the GPU runs it "
-                                 "natively, else float32; float16 trains with a GradScaler)")),
-    ("run", "--compile", dict(action="store_true", help="torch.compile the model")),
-    ("run", "--peak_flops", dict(range=">0", type=float, default=None,
-                                 help="peak FLOP/s for the MFU column")),
-    ("run", "--resume", dict(action="store_true", help="continue from out_dir/ckpt_last.pt")),
-    ("architecture", "--n_layer", dict(range=">=1", type=int, default=None)),
-    ("architecture", "--d_model", dict(range=">=1", type=int, default=None,
-                                       help="embedding = hidden size")),
-    ("architecture", "--n_head", dict(range=">=1", type=int, default=12, help="attention heads")),
-    ("architecture", "--block_size", dict(range=">=1", type=int, default=1024,
-                                          help="GPT / GCNN window")),
-    ("architecture", "--kernel_size", dict(range=">=1", type=int, default=4,
-                                           help="gcnn: kernel width k")),
-    ("architecture", "--dropout", dict(range="[0,1)", type=float, default=None)),
-    ("architecture", "--no_tie", dict(action="store_true", help="untied output embeddings")),
-    ("architecture", "--no_bias", dict(action="store_true", help="GPT without biases")),
-    ("architecture", "--n_experts", dict(range=">=1", type=int, default=4,
-                                         help="mos / ctmos: softmaxes K")),
-    ("architecture", "--ct_alpha", dict(range=">=0", type=float, default=1.0,
-                                        help="ct: alpha of eq. 6")),
-    ("architecture", "--ct_beta", dict(range=">0", type=float, default=0.5,
-                                       help="ct: beta of eq. 6")),
-    ("architecture", "--ct_rank", dict(range=">=0", type=int, default=0,
-                                       help="ct: rank of W_tau (0: full)")),
-    ("architecture", "--temperature", dict(range=">0", type=float, default=1.0,
-                                           help="softmax / mos: a constant temperature")),
-    ("architecture", "--locked_dropout", dict(action="store_true", help="rnn/lstm: variational "
-                                              "dropout on the embeddings and the output")),
-    ("stories", "--order", dict(default="random", choices=["random", "l2r"],
-                                help="insertion order of the training sequences")),
-    ("stories", "--max_offset", dict(range=">=1", type=int, default=256,
-                                     help="insnet: offset clip K")),
-    ("stories", "--min_count", dict(range=">=1", type=int, default=2,
-                                    help="rocstories: rarer words -> <unk>")),
-    ("stories", "--synthetic_count", dict(range=">=1", type=int, default=200,
-                                          help="synthetic: per length")),
-    ("optimisation", "--lr", dict(range=">0", type=float, default=None,
-                                  help="AdamW learning rate")),
-    ("optimisation", "--beta1", dict(range="[0,1)", type=float, default=0.9)),
-    ("optimisation", "--beta2", dict(range="[0,1)", type=float, default=0.99)),
-    ("optimisation", "--weight_decay", dict(range=">=0", type=float, default=None,
-                                            help="not on biases/norms")),
-    ("optimisation", "--grad_clip", dict(range=">=0", type=float, default=1.0,
-                                         help="max grad norm (0: off)")),
-    ("optimisation", "--lr_schedule", dict(default=None, choices=["plateau", "linear", "constant"],
-                                           help="plateau: x --lr_decay when validation does not "
-                                                "improve; linear: to 0 over --decay_steps")),
-    ("optimisation", "--lr_decay", dict(range="(0,1]", type=float, default=0.5,
-                                        help="plateau factor, (0, 1]")),
-    ("optimisation", "--decay_steps", dict(range=">=1", type=int, default=None,
-                                           help="linear schedule length")),
-    ("optimisation", "--warmup", dict(range=">=0", type=int, default=None,
-                                      help="linear lr warm-up steps")),
-    ("optimisation", "--patience", dict(range=">=1", type=int, default=10,
-                                        help="early stopping: evaluations "
-                                        "without improvement")),
-    ("optimisation", "--batch_size", dict(range=">=1", type=int, default=None,
-                                          help="sequences per batch")),
-    ("optimisation", "--max_tokens", dict(range=">=1", type=int, default=None,
-                                          help="padded tokens per batch")),
-    ("optimisation", "--bptt", dict(range=">=1", type=int, default=70,
-                                    help="stream: BPTT window length")),
-    ("optimisation", "--loss_scaling", dict(action="store_true", help="ct / ctmos: CT eq. 8's LS")),
-    ("optimisation", "--ar", dict(range=">=0", type=float, default=0.0,
-                                  help="activation regularisation")),
-    ("optimisation", "--tar", dict(range=">=0", type=float, default=0.0,
-                                   help="temporal AR (rnn/lstm)")),
-    ("optimisation", "--grad_accum", dict(range=">=1", type=int, default=1,
-                                          help="batches per optimizer step, "
-                                          "over all processes")),
-    ("optimisation", "--max_epochs", dict(range=">=1", type=int, default=70)),
-    ("optimisation", "--max_iters", dict(range=">=0", type=int, default=None,
-                                         help="step limit (0: none)")),
-    ("optimisation", "--max_minutes", dict(range=">=0", type=float, default=0.0,
-                                           help="stop after this much "
-                                           "training time, evaluations included (0: no limit)")),
-    ("optimisation", "--eval_interval", dict(range=">=0", type=int, default=None,
-                                             help="evaluate every N "
-                                             "steps (0: every epoch)")),
-    ("optimisation", "--log_interval", dict(range=">=1", type=int, default=10,
-                                            help="steps.jsonl: losses "
-                                            "read from the device every N steps")),
-    ("watching", "--probe", dict(range=">=0", type=int, default=64, help="termination probe "
-                                 "at each evaluation: greedy-decode N validation "
-                                 "contexts (0: off)")),
-    ("watching", "--probe_L", dict(range=">=1", type=int, default=200, help="probe: the length "
-                                   "cap L of r_nt(L)")),
-    ("watching", "--no_curves", dict(action="store_true", help="do not draw OUT_DIR/curves.png "
-                                     "at each evaluation")),
-    ("watching", "--tensorboard", dict(action="store_true", help="also log the scalars to "
-                                       "OUT_DIR/tensorboard (pip install tensorboard)")),
-    ("optimisation", "--eval_seqs", dict(range=">=0", type=int, default=0,
-                                         help="validate on the first N")),
-    ("optimisation", "--train_seqs", dict(range=">=0", type=int, default=0,
-                                          help="train on the first N")),
-]
+FLAGS = {  # group: [(flag, argparse keywords)]; None defaults come from RECIPES
+    "run": [
+        ("--model", dict(default="gpt", choices=MODELS + tuple(INSERTION_MODELS),
+                         help="backbone (default gpt); insnet / insertion_transformer: "
+                              "insertion-based (insnet.py)")),
+        ("--head", dict(default="softmax", choices=HEADS,
+                        help="softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10); mos, ct, ctmos "
+                             "(CT paper eq. 4, 6, 7), which hold full float32 rows per token: "
+                             "K*V*4 bytes (mos, ctmos; K = --n_experts) or 2*V*4 (ct), about 3x "
+                             "that with gradients, e.g. 6.6 GB for 8192 tokens at K=4, V=50257: "
+                             "size the batch to fit")),
+        ("--task", dict(default=None, choices=["completion", "stream", "story", "storyline"],
+                        help="completion (default; NMST paper), stream (CT paper, rnn/lstm), "
+                             "story / storyline (default story on story data)")),
+        ("--epsilon", dict(range="(0,1)", type=float, default=1e-5,
+                           help="eps of ST / NMST, in (0, 1)")),
+        ("--dataset", dict(default="wikitext103", choices=sorted(DATASETS) + list(STORY_DATASETS),
+                           help="(default wikitext103)")),
+        ("--vocab", dict(default="word", choices=VOCABS,
+                         help="wikitext2 / ptb: word or char; text: word, char or bpe (GPT-2's)")),
+        ("--data_dir", dict(default=None,
+                            help="folder with the dataset files (default $NANOGEN_DATA, else "
+                                 "download); --dataset text: your train.txt [valid.txt "
+                                 "test.txt]")),
+        ("--out_dir", dict(default=None, help="checkpoints and logs (default out/...)")),
+        ("--init_from", dict(default="scratch", choices=ChainMap({"scratch": 0}, GPT2_SIZES),
+                             help="pretrained GPT-2 weights (sets the GPT-2 shape)")),
+        ("--weights", dict(default=None, help="local GPT-2 weights (file or folder)")),
+        ("--seed", dict(range="seed", type=int, default=0)),
+        ("--device", dict(default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")),
+        ("--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                         help="autocast dtype on CUDA (auto: bfloat16 where the GPU runs it "
+                              "natively, else float32; float16 trains with a GradScaler)")),
+        ("--compile", dict(action="store_true", help="torch.compile the model")),
+        ("--peak_flops", dict(range=">0", type=float, default=None,
+                              help="peak FLOP/s for the MFU column")),
+        ("--resume", dict(action="store_true", help="continue from out_dir/ckpt_last.pt")),
+    ],
+    "architecture": [
+        ("--n_layer", dict(range=">=1", type=int, default=None)),
+        ("--d_model", dict(range=">=1", type=int, default=None, help="embedding = hidden size")),
+        ("--n_head", dict(range=">=1", type=int, default=12, help="attention heads")),
+        ("--block_size", dict(range=">=1", type=int, default=1024, help="GPT / GCNN window")),
+        ("--kernel_size", dict(range=">=1", type=int, default=4, help="gcnn: kernel width k")),
+        ("--dropout", dict(range="[0,1)", type=float, default=None)),
+        ("--no_tie", dict(action="store_true", help="untied output embeddings")),
+        ("--no_bias", dict(action="store_true", help="GPT without biases")),
+        ("--n_experts", dict(range=">=1", type=int, default=4, help="mos / ctmos: softmaxes K")),
+        ("--ct_alpha", dict(range=">=0", type=float, default=1.0, help="ct: alpha of eq. 6")),
+        ("--ct_beta", dict(range=">0", type=float, default=0.5, help="ct: beta of eq. 6")),
+        ("--ct_rank", dict(range=">=0", type=int, default=0, help="ct: rank of W_tau (0: full)")),
+        ("--temperature", dict(range=">0", type=float, default=1.0,
+                               help="softmax / mos: a constant temperature")),
+        ("--locked_dropout", dict(action="store_true",
+                                  help="rnn/lstm: variational dropout on the embeddings and the "
+                                       "output")),
+    ],
+    "stories": [
+        ("--order", dict(default="random", choices=["random", "l2r"],
+                         help="insertion order of the training sequences")),
+        ("--max_offset", dict(range=">=1", type=int, default=256, help="insnet: offset clip K")),
+        ("--min_count", dict(range=">=1", type=int, default=2,
+                             help="rocstories: rarer words -> <unk>")),
+        ("--synthetic_count", dict(range=">=1", type=int, default=200,
+                                   help="synthetic: per length")),
+    ],
+    "optimisation": [
+        ("--lr", dict(range=">0", type=float, default=None, help="AdamW learning rate")),
+        ("--beta1", dict(range="[0,1)", type=float, default=0.9)),
+        ("--beta2", dict(range="[0,1)", type=float, default=0.99)),
+        ("--weight_decay", dict(range=">=0", type=float, default=None,
+                                help="not on biases/norms")),
+        ("--grad_clip", dict(range=">=0", type=float, default=1.0, help="max grad norm (0: off)")),
+        ("--lr_schedule", dict(default=None, choices=["plateau", "linear", "constant"],
+                               help="plateau: x --lr_decay when validation does not improve; "
+                                    "linear: to 0 over --decay_steps")),
+        ("--lr_decay", dict(range="(0,1]", type=float, default=0.5,
+                            help="plateau factor, (0, 1]")),
+        ("--decay_steps", dict(range=">=1", type=int, default=None,
+                               help="linear schedule length")),
+        ("--warmup", dict(range=">=0", type=int, default=None, help="linear lr warm-up steps")),
+        ("--patience", dict(range=">=1", type=int, default=10,
+                            help="early stopping: evaluations without improvement")),
+        ("--batch_size", dict(range=">=1", type=int, default=None, help="sequences per batch")),
+        ("--max_tokens", dict(range=">=1", type=int, default=None,
+                              help="padded tokens per batch")),
+        ("--bptt", dict(range=">=1", type=int, default=70, help="stream: BPTT window length")),
+        ("--loss_scaling", dict(action="store_true", help="ct / ctmos: CT eq. 8's LS")),
+        ("--ar", dict(range=">=0", type=float, default=0.0, help="activation regularisation")),
+        ("--tar", dict(range=">=0", type=float, default=0.0, help="temporal AR (rnn/lstm)")),
+        ("--grad_accum", dict(range=">=1", type=int, default=1,
+                              help="batches per optimizer step, over all processes")),
+        ("--max_epochs", dict(range=">=1", type=int, default=70)),
+        ("--max_iters", dict(range=">=0", type=int, default=None, help="step limit (0: none)")),
+        ("--max_minutes", dict(range=">=0", type=float, default=0.0,
+                               help="stop after this much training time, evaluations included (0: "
+                                    "no limit)")),
+        ("--eval_interval", dict(range=">=0", type=int, default=None,
+                                 help="evaluate every N steps (0: every epoch)")),
+        ("--log_interval", dict(range=">=1", type=int, default=10,
+                                help="steps.jsonl: losses read from the device every N steps")),
+        ("--eval_seqs", dict(range=">=0", type=int, default=0, help="validate on the first N")),
+        ("--train_seqs", dict(range=">=0", type=int, default=0, help="train on the first N")),
+    ],
+    "watching": [
+        ("--probe", dict(range=">=0", type=int, default=64,
+                         help="termination probe at each evaluation: greedy-decode N validation "
+                              "contexts (0: off)")),
+        ("--probe_L", dict(range=">=1", type=int, default=200,
+                           help="probe: the length cap L of r_nt(L)")),
+        ("--no_curves", dict(action="store_true",
+                             help="do not draw OUT_DIR/curves.png at each evaluation")),
+        ("--tensorboard", dict(action="store_true",
+                               help="also log the scalars to OUT_DIR/tensorboard (pip install "
+                                    "tensorboard)")),
+    ],
+}
 
 
 def build_parser():
     p = cli.CLIParser(description="Train a nanogen model (defaults per --model: "
                                   "recipes.RECIPES).")
-    groups = {}
-    for group, flag, kw in FLAGS:
-        kw = dict(kw)
-        if "range" in kw:  # the flag's own range, checked as it is parsed
-            kw["type"] = cli.in_range(kw["type"], flag, kw.pop("range"))
-        groups.setdefault(group, p.add_argument_group(group)).add_argument(flag, **kw)
+    for group, flags in FLAGS.items():
+        g = p.add_argument_group(group)
+        for flag, kw in flags:
+            kw = dict(kw)
+            if "range" in kw:  # the flag's own range, checked as it is parsed
+                kw["type"] = cli.in_range(kw["type"], flag, kw.pop("range"))
+            g.add_argument(flag, **kw)
     return p
 
 

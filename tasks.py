@@ -38,7 +38,7 @@ from data.loader import batches, batchify, bptt_windows, collate, load, load_str
 from data.prepare import tokenizer_of, vocabulary_of
 from data.stories import EOS, load_sequences
 from heads import loss_scale
-from insnet import InsertionTransformer, InsNet, collate_insertions, sequence_nll
+from insnet import InsertionTransformer, InsNet, collate_insertions
 from model import WINDOWED, LanguageModel, eval_mode
 
 INSERTION_MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
@@ -342,15 +342,23 @@ def story_batch(seqs, kind, order="random", generator=None, device="cpu"):
     return dict(batch, n_events=sum(len(t) - s["n_given"] for t, s in zip(toks, seqs)), **sizes)
 
 
+def story_scores(model, batch):
+    """log p of every predicted event (B, T) and the mask of those that count.  L2R: the tokens
+    after the given prefix.  Insertion models (through forward, so that DDP sees training): per
+    step log p(slot) + log p(token | slot) of every non-given insertion, then the termination."""
+    if "order" not in batch:
+        log_p = model(batch["tokens"][:, :-1], None, targets=batch["tokens"][:, 1:])
+        return log_p.float(), batch["mask"]
+    sc = model(**{k: batch[k] for k in INSERTION_BATCH})
+    log_p = torch.cat([sc["slot"] + sc["token"], sc["end"].unsqueeze(1)], 1)
+    return log_p, torch.cat([sc["loss_mask"], torch.ones_like(sc["loss_mask"][:, :1])], 1)
+
+
 def story_nll(model, batch):
-    """-log p of each sequence of a batch (B,) and its number of predicted events (B,).
-    L2R: the tokens after the given prefix.  Insertion models: the slot and token of every
-    non-given insertion plus the termination: the NLL of the (sequence, order) pair."""
-    if "order" in batch:  # through forward (= sequence_log_probs), so that DDP sees training
-        return sequence_nll(model(**{k: batch[k] for k in INSERTION_BATCH}))
-    tokens, mask = batch["tokens"], batch["mask"]
-    log_p = model(tokens[:, :-1], None, targets=tokens[:, 1:])  # (B, L-1), right-padded
-    return -(log_p.float() * mask).sum(1), mask.sum(1)
+    """-log p of each sequence of a batch (B,) (insertion models: of the (sequence, order) pair)
+    and its number of predicted events (B,)."""
+    log_p, mask = story_scores(model, batch)
+    return -torch.where(mask, log_p, 0.0).sum(1), mask.sum(1)
 
 
 class StoryTask(Task):
@@ -380,16 +388,7 @@ class StoryTask(Task):
                            device)
 
     def scores(self, model, batch):
-        """log p of every predicted event and the mask of those that count.  L2R: the tokens
-        after the given prefix.  Insertion models: per step, log p(slot) + log p(token | slot),
-        then the termination."""
-        if "order" not in batch:
-            log_p = model(batch["tokens"][:, :-1], None, targets=batch["tokens"][:, 1:])
-            return log_p.float(), batch["mask"], batch["n_events"]
-        sc = model(**{k: batch[k] for k in INSERTION_BATCH})  # through forward (DDP)
-        log_p = torch.cat([sc["slot"] + sc["token"], sc["end"].unsqueeze(1)], 1)
-        ends = torch.ones_like(sc["loss_mask"][:, :1])
-        return log_p, torch.cat([sc["loss_mask"], ends], 1), batch["n_events"]
+        return (*story_scores(model, batch), batch["n_events"])
 
     def tokens_per_epoch(self):
         return sum(len(s["tokens"]) for s in self.splits["train"])

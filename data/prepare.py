@@ -1,49 +1,23 @@
 """Dataset preparation for sequence completion (NMST paper section 4) and continuous language
-modelling (CT paper): download (or find locally) -> verify sha256 -> tokenize line by line ->
-flat token memmaps.
-
-    python -m data.prepare --dataset wikitext2 [--vocab char] [--data_dir DIR]   # prints counts
-
-Datasets and vocabularies (--vocab)
-  wikitext2    WikiText-2 v1 (tokenised, official vocabulary incl. <unk>): word (default) or char
-  ptb          Mikolov's Penn Treebank: word (default) or char
-  wikitext103  WikiText-103 v1 (tokenised): GPT-2 BPE via tiktoken "gpt2", eos "<|endoftext|>"
-
-Sources.  Each dataset has its official public archive / files with a sha256.  With no local
-copy they are downloaded (tqdm progress bar) into the cache and verified before use.  A local
-folder (--data_dir DIR, or env NANOGEN_DATA) may hold (NANOGEN_OFFLINE=1 forbids downloads):
-  * the official file under its official name  -> its sha256 must match, else a clear error;
-  * for the WikiText zips, another zip with the official member layout (e.g. the
-    WikiText-103 *subset*), or the extracted folder  -> accepted, with a
-    note, and the checksums of what was read recorded in the prepared data's meta.json.
+modelling (CT paper): find or download the official files -> verify sha256 -> tokenize line by
+line -> flat token memmaps.  `python -m data.prepare --dataset NAME [--vocab char]` prints the
+counts; the README's Data section lists the sources and the local-copy rules.
 
 Protocol (one sequence per non-empty line; the survey's section 2.1 for the vocabularies):
-  word  tokens = line.split(); vocabulary "<eos>" = 0, then the train words by decreasing
-        frequency (ties: first occurrence); valid/test words missing from it map to <unk>
-        (counted; WikiText-2 and PTB are closed-vocabulary, so the count is 0).
-  gpt2  tokens = tiktoken gpt2 .encode_ordinary(line.strip()); eos = 50256.
-  char  text = " ".join(line.split()) (the words, single-spaced), tokens = its characters;
-        vocabulary "<eos>" = 0, "<unk>" = 1, then the train characters by frequency.
-  eos is appended.  The context x is the first 10 *words*: 10 tokens at word / BPE level and,
-  at char level, the characters of the first 10 words and the space after them (so both
-  vocabularies complete the same text); the rest, eos included, is the continuation y.  Lines
-  of <= 10 tokens (char level: words) are dropped (y would be eos alone), and BPE sequences
-  longer than MAX_BPE_LEN = 1024 tokens *including eos* (GPT-2's window) are dropped; both
-  counts are reported.
+  word  line.split(); "<eos>" = 0, then the train words by decreasing frequency (ties: first
+        seen); other words -> <unk> (counted)
+  gpt2  tiktoken gpt2 .encode_ordinary(line.strip()); eos = 50256
+  char  the characters of " ".join(line.split()); "<eos>" = 0, "<unk>" = 1, then by frequency
+eos is appended.  The context x is the first 10 *words* (char level: their characters and the
+space after them); the rest, eos included, is the continuation y.  Lines of <= 10 words and BPE
+sequences over MAX_BPE_LEN = 1024 tokens (eos included) are dropped, and counted.
 
-Output, under $NANOGEN_CACHE (default ~/.cache/nanogen)/prepared/<dataset>[-char]-<sha[:12]>/:
-  {split}.bin         all sequences' tokens back to back (uint16 when V <= 65535, else uint32)
-  {split}.idx         int64 offsets (N + 1): sequence i is bin[idx[i]:idx[i+1]] (eos included)
-  {split}.ctx         char level: int32 context length of each sequence (else all 10)
-  {split}.stream.bin  continuous language modelling (--task stream, CT paper): every line,
-                      empty and short ones too, + eos, back to back (the usual corpus counts)
-  vocab.txt           word / char vocabulary, one token per line (id = line number; char level:
-                      the character as a JSON string)
-  meta.json           vocabulary size, eos id, counts, file sizes, the sources' and the prepared
-                      files' sha256
-Tokens are streamed into the files in chunks, so preparing WikiText-103 holds no Python list
-of the corpus.  The folder is written under a temporary name and renamed when complete, and
-checked against meta.json's sizes before every use (rebuilt when it does not match).
+Output, in $NANOGEN_CACHE/prepared/<dataset>[-vocab]-<sha[:12]>/ (written under a temporary
+name, renamed when complete, checked against meta.json before every use):
+  {split}.bin / .idx  every sequence's tokens back to back (uint16 / uint32), int64 offsets
+  {split}.ctx         char level: int32 context length of each sequence
+  {split}.stream.bin  every line, empty ones too, + eos (continuous LM, --task stream)
+  vocab.txt, meta.json  the vocabulary (id = line number); sizes, counts, sha256 fingerprints
 """
 import array
 import collections

@@ -305,7 +305,7 @@ def wrapper_cases(tmp_path, capsys):
 def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
     for cmd, msg in (([sys.executable, "-m", "data.prepare", "--dataset", "wikitext2",
                        "--data_dir", str(tmp_path / "nowhere")], "is not a folder"),
-                     ([sys.executable, "bench.py", "table4"], "needs --ckpts")):
+                     ([sys.executable, "bench.py", "train", "--iters", "0"], "--iters must be >= 1")):
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert_one_line_error(p.returncode, p.stderr, msg)
     out = tiny_run(tmp_path / "ctrlc", iters=2, every=2)

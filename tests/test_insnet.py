@@ -68,7 +68,8 @@ import itertools  # noqa: E402
 import pytest  # noqa: E402
 
 from insnet import (InsertionTransformer, InsNet, canvas_steps, collate_insertions, generate,  # noqa: E402
-                    insertion_order, insertion_targets, sequence_nll, start_canvas)
+                    insertion_order, insertion_targets, start_canvas)
+from tasks import story_nll  # noqa: E402
 
 CFG = dict(vocab_size=23, n_layer=2, n_head=2, d_model=16, dropout=0.0, max_offset=6, block_size=40)
 MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
@@ -207,7 +208,7 @@ def test_training_pass_is_one_pass_for_insnet(name):
     m = tiny(name)
     _, batch = a_batch()
     seen = encoded(m)
-    nll, events = sequence_nll(m.sequence_log_probs(**batch))
+    nll, events = story_nll(m, batch)
     assert torch.isfinite(nll).all() and (nll > 0).all() and events.tolist() == [10 - 3 - 1 + 1, 3 + 1]
     if name == "insnet":
         assert seen == [(2, 11)]  # one causal pass over the padded batch
@@ -230,7 +231,7 @@ def test_batch_equals_single_sequences():
 def test_relative_bias_gets_gradients():
     m = tiny("insnet").float().train()
     _, batch = a_batch()
-    nll, _ = sequence_nll(m.sequence_log_probs(**batch))
+    nll, _ = story_nll(m, batch)
     nll.sum().backward()
     assert m.rel_bias.grad.abs().sum() > 0 and m.slot_proj.weight.grad.abs().sum() > 0
 
@@ -266,7 +267,7 @@ def test_order_average_minus_log_n_factorial_bounds_the_nll():
         b = dict(tokens=torch.tensor([seq]), order=order, lengths=torch.tensor([8]), n_given=torch.tensor([4]),
                  slot_start=torch.tensor([2]))
         with torch.no_grad():
-            nlls.append(float(sequence_nll(m.sequence_log_probs(**b))[0][0]))
+            nlls.append(float(story_nll(m, b)[0][0]))
     exact = -torch.logsumexp(-torch.tensor(nlls, dtype=torch.float64), 0)
     bound = sum(nlls) / len(nlls) - math.lgamma(5)
     assert bound >= exact - 1e-9 and min(nlls) >= exact  # any single order also bounds it
