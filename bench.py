@@ -430,7 +430,6 @@ def plot_insnet(rows, args, shape):
     ax.set(xlabel="sequence length", ylabel="seconds per epoch", yscale="log",
            title=f"{args.seqs} sequences / epoch, {shape['n_layer']}x{shape['d_model']}, CPU")
     ax.legend()
-    fig.tight_layout()
     cli.save_figure(fig, args.plot)
 
 
@@ -487,7 +486,7 @@ def bench_arch(args):
                         str(args.eval_every), "--eval_seqs", "300", "--out_dir", out,
                         "--seed", "0", *(["--data_dir", args.data_dir] if args.data_dir else [])])
             ckpt = load(os.path.join(out, "ckpt_last.pt"))
-            task = checkpoint_task(ckpt, args.data_dir, eval_seqs=args.limit)
+            task = checkpoint_task(ckpt, args.data_dir)
             lm = model_from_checkpoint(ckpt).eval()
             log = [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))]
             curves[model] = [(r["elapsed_s"], r["val_ppl"]) for r in log]
@@ -501,7 +500,7 @@ def arch_row(model, s, lm, task, ckpt, log, args):
     from decode import decode
     split = task.splits["valid"]
     T = float(np.mean(task.splits["train"].lengths - 1))
-    res = task.evaluate(lm, "cpu")
+    res = task.evaluate(lm, "cpu", limit=args.limit)
     prompts = [torch.as_tensor(split.context(i)) for i in range(16)]
     t0 = time.perf_counter()
     out = decode(lm, prompts, 64)
@@ -542,7 +541,6 @@ def plot_arch(curves, args):
     ax.set(xlabel="training time (s, evaluations included)", ylabel="validation perplexity",
            yscale="log", title="PTB, comparable sizes, CPU")
     ax.legend()
-    fig.tight_layout()
     cli.save_figure(fig, args.plot)
 
 

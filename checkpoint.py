@@ -1,19 +1,11 @@
 """Checkpoints on disk, and HuggingFace GPT-2 weights: what comes into and goes out of a model.
 
-nanogen checkpoint, format 2 (`nanogen-checkpoint-2`): a plain `torch.save` zip of a dict of
-tensors and plain containers, streamed into a temporary file in the destination folder while its
-sha256 is taken; the digest goes into the zip's archive comment (`nanogen-checkpoint-2
-sha256=<hex>`, over the bytes torch wrote); then fsync and rename.  So a crash leaves the old
-file or the new one, never half of one; a file damaged later fails its digest on load; writing
-costs no copy of the state in memory, and the file is torch.save's plus the 92-byte comment
-and 16 bytes per tensor (python bench.py checkpoint measures it).  Loading is
-`torch.load(weights_only=True)`: tensors and plain containers only, never pickled code.
-
-Format 1 (`nanogen-checkpoint-1`, written before the streaming writer): the state pickled to
-bytes inside an outer dict with their sha256.  Still read.
-
-The dict a training run writes: config (the architecture), model (state_dict), optimizer,
-train_state, task_state, rng, args (train.py's arguments), data (what the data was made from).
+Format 2 (`nanogen-checkpoint-2`): a plain `torch.save` zip, streamed into a temporary file
+beside the destination while its sha256 is taken; the digest goes into the zip's archive
+comment; then fsync and rename.  A crash leaves the old file or the new one; a file damaged
+later fails its digest on load (torch's zip reader does not notice a flipped byte); writing
+holds no copy of the state.  Format 1 (`nanogen-checkpoint-1`, the state pickled to bytes with
+their sha256) is still read.  Loading is `torch.load(weights_only=True)`: never pickled code.
 """
 import hashlib
 import io

@@ -362,9 +362,14 @@ def file_set(folder, names):
 
 
 def save_figure(fig, path):
-    """matplotlib figure -> PNG, atomically."""
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, dpi=120, format="png")
+    """matplotlib figure -> laid out, PNG written atomically, closed (also when writing fails)."""
+    import matplotlib.pyplot as plt
+    try:
+        fig.tight_layout()
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, dpi=120, format="png")
+    finally:
+        plt.close(fig)
 
 
 def pyplot(quiet=False):

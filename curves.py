@@ -92,18 +92,15 @@ def draw_run(folder, path=None):
                     f"({probe[-1]['probe_n']} contexts)")
         axes[2].legend(fontsize=8)
     fig.suptitle(os.path.basename(os.path.abspath(folder)), fontsize=9)
-    fig.tight_layout()
-    return save(plt, fig, path)
+    return save(fig, path)
 
 
-def save(plt, fig, path):
+def save(fig, path):
     try:
         cli.save_figure(fig, path)
     except cli.UserError as e:
         print(f"warning: {e} (training goes on)", file=sys.stderr)
-        path = None
-    finally:
-        plt.close(fig)
+        return None
     return path
 
 
@@ -154,8 +151,7 @@ def overlay(folders, path):
                 title="termination probe")
     for ax in axes:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    return rows, save(plt, fig, path)
+    return rows, save(fig, path)
 
 
 def main(argv=None):

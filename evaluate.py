@@ -5,17 +5,9 @@ and, for story checkpoints, NLL, BLEU and keyword inclusion.
     python evaluate.py --ckpt ... --decoder greedy --L 10 100 1000 --plot figs/ --out greedy.json
     python evaluate.py --compare va.json st.json nmst.json --plot figs/   # overlay r_nt(L) curves
 
-Perplexity exactly as the NMST paper (section 4) uses it: exp of the mean negative
-log-likelihood over the continuation tokens y_1..y_T (eos included) given the context, i.e.
-exp(-sum_n sum_t log p(y_t^n | y_<t^n, x^n) / sum_n T^n) (tasks.CompletionTask.evaluate).  Also
-reported: the mean probability the model puts on eos at the true end of each sequence.
-
-With --decoder (decode.py) every context x of the split is continued once, up to max(--L)
-tokens, and the study reports (NMST paper sections 4-5): r_nt(L) for every requested L (eq. 11)
-and the whole curve; the mean continuation length; the share of unique continuations among the
-non-terminated; examples; generated vs ground-truth lengths (Fig. 8); p(eos | y_<t, x) along
-ground-truth continuations (Fig. 3).  --plot DIR writes PNGs (r_nt(L) on log-log axes as in
-Fig. 2 / 7).  Output paths are checked before any work and written atomically.
+Perplexity: NMST paper section 4 (tasks.CompletionTask.evaluate).  The study (--decoder) continues
+every context once up to max(--L) tokens: r_nt(L) (NMST eq. 11) and its curve, lengths (Fig. 8),
+unique non-terminated continuations, examples, p(eos) along true continuations (Fig. 3).
 """
 import json
 import math
@@ -112,12 +104,7 @@ def main(argv=None):
 def load_for(args, ckpt, device):
     """The checkpoint's task (its data, checked to be the data it was made from) and model."""
     sizes = {k: getattr(args, k) for k in ("batch_size", "max_tokens") if getattr(args, k)}
-    if sizes and ckpt["args"].get("task") == "stream":
-        raise UserError("--batch_size / --max_tokens do not apply to a stream checkpoint (its "
-                        "perplexity reads 10 columns, as usual): drop them")
-    if sizes:  # the user's batching replaces the checkpoint's
-        sizes = dict(dict(batch_size=None, max_tokens=None), **sizes)
-    task = checkpoint_task(ckpt, args.data_dir, (args.split,), args.ckpt, **sizes)
+    task = checkpoint_task(ckpt, args.data_dir, (args.split,), args.ckpt, sizes)
     return task, model_from_checkpoint(ckpt, args.ckpt).to(device)
 
 
@@ -525,7 +512,7 @@ def plot_r_nt(plt, results, labels, styles, shared, out_dir):
                 label=label)
     ax.set(xscale="log", yscale="log", xlabel="L", ylabel="r_nt(L)  (0 drawn at 1e-4)",
            title=f"non-termination ratio ({shared})" if shared else "non-termination ratio")
-    return finish(plt, fig, ax, os.path.join(out_dir, "r_nt.png"))
+    return finish(fig, ax, os.path.join(out_dir, "r_nt.png"))
 
 
 def plot_lengths(plt, results, labels, styles, out_dir):
@@ -541,7 +528,7 @@ def plot_lengths(plt, results, labels, styles, out_dir):
                 label=f"{label} ({cut} non-terminated, drawn at L={Lmax})" if cut else label)
     ax.set(xlabel="continuation length", ylabel="count", yscale="log",
            title="length distribution")
-    return finish(plt, fig, ax, os.path.join(out_dir, "lengths.png"))
+    return finish(fig, ax, os.path.join(out_dir, "lengths.png"))
 
 
 def plot_traces(plt, results, labels, styles, out_dir):
@@ -556,18 +543,16 @@ def plot_traces(plt, results, labels, styles, out_dir):
             ax.plot(range(1, len(tr["p_eos"]) + 1), tr["p_eos"], ls, color=color, label=label)
         ax.set(yscale="log", ylabel="p(eos)", xlabel="t" if j == n - 1 else None)
         ax.set_title(f"validation sequence {traced[0][0]['eos_traces'][j]['index']}", fontsize=8)
-    return finish(plt, fig, axes[0, 0], os.path.join(out_dir, "p_eos.png"))
+    return finish(fig, axes[0, 0], os.path.join(out_dir, "p_eos.png"))
 
 
-def finish(plt, fig, ax, path):
+def finish(fig, ax, path):
     """Legend (one entry per run, however many curves it drew), layout, the PNG written
     atomically; -> its path."""
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=8)
-    fig.tight_layout()
     cli.save_figure(fig, path)
-    plt.close(fig)
     return path
 
 
@@ -581,10 +566,8 @@ def plot_tau(report, path):
     ax.set_xticks(list(x), report["positions"], rotation=60, fontsize=7)
     ax.set(ylabel="tau of the next word",
            title=f"contextual temperature by position ({report['sentences']} sentences)")
-    fig.tight_layout()
     cli.save_figure(fig, path)
     print(f"wrote {path}")
-    plt.close(fig)
 
 
 if __name__ == "__main__":

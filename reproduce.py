@@ -297,9 +297,7 @@ def plot_nmst(cfg, runs, args):
                    xlabel="L" if i == len(models) - 1 else None,
                    ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None)
     axes[0, 0].legend(fontsize=7)
-    fig.tight_layout()
     cli.save_figure(fig, os.path.join(args.out, "r_nt.png"))
-    plt.close(fig)
 
 
 def over_training(cfg, args):

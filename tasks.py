@@ -469,12 +469,17 @@ def _story_task(a, data_dir, vocab, verbose):
                      variant=a["task"], signature=signature)
 
 
-def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpoint", **given):
+def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpoint", sizes=None):
     """The task of a checkpoint's run, on all of its data (no --train_seqs / --eval_seqs
-    limits), checked to be the data it was made from (for the splits to be read)."""
+    limits), checked to be the data it was made from (for the splits to be read).  sizes:
+    evaluate.py's --batch_size / --max_tokens, replacing the run's batching."""
     from recipes import build_parser  # (recipes imports this module)
     a = {**vars(build_parser().parse_args([])), "model": ckpt["config"]["model"], **ckpt["args"],
-         "train_seqs": 0, "eval_seqs": 0, **given}
+         "train_seqs": 0, "eval_seqs": 0}
+    if sizes and a.get("task") == "stream":
+        raise UserError("--batch_size / --max_tokens do not apply to a stream checkpoint (its "
+                        "perplexity reads 10 columns, as usual): drop them")
+    a.update(dict(batch_size=None, max_tokens=None, **sizes) if sizes else {})
     task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
     check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task
