@@ -14,6 +14,7 @@
 Every figure is measured on the machine that runs it; the README lists the ones we measured,
 with the hardware and the command.
 """
+import argparse
 import json
 import os
 import statistics
@@ -679,16 +680,11 @@ def gpt2_step(args, device, B=8, T=1024):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             step()
     sec = timed(bf16_step, 3, args.iters * 3, device)
-    peak = cli.peak_flops(argparse_ns(peak_flops=None, dtype="bfloat16"), device)
+    peak = cli.peak_flops(argparse.Namespace(peak_flops=None, dtype="bfloat16"), device)
     mfu = B * T / sec * lm.flops_per_token(T) / peak if peak else float("nan")
     print(f"GPT-2 124M train step, bf16 autocast, compiled, batch {B} x {T}: "
           f"{B * T / sec:,.0f} tokens/s, {1e3 * sec:.1f} ms/step, MFU {100 * mfu:.1f}% "
           f"(peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s)")
-
-
-def argparse_ns(**kw):
-    import argparse
-    return argparse.Namespace(**kw)
 
 
 # --------------------------------------------------------------------------------------------

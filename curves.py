@@ -36,10 +36,6 @@ def read_records(folder, name="log.jsonl"):
     return records
 
 
-def read_log(folder):
-    return read_records(folder, "log.jsonl")
-
-
 def read_steps(folder):
     """(step, loss) of every logged step."""
     return [(r["step"], r["loss"]) for r in read_records(folder, "steps.jsonl")
@@ -62,7 +58,7 @@ def draw_run(folder, path=None):
     """RUN/curves.png from its logs; -> the path, or None (and one warning) when it could not
     be drawn or written."""
     path = path or os.path.join(folder, "curves.png")
-    log = read_log(folder)
+    log = read_records(folder)
     plt = cli.pyplot(quiet=True)
     if not log or plt is None:
         return None
@@ -119,7 +115,7 @@ def label(args, keys, folder):
 def overlay(folders, path):
     """Several runs side by side (validation perplexity; the probe's r_nt) and a table of their
     best values.  -> (the table's lines, the figure's path or None)."""
-    runs = [(f, read_args(f), read_log(f)) for f in folders]
+    runs = [(f, read_args(f), read_records(f)) for f in folders]
     missing = [f for f, _, log in runs if not log]
     if missing:
         raise cli.UserError(f"no evaluations logged in {', '.join(missing)} (a run folder of "

@@ -123,7 +123,8 @@ def evaluate_completion(args, ckpt, device):
     task, lm = load_for(args, ckpt, device)
     res = describe(ckpt, args)
     if not args.no_ppl:
-        res.update(perplexity_job(args, task, lm, device))
+        res.update(task.evaluate(lm, device, split=args.split, limit=args.limit))
+        print(task.report(res, args.split))
     if args.decoder:
         split = task.decodable_split(args.split)
         study = decoding_study(lm, split, args, task.tokenizer().decode, device)
@@ -139,14 +140,6 @@ def evaluate_completion(args, ckpt, device):
             plot_study([res], args.plot)
     if args.tau_report:
         res["tau_report"] = tau_job(args, ckpt, task, lm, device)
-    return res
-
-
-def perplexity_job(args, task, lm, device):
-    """Completion: perplexity over the continuations; stream: continuous-LM perplexity (--limit
-    N: the first N tokens of each of the 10 columns)."""
-    res = task.evaluate(lm, device, split=args.split, limit=args.limit)
-    print(task.report(res, args.split))
     return res
 
 

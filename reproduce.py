@@ -36,24 +36,21 @@ def nmst_settings(scale, table):
     on WikiText-103).  cpu: PTB (a 10k vocabulary is cheaper than WikiText-2's 33k), small
     models, eps = 1e-3 so that Theorem 3's bound t_1/2 = ln 2 / eps ~ 693 lies inside L = 1000
     (at the paper's 1e-5 it is ~69,000 tokens: a 10-minute model shows nothing within L)."""
-    small = ["--d_model", "128", "--dropout", "0.1", "--lr", "3e-3", "--lr_schedule",
-             "constant", "--batch_size", "32"]
-    s = {"tiny": dict(dataset="ptb", steps=6, seeds=1, contexts=6, L=40, eps=1e-3,
-                      models={"lstm": ["--d_model", "16", "--batch_size", "8", "--n_layer", "1",
-                                       "--train_seqs", "200"]},
-                      decoders=["greedy", "topk-2", "beam-2"] if table == 4 else ["greedy"]),
-         "cpu": dict(dataset="ptb", steps=300, seeds=3, contexts=100, L=1000, eps=1e-3,
-                     models={"rnn": small, "lstm": small} if table == 1 else
-                     {"gpt": ["--n_layer", "2", "--n_head", "4", "--block_size", "1024",
-                              *small, "--lr", "1e-3"]},
-                     decoders=["greedy", "topk-2", "nucleus-0.4", "beam-2"] if table == 1 else
-                     list(TABLE4)),
-         "paper": dict(dataset="wikitext2" if table == 1 else "wikitext103", steps=None,
-                       seeds=10, contexts=None, L=1000, eps=1e-5,
-                       models={"rnn": [], "lstm": []} if table == 1 else
-                       {"gpt": ["--init_from", "gpt2"]},
-                       decoders=["greedy", *TABLE4] if table == 1 else list(TABLE4))}
-    return s[scale]
+    small = "--d_model 128 --dropout 0.1 --lr 3e-3 --lr_schedule constant --batch_size 32".split()
+    gpt = ["--n_layer", "2", "--n_head", "4", "--block_size", "1024", *small, "--lr", "1e-3"]
+    tiny = "--d_model 16 --batch_size 8 --n_layer 1 --train_seqs 200".split()
+    return {"tiny": dict(dataset="ptb", steps=6, seeds=1, contexts=6, L=40, eps=1e-3,
+                         models={"lstm": tiny},
+                         decoders=["greedy", "topk-2", "beam-2"] if table == 4 else ["greedy"]),
+            "cpu": dict(dataset="ptb", steps=300, seeds=3, contexts=100, L=1000, eps=1e-3,
+                        models={"rnn": small, "lstm": small} if table == 1 else {"gpt": gpt},
+                        decoders=["greedy", "topk-2", "nucleus-0.4", "beam-2"] if table == 1
+                        else list(TABLE4)),
+            "paper": dict(dataset="wikitext2" if table == 1 else "wikitext103", steps=None,
+                          seeds=10, contexts=None, L=1000, eps=1e-5,
+                          models={"rnn": [], "lstm": []} if table == 1 else
+                          {"gpt": ["--init_from", "gpt2"]},
+                          decoders=["greedy", *TABLE4] if table == 1 else list(TABLE4))}[scale]
 
 
 PAPER_TABLE1 = {("rnn", "softmax"): "178.6 ± 6.3", ("rnn", "st"): "180.4 ± 3.3",
@@ -339,21 +336,17 @@ def ct_settings(scale):
     M = 15, AR 2 / TAR 1) is approximated at paper scale by nanogen's LSTM (one width for every
     layer, no weight drop); cpu: a 2x64 LSTM, K = 2, 200 steps, perplexity on the first 2000
     tokens of each of the 10 evaluation columns (20,000 tokens of each split)."""
-    common = ["--model", "lstm", "--task", "stream", "--dataset", "ptb"]
-    return {"tiny": dict(seeds=1, limit=["--limit", "100"], flags=[*common, "--d_model", "16",
-                                                                  "--n_layer", "1",
-                                          "--batch_size", "8", "--bptt", "20", "--max_iters", "4",
-                                          "--eval_interval", "4", "--eval_seqs", "200",
-                                          "--n_experts", "2"]),
-            "cpu": dict(seeds=3, limit=["--limit", "2000"],
-                        flags=[*common, "--d_model", "64", "--dropout", "0.1", "--batch_size",
-                               "20", "--bptt", "35", "--lr", "3e-3", "--lr_schedule",
-                               "constant", "--max_iters", "200", "--eval_interval", "200",
-                               "--eval_seqs", "1000", "--n_experts", "2"]),
-            "paper": dict(seeds=10, limit=[], flags=[*common, "--n_layer", "3", "--d_model", "960",
-                                           "--dropout", "0.4", "--batch_size", "12", "--bptt",
-                                           "70", "--n_experts", "15", "--ar", "2", "--tar", "1",
-                                           "--locked_dropout", "--lr", "1e-3"])}[scale]
+    common = "--model lstm --task stream --dataset ptb".split()
+    return {"tiny": dict(seeds=1, limit=["--limit", "100"], flags=common + (
+                "--d_model 16 --n_layer 1 --batch_size 8 --bptt 20 --max_iters 4 "
+                "--eval_interval 4 --eval_seqs 200 --n_experts 2").split()),
+            "cpu": dict(seeds=3, limit=["--limit", "2000"], flags=common + (
+                "--d_model 64 --dropout 0.1 --batch_size 20 --bptt 35 --lr 3e-3 --lr_schedule "
+                "constant --max_iters 200 --eval_interval 200 --eval_seqs 1000 --n_experts 2"
+            ).split()),
+            "paper": dict(seeds=10, limit=[], flags=common + (
+                "--n_layer 3 --d_model 960 --dropout 0.4 --batch_size 12 --bptt 70 --n_experts 15 "
+                "--ar 2 --tar 1 --locked_dropout --lr 1e-3").split())}[scale]
 
 
 def run_ct(args):
@@ -394,20 +387,14 @@ def run_ct(args):
 def insnet_settings(scale):
     """InsNet Table 3 (golden storylines): InsNet-full vs L2R-PNW on ROCStories.  cpu: 2x64
     models, 500 steps, greedy decoding of 100 test stories; the paper: base size, 80k steps."""
-    return {"tiny": dict(seeds=1, stories=3, flags=["--n_layer", "1", "--d_model", "16",
-                                                     "--n_head", "2", "--batch_size", "8",
-                                                     "--max_iters", "4", "--eval_interval", "4",
-                                                     "--eval_seqs", "16", "--train_seqs", "64",
-                                                     "--warmup", "0"], lengths=[20, 40]),
-            "cpu": dict(seeds=3, stories=100, flags=["--n_layer", "2", "--d_model", "64",
-                                                      "--n_head", "4", "--batch_size", "32",
-                                                      "--lr", "2e-3", "--warmup", "30",
-                                                      "--max_iters", "500", "--decay_steps",
-                                                      "500", "--eval_interval", "500",
-                                                      "--eval_seqs", "200"],
-                        lengths=[20, 40, 80, 120, 160]),
-            "paper": dict(seeds=3, stories=None, flags=[], lengths=[20, 40, 60, 80, 100, 120,
-                                                                    160])}[scale]
+    return {"tiny": dict(seeds=1, stories=3, lengths=[20, 40], flags=(
+                "--n_layer 1 --d_model 16 --n_head 2 --batch_size 8 --max_iters 4 "
+                "--eval_interval 4 --eval_seqs 16 --train_seqs 64 --warmup 0").split()),
+            "cpu": dict(seeds=3, stories=100, lengths=[20, 40, 80, 120, 160], flags=(
+                "--n_layer 2 --d_model 64 --n_head 4 --batch_size 32 --lr 2e-3 --warmup 30 "
+                "--max_iters 500 --decay_steps 500 --eval_interval 500 --eval_seqs 200").split()),
+            "paper": dict(seeds=3, stories=None, flags=[], lengths=[20, 40, 60, 80, 100, 120, 160])
+            }[scale]
 
 
 PAPER_INSNET = {"insnet": "52.86 / 36.86 / 26.39 / 19.35, 100%",
