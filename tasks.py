@@ -355,10 +355,13 @@ def story_scores(model, batch):
 
 
 def story_nll(model, batch):
-    """-log p of each sequence of a batch (B,) (insertion models: of the (sequence, order) pair)
-    and its number of predicted events (B,)."""
+    """-log p of each sequence of a batch (B,) (insertion models: of the (sequence, order) pair:
+    its slot, token and termination terms) and its number of predicted events (B,)."""
+    if "order" in batch:
+        sc = model(**{k: batch[k] for k in INSERTION_BATCH})
+        return -(sc["slot"].sum(1) + sc["token"].sum(1) + sc["end"]), sc["loss_mask"].sum(1) + 1
     log_p, mask = story_scores(model, batch)
-    return -torch.where(mask, log_p, 0.0).sum(1), mask.sum(1)
+    return -(log_p * mask).sum(1), mask.sum(1)
 
 
 class StoryTask(Task):
