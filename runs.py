@@ -79,8 +79,8 @@ class Run:
                   f"first one): starting again from step 0", file=sys.stderr)
         self.run_id = self.run_id or folder_run_id(self.out_dir) or uuid.uuid4().hex
         cli.write_json(self.path("run.json"), dict(run_id=self.run_id, args=vars(self.args)))
-        for name in os.listdir(self.out_dir):  # temporary files of an interrupted write
-            if name.startswith(".ckpt_") and name.endswith(".tmp"):
+        for name in os.listdir(self.out_dir):  # an interrupted atomic write's temporary file
+            if name.startswith(".") and name.endswith(".tmp"):  # (checkpoint, curves.png, ...)
                 os.remove(self.path(name))
         for name in ("log.jsonl", "steps.jsonl"):
             keep_log_until(self.path(name), self.state.step)

@@ -195,6 +195,18 @@ def test_real_full_disk(tmp_path, capsys):
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def test_resume_removes_the_temporary_files_of_interrupted_writes(tmp_path):
+    """A SIGKILL during any atomic write (a checkpoint, curves.png, a JSON file) leaves its
+    temporary file; the next run in the (locked) folder removes them all, and nothing else."""
+    out = tiny_run(tmp_path / "run", iters=2, every=2)
+    stale = [".ckpt_last.pt.a1b2.tmp", ".curves.png.zml04zhg.tmp", ".run.json.q9.tmp"]
+    for name in [*stale, "notes.tmp"]:
+        (out / name).write_bytes(b"half")
+    assert train.main(TINY + ["--out_dir", str(out), "--max_iters", "4", "--eval_interval", "2",
+                              "--resume"]) == 0
+    assert [n for n in os.listdir(out) if n.endswith(".tmp")] == ["notes.tmp"]
+
+
 def test_checkpoint_streams_with_little_memory_and_torch_save_size(tmp_path):
     """Format 2 is written while it is pickled: the file is torch.save's (plus the 92-byte digest
     comment and 16 bytes of zip data descriptor per tensor, what torch writes to a stream), and
