@@ -6,6 +6,8 @@ comment; then fsync and rename.  A crash leaves the old file or the new one; a f
 later fails its digest on load (torch's zip reader does not notice a flipped byte); writing
 holds no copy of the state.  Format 1 (`nanogen-checkpoint-1`, the state pickled to bytes with
 their sha256) is still read.  Loading is `torch.load(weights_only=True)`: never pickled code.
+A training run's checkpoint holds config, model, optimizer, train_state, task_state, rng, args
+(train.py's arguments), data (what the data was made from), run_id and the scaler.
 """
 import hashlib
 import io

@@ -8,16 +8,19 @@ Protocol (one sequence per non-empty line; the survey's section 2.1 for the voca
         seen); other words -> <unk> (counted)
   gpt2  tiktoken gpt2 .encode_ordinary(line.strip()); eos = 50256
   char  the characters of " ".join(line.split()); "<eos>" = 0, "<unk>" = 1, then by frequency
-eos is appended.  The context x is the first 10 *words* (char level: their characters and the
-space after them); the rest, eos included, is the continuation y.  Lines of <= 10 words and BPE
-sequences over MAX_BPE_LEN = 1024 tokens (eos included) are dropped, and counted.
+eos is appended.  The context x is the first 10 tokens (char level: the characters of the first
+10 words and the space after them); the rest, eos included, is the continuation y.  Lines with
+no continuation (<= 10 tokens; char level: words) and BPE sequences over MAX_BPE_LEN = 1024
+tokens (eos included) are dropped, and counted.  Tokens are streamed to disk in chunks.
 
 Output, in $NANOGEN_CACHE/prepared/<dataset>[-vocab]-<sha[:12]>/ (written under a temporary
 name, renamed when complete, checked against meta.json before every use):
-  {split}.bin / .idx  every sequence's tokens back to back (uint16 / uint32), int64 offsets
+  {split}.bin / .idx  every sequence's tokens back to back (uint16 if V <= 65535, else uint32),
+                      int64 offsets: sequence i is bin[idx[i]:idx[i+1]]
   {split}.ctx         char level: int32 context length of each sequence
   {split}.stream.bin  every line, empty ones too, + eos (continuous LM, --task stream)
-  vocab.txt, meta.json  the vocabulary (id = line number); sizes, counts, sha256 fingerprints
+  vocab.txt, meta.json  the vocabulary (id = line number; char level: JSON strings); sizes,
+                      counts, sha256 fingerprints
 """
 import array
 import collections
