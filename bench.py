@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 import cli
-from cli import UserError
 import fast
 from model import LanguageModel
 
@@ -689,41 +688,47 @@ def gpt2_step(args, device, B=8, T=1024):
 
 # --------------------------------------------------------------------------------------------
 def build_parser():
+    def pos(kind, flag):
+        return cli.in_range(kind, flag, ">=1")
     p = cli.CLIParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["train", "train_hf", "decode", "fast", "checkpoint", "insnet",
                                     "arch", "gpu"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=9, help="alternating rounds (the median counts)")
+    p.add_argument("--iters", type=pos(int, "--iters"), default=3)
+    p.add_argument("--rounds", type=pos(int, "--rounds"), default=9,
+                   help="alternating rounds (the median counts)")
     p.add_argument("--parts", action="store_true", help="train_hf: the body / output layer alone")
     p.add_argument("--models", nargs="+", default=["lstm", "gpt"], help="train: which models")
-    p.add_argument("--batch", type=int, default=8, help="sequences per batch")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--gpt_layers", type=int, default=4)
-    p.add_argument("--gpt_dim", type=int, default=256)
-    p.add_argument("--gpt_heads", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=8, help="decode: prompts decoded together")
-    p.add_argument("--new_tokens", type=int, default=64, help="decode: tokens per prompt")
-    p.add_argument("--mb", type=float, default=500, help="checkpoint: the state's size in MB")
-    p.add_argument("--lengths", type=int, nargs="+", default=[20, 40, 60, 80, 100, 120, 160])
-    p.add_argument("--seqs", type=int, default=16, help="insnet: sequences per epoch and length")
-    p.add_argument("--it_batch", type=int, default=2, help="insnet: IT-vanilla batch")
+    p.add_argument("--batch", type=pos(int, "--batch"), default=8, help="sequences per batch")
+    p.add_argument("--seq", type=pos(int, "--seq"), default=128, help="tokens per sequence")
+    p.add_argument("--gpt_layers", type=pos(int, "--gpt_layers"), default=4)
+    p.add_argument("--gpt_dim", type=pos(int, "--gpt_dim"), default=256)
+    p.add_argument("--gpt_heads", type=pos(int, "--gpt_heads"), default=4)
+    p.add_argument("--prompts", type=pos(int, "--prompts"), default=8,
+                   help="decode: prompts decoded together")
+    p.add_argument("--new_tokens", type=pos(int, "--new_tokens"), default=64,
+                   help="decode: tokens per prompt")
+    p.add_argument("--mb", type=cli.in_range(float, "--mb", ">0"), default=500,
+                   help="checkpoint: the state's size in MB")
+    p.add_argument("--lengths", type=pos(int, "--lengths"), nargs="+",
+                   default=[20, 40, 60, 80, 100, 120, 160], help="insnet: sequence lengths")
+    p.add_argument("--seqs", type=pos(int, "--seqs"), default=16,
+                   help="insnet: sequences per epoch and length")
+    p.add_argument("--it_batch", type=pos(int, "--it_batch"), default=2,
+                   help="insnet: IT-vanilla batch")
     p.add_argument("--plot", default=None, help="insnet / arch: write the figure to this PNG")
-    p.add_argument("--limit", type=int, default=None, help="arch: validation sequences")
+    p.add_argument("--limit", type=pos(int, "--limit"), default=None,
+                   help="arch: validation sequences")
     p.add_argument("--data_dir", default=None, help="arch: local dataset folder")
-    p.add_argument("--budget", type=float, default=120, help="arch: training seconds per model")
-    p.add_argument("--eval_every", type=int, default=100, help="arch: steps between evaluations")
+    p.add_argument("--budget", type=cli.in_range(float, "--budget", ">0"), default=120,
+                   help="arch: training seconds per model")
+    p.add_argument("--eval_every", type=pos(int, "--eval_every"), default=100,
+                   help="arch: steps between evaluations")
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    for k in ("iters", "rounds", "batch", "seq", "prompts", "new_tokens", "seqs", "it_batch",
-              "gpt_layers", "gpt_dim", "gpt_heads"):
-        if getattr(args, k) < 1:
-            raise UserError(f"--{k} must be >= 1, got {getattr(args, k)}")
-    if not args.mb > 0 or not args.budget > 0:
-        raise UserError("--mb and --budget must be > 0")
     cli.check_output(args.plot, "--plot")
     if cli.resolve_device(args.device) == "cpu" and fast.KEEP_FREED_MEMORY:
         fast.tune_cpu_allocator()  # as train.py and evaluate.py do, for every model compared

@@ -182,6 +182,19 @@ def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):
     assert_one_line_error(rc, err, pattern)
 
 
+@pytest.mark.parametrize("args,pattern", [
+    (["arch", "--eval_every", "0"], "--eval_every must be >= 1"),
+    (["insnet", "--lengths", "20", "0"], "--lengths must be >= 1"),
+    (["arch", "--limit", "-3"], "--limit must be >= 1"),
+    (["checkpoint", "--mb", "nan"], "--mb must be a positive number"),
+    (["train", "--rounds", "two"], "--rounds takes an integer, got 'two'"),
+])
+def test_bench_flag_ranges(args, pattern, capsys):
+    import bench
+    rc, err = run_in_process(bench.main, args, capsys)
+    assert_one_line_error(rc, err, pattern)
+
+
 def _zip_dir(tmp_path, members):
     import zipfile
     d = tmp_path / "data"
