@@ -25,6 +25,12 @@ else:
 os.environ["NANOGEN_CACHE"] = SESSION_CACHE  # subprocesses inherit it
 
 
+# the devices the device-generic equalities run on: the CPU always, CUDA where there is one
+# (marked `cuda`: `python -m pytest -q -m cuda` runs them first on a new GPU machine)
+DEVICES = ["cpu", *([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available()
+                    else [])]
+
+
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("NANOGEN_DATA"):
         shutil.rmtree(SESSION_CACHE, ignore_errors=True)

@@ -2,6 +2,7 @@
 tensor reads of a training step counted with a TorchDispatchMode, unmasked training attention,
 compiled models that stop recompiling, float32 eos terms under autocast, devices of carried
 state and of sampling generators, the MFU arithmetic."""
+import json
 import math
 import types
 
@@ -16,7 +17,7 @@ import fast
 import runs
 import tasks
 import train
-from conftest import steps
+from conftest import DEVICES, steps
 from heads import nmst_log_probs
 from model import LanguageModel
 
@@ -307,16 +308,79 @@ def test_mos_flops_count_every_expert():
     assert lm.flops_per_token(10) - base.flops_per_token(10) == 6 * (extra + 3 * 100 * 8)
 
 
+# ---------------------------------------------------------------------------------------------
+# the equalities to check first on a new GPU machine (`python -m pytest -q -m cuda`): each one
+# runs on every device present, the CPU always, CUDA where there is one; float32, TF32 off
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def tiny_lm(model, head, device):
+    torch.manual_seed(0)
+    return LanguageModel(dict(model=model, head=head, epsilon=1e-3, vocab_size=64, eos_id=63,
+                              n_layer=2, d_model=32, n_head=4, block_size=64, kernel_size=3,
+                              dropout=0.0, tie=True, bias=True)).to(device).eval()
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("device", DEVICES)
+def test_cached_steps_equal_one_full_forward_in_float32(device):
+    """Token-by-token steps through the state == one full forward, every backbone x ST/NMST,
+    with the device's own float32 kernels (cuDNN RNN, sdpa; test_model does it in float64)."""
+    for model in ("rnn", "lstm", "gcnn", "gpt"):
+        for head in ("st", "nmst"):
+            lm = tiny_lm(model, head, device)
+            idx = torch.randint(0, 63, (3, 20), device=device)
+            t = steps(-4, (3, 20)).to(device)
+            with torch.no_grad():
+                full, _ = lm(idx, t)
+                state, rows = None, []
+                for i in range(20):
+                    lp, state = lm(idx[:, i:i + 1], t[:, i:i + 1], state)
+                    rows.append(lp)
+            torch.testing.assert_close(torch.cat(rows, 1), full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("device", DEVICES)
+def test_termination_heads_on_the_device_equal_float64(device):
+    """The ST / NMST log-probs in float32 on the device (relative error 1e-5: they reach
+    hundreds of nats), and p(eos) under bf16 autocast for t up to 10^4, against float64."""
+    from heads import st_log_probs
+    torch.manual_seed(0)
+    z = 5 * torch.randn(2, 1000, 64, dtype=torch.float64)
+    t = steps(1, (2, 1000))
+    zd, td = z.float().to(device), t.to(device)
+    for got, ref in ((nmst_log_probs(zd, td * 10, 63, 1e-3), nmst_log_probs(z, t * 10, 63, 1e-3)),
+                     (st_log_probs(zd, td, 63, 1e-3)[0], st_log_probs(z, t, 63, 1e-3)[0])):
+        assert float(((got.cpu().double() - ref).abs() / ref.abs().clamp(min=1)).max()) < 1e-5
+    z16 = z.bfloat16()  # under autocast the logits are bf16; t and the eos terms must not be
+    with torch.autocast(device, dtype=torch.bfloat16):
+        lp = nmst_log_probs(z16.to(device), td * 10, 63, 1e-3)
+    ref16 = nmst_log_probs(z16.double(), t * 10, 63, 1e-3)[..., 63].exp()
+    torch.testing.assert_close(lp[..., 63].double().exp().cpu(), ref16, atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow
-def test_bench_gpu_checks_run_on_cpu():
-    """`python bench.py gpu`'s equalities are device-generic: on the CPU they pass too (the
-    command itself only runs them on a CUDA device)."""
-    import bench
-    for name, fn in bench.GPU_CHECKS:
-        if "compiled" in name:
-            continue  # inductor on the CPU takes ~20 s; test_model covers compiled == eager
-        err, tol = fn("cpu")
-        assert err <= tol, name
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_resumed_run_on_the_device_equals_an_uninterrupted_one(device, tmp_path):
+    """train.py on the device with dropout: 6 steps, or 3 steps then --resume to 6: the same
+    validation losses (the device's RNG state goes into the checkpoint and back)."""
+    flags = ["--model", "gpt", "--dataset", "synthetic", "--synthetic_count", "16", "--n_layer", "2",
+             "--d_model", "64", "--n_head", "4", "--block_size", "256", "--batch_size", "8",
+             "--eval_interval", "3", "--device", device, "--seed", "1", "--warmup", "0", "--dropout", "0.1"]
+    logs = []
+    for run, stops in (("a", [6]), ("b", [3, 6])):
+        for i, n in enumerate(stops):
+            train.main(flags + ["--out_dir", str(tmp_path / run), "--max_iters", str(n)]
+                       + (["--resume"] if i else []))
+        logs.append([json.loads(line)["val_loss"] for line in open(tmp_path / run / "log.jsonl")])
+    assert len(logs[0]) == 2 and logs[0] == pytest.approx(logs[1], abs=1e-5)
 
 
 def test_mfu_counts_every_process_and_the_sequences_trained_on():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import LanguageModel
-from conftest import steps
+from conftest import DEVICES, steps
 
 V, EOS = 40, 3
 
@@ -105,23 +105,24 @@ def test_unknown_model_rejected():
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")),
                     reason="torch.compile (inductor) needs a C++ compiler on CPU")
-def test_compiled_model_matches_eager():
-    """What train.py --compile does (LanguageModel.compile(): torch.compile, inductor on CPU):
-    the same log-probs and gradients as the eager model, and unchanged state_dict keys (so
-    checkpoints of compiled runs load into plain models).  A tiny model: inductor compiles in
-    about 20 s here."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_matches_eager(device):
+    """What train.py --compile does (LanguageModel.compile(): torch.compile, inductor): the same
+    log-probs and gradients as the eager model, and unchanged state_dict keys (so checkpoints of
+    compiled runs load into plain models).  A tiny model: inductor compiles in about 20 s on
+    the CPU."""
     torch.manual_seed(0)
     cfg = dict(model="gpt", head="nmst", epsilon=1e-3, vocab_size=50, eos_id=49, n_layer=1, d_model=16, n_head=2,
                block_size=32, dropout=0.0, tie=True, bias=True)
-    eager, compiled = LanguageModel(cfg), LanguageModel(cfg)
+    eager, compiled = LanguageModel(cfg).to(device), LanguageModel(cfg).to(device)
     compiled.load_state_dict(eager.state_dict())
     compiled.compile()
     torch._dynamo.utils.counters.clear()
     assert compiled._compiled_call_impl is not None  # calls now go through torch.compile
-    x = torch.randint(0, 50, (2, 12))
+    x = torch.randint(0, 50, (2, 12), device=device)
     grads = []
     for lm in (eager, compiled):
-        log_p = lm(x[:, :-1], steps(1, (2, 11)), targets=x[:, 1:])  # the training path (forward)
+        log_p = lm(x[:, :-1], steps(1, (2, 11)).to(device), targets=x[:, 1:])  # the training path
         log_p.sum().backward()
         grads.append((log_p.detach(), [p.grad.clone() for p in lm.parameters()]))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
