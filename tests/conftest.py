@@ -31,6 +31,15 @@ DEVICES = ["cpu", *([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda
                     else [])]
 
 
+@pytest.fixture
+def no_tf32():
+    """float32 products in full float32 while a test runs (CUDA's TF32 off), as they were after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("NANOGEN_DATA"):
         shutil.rmtree(SESSION_CACHE, ignore_errors=True)

@@ -312,14 +312,6 @@ def test_mos_flops_count_every_expert():
 # the equalities to check first on a new GPU machine (`python -m pytest -q -m cuda`): each one
 # runs on every device present, the CPU always, CUDA where there is one; float32, TF32 off
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def tiny_lm(model, head, device):
     torch.manual_seed(0)
     return LanguageModel(dict(model=model, head=head, epsilon=1e-3, vocab_size=64, eos_id=63,
@@ -367,6 +359,7 @@ def test_termination_heads_on_the_device_equal_float64(device):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_tf32")  # train.py turns TF32 on for CUDA: undone afterwards
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_resumed_run_on_the_device_equals_an_uninterrupted_one(device, tmp_path):
     """train.py on the device with dropout: 6 steps, or 3 steps then --resume to 6: the same

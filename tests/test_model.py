@@ -105,6 +105,7 @@ def test_unknown_model_rejected():
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")),
                     reason="torch.compile (inductor) needs a C++ compiler on CPU")
+@pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_model_matches_eager(device):
     """What train.py --compile does (LanguageModel.compile(): torch.compile, inductor): the same
