@@ -13,12 +13,11 @@ import hashlib
 import io
 import os
 import pickle
-import tempfile
 import zipfile
 
 import torch
 
-from cli import UserError, current_umask
+from cli import UserError, atomic_file
 
 FORMAT = "nanogen-checkpoint-2"
 LEGACY_FORMAT = "nanogen-checkpoint-1"
@@ -50,13 +49,10 @@ class _HashingWriter:
 
 def save(obj, path):
     """Stream obj into a temporary file next to `path` with its sha256 in the zip comment,
-    fsync, rename over `path`.  A failure (a full disk) leaves the previous file intact."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = None
+    fsync, rename over `path` (cli.atomic_file).  A failure (a full disk) leaves the previous
+    file intact."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=folder)
-        with os.fdopen(fd, "w+b") as f:
+        with atomic_file(path, "w+b") as f:
             writer = _HashingWriter(f)
             try:
                 torch.save(obj, writer)
@@ -70,16 +66,8 @@ def save(obj, path):
             comment = MAGIC + writer.sha.hexdigest().encode()
             f.seek(-2, os.SEEK_END)
             f.write(len(comment).to_bytes(2, "little") + comment)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # as open() would (mkstemp makes it 0600)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise CheckpointError(f"could not write {path}: {e.strerror or e} (the previous "
-                              f"checkpoint, if any, is intact)") from None
-    finally:
-        if tmp and os.path.exists(tmp):
-            os.remove(tmp)
+    except UserError as e:
+        raise CheckpointError(f"{e} (the previous checkpoint, if any, is intact)") from None
 
 
 def _digest_ok(path, comment, expected):

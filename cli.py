@@ -51,7 +51,8 @@ def run_cli(main, argv=None):
     except UserError as e:  # anything else is a bug: its traceback is shown
         print(f"error: {e}", file=sys.stderr)
     except KeyboardInterrupt:
-        done = f"written before it: {', '.join(WRITTEN)}" if WRITTEN else "no result was written"
+        done = f"written before it: {', '.join(dict.fromkeys(WRITTEN))}" if WRITTEN else \
+            "no result was written"
         print(f"error: interrupted (Ctrl-C); {done}", file=sys.stderr)
         return 130
     except (RuntimeError, MemoryError) as e:

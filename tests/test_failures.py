@@ -332,6 +332,23 @@ def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
     assert not res.exists()
 
 
+def test_ctrl_c_names_each_output_written_once(tmp_path, capsys):
+    """A second Ctrl-C after a run has redrawn curves.png and rewritten ckpt_last.pt many times:
+    the message names each file once."""
+    import cli
+
+    def main(argv):
+        for step in range(3):
+            for name in ("curves.png", "ckpt_last.pt"):
+                with cli.atomic_file(str(tmp_path / name)) as f:
+                    f.write(str(step))
+        raise KeyboardInterrupt
+    assert cli.run_cli(main, []) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: interrupted (Ctrl-C); written before it: {tmp_path / 'curves.png'}, "
+                   f"{tmp_path / 'ckpt_last.pt'}")
+
+
 @pytest.mark.parametrize("flag,value,msg", [
     ("--lr", "-1", "--lr must be a positive number"), ("--lr", "nan", "--lr must be a positive"),
     ("--patience", "0", "--patience must be >= 1"), ("--grad_clip", "-1", "--grad_clip must be"),
