@@ -292,11 +292,11 @@ def is_checkpoint(path):
 def atomic_file(path, mode="w"):
     """Write `path` through a temporary file in its folder, fsync-ed and renamed into place: a
     reader never sees half a file, and an error leaves the old one (or none)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
-                               dir=folder)
+    folder, tmp = os.path.dirname(os.path.abspath(path)), None
     try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
+                                   dir=folder)
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -307,7 +307,7 @@ def atomic_file(path, mode="w"):
     except OSError as e:
         raise UserError(f"could not write {path}: {e.strerror or e}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.remove(tmp)
 
 

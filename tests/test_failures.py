@@ -332,6 +332,19 @@ def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
     assert not res.exists()
 
 
+def test_an_output_whose_folder_cannot_be_made_is_a_user_error(tmp_path):
+    """A checkpoint or a JSON file under a path whose folder is a file: one line, no traceback,
+    nothing left behind."""
+    import cli
+    from checkpoint import CheckpointError
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(CheckpointError, match="could not write .*the previous checkpoint"):
+        save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "a_file" / "ckpt_last.pt"))
+    with pytest.raises(cli.UserError, match="could not write"):
+        cli.write_json(str(tmp_path / "a_file" / "res.json"), {})
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
 def test_ctrl_c_names_each_output_written_once(tmp_path, capsys):
     """A second Ctrl-C after a run has redrawn curves.png and rewritten ckpt_last.pt many times:
     the message names each file once."""
