@@ -342,11 +342,11 @@ def file_set(folder, names):
     `folder`, then moved in together; a file of the set that this run did not write (e.g.
     p_eos.png without traces) is removed, so the folder never mixes two runs' figures.  Yields
     the temporary folder."""
-    parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(folder, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(folder)) + ".",
-                           dir=parent)
+    parent, tmp = os.path.dirname(os.path.abspath(folder)), None
     try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(folder)) + ".",
+                               dir=parent)
         yield tmp
         made = set(os.listdir(tmp))
         for name in names:
@@ -359,7 +359,8 @@ def file_set(folder, names):
     except OSError as e:
         raise UserError(f"could not write into {folder}: {e.strerror or e}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_figure(fig, path):

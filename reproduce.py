@@ -474,6 +474,7 @@ def main(argv=None):
             base_out or "results", f"{name}-{args.scale}")
         args.runs = base_runs or os.path.join(args.out, "runs")
         cli.check_output(args.out, "--out", folder=True)
+        cli.check_output(args.runs, "--runs", folder=True)
         os.makedirs(args.runs, exist_ok=True)
         t0 = time.time()
         job = {"nmst-table1": lambda: run_nmst(1, args), "nmst-table4": lambda: run_nmst(4, args),

@@ -332,9 +332,9 @@ def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
     assert not res.exists()
 
 
-def test_an_output_whose_folder_cannot_be_made_is_a_user_error(tmp_path):
-    """A checkpoint or a JSON file under a path whose folder is a file: one line, no traceback,
-    nothing left behind."""
+def test_an_output_whose_folder_cannot_be_made_is_a_user_error(tmp_path, capsys):
+    """A checkpoint, a JSON file, a set of figures or reproduce.py's --runs under a path whose
+    folder is a file: one line, no traceback, nothing left behind."""
     import cli
     from checkpoint import CheckpointError
     (tmp_path / "a_file").write_text("x")
@@ -342,6 +342,14 @@ def test_an_output_whose_folder_cannot_be_made_is_a_user_error(tmp_path):
         save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "a_file" / "ckpt_last.pt"))
     with pytest.raises(cli.UserError, match="could not write"):
         cli.write_json(str(tmp_path / "a_file" / "res.json"), {})
+    with pytest.raises(cli.UserError, match="could not write into"):
+        with cli.file_set(str(tmp_path / "a_file" / "figs"), ["r_nt.png"]):
+            pass
+    import reproduce
+    rc, err = run_in_process(reproduce.main, ["nmst-table1", "--scale", "tiny", "--out",
+                                              str(tmp_path / "res"), "--runs",
+                                              str(tmp_path / "a_file" / "runs")], capsys)
+    assert_one_line_error(rc, err, "--runs")
     assert os.listdir(tmp_path) == ["a_file"]
 
 
