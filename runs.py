@@ -296,6 +296,7 @@ def check_folder(args):
         raise UserError(f"--out_dir {args.out_dir} is a symbolic link to a missing folder "
                         f"({os.readlink(args.out_dir)}): create that folder, or choose another "
                         f"--out_dir")
+    cli.check_output(args.out_dir, "--out_dir", folder=True)  # a file there, or no way to write
     try:
         lock = open(os.path.join(args.out_dir, ".lock"))  # only looked at, not held
     except OSError:  # no lock file, or no folder (Run.open says when it cannot be written)
