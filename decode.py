@@ -119,17 +119,24 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     check_decoder_args(decoder, k, p, beam_size, temperature, L)
     device = next(lm.parameters()).device
     padded, lengths = pad_prompts(prompts, device)
-    window = lm.cfg.get("block_size") if lm.cfg["model"] in WINDOWED else None
-    if window is not None and int(lengths.max()) + L - 1 > window:
+    cap = longest_continuation(lm, int(lengths.max()))
+    if cap is not None and L > cap:
         raise UserError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the "
-                        f"{lm.cfg['model'].upper()} context window of {window} tokens: use a "
-                        f"smaller --L")
+                        f"{lm.cfg['model'].upper()} context window of {lm.cfg['block_size']} "
+                        f"tokens: use a smaller --L")
     with eval_mode(lm):
         stepper = CachedStepper(lm)
         if decoder == "beam":
             return _beam(stepper, padded, lengths, L, beam_size, lm.eos_id, length_penalty)
         return _sample(stepper, padded, lengths, L, decoder, dict(k=k, p=p, temperature=temperature,
                        eos_id=lm.eos_id, consistent=consistent), generator)
+
+
+def longest_continuation(lm, prompt_len):
+    """The most tokens a windowed model (GPT, GCNN) can generate after a prompt of prompt_len
+    tokens: the last one is never fed back, so prompt_len + L - 1 <= block_size.  None: no
+    window (RNN, LSTM)."""
+    return lm.cfg["block_size"] - prompt_len + 1 if lm.cfg["model"] in WINDOWED else None
 
 
 def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **kw):

@@ -168,12 +168,11 @@ class CompletionTask(LanguageModelTask):
         first n validation contexts, up to L tokens (less where a window is shorter), batched as
         evaluate.py --decoder greedy --limit n --L L does, so its r_nt(L) is evaluate.py's.
         -> dict(r_nt, L, n, mean_length, example: the first continuation), or None."""
-        from decode import decode_in_batches, non_termination_ratio
+        from decode import decode_in_batches, longest_continuation, non_termination_ratio
         split = self.splits["valid"]
         n = min(n, len(split))
-        window = lm.cfg.get("block_size") if lm.cfg["model"] in WINDOWED else None
-        longest = max((int(split.contexts[i]) for i in range(n)), default=0)
-        L = min(L, window - longest + 1) if window else L
+        cap = longest_continuation(lm, max((int(split.contexts[i]) for i in range(n)), default=0))
+        L = L if cap is None else min(L, cap)
         if n == 0 or L < 1:
             return None
         res = decode_in_batches(lm, [torch.as_tensor(split.context(i)) for i in range(n)], L,

@@ -282,9 +282,17 @@ def test_bad_decoder_arguments(kw, msg):
 
 
 def test_prompt_longer_than_window():
+    """A prompt of n tokens + L generated fits a window of 320 when n + L - 1 <= 320 (the last
+    token is never fed back): exactly at the edge it decodes, one past it is refused."""
     lm = toy("gpt", "softmax")
     with pytest.raises(UserError, match="context window"):
         decode(lm, [torch.zeros(300, dtype=torch.long)], 40)
+    from decode import longest_continuation
+    assert longest_continuation(lm, 300) == 21 and longest_continuation(toy("lstm", "st"), 300) is None
+    out = decode(lm, [torch.ones(300, dtype=torch.long)], 21)
+    assert len(out["tokens"][0]) <= 21
+    with pytest.raises(UserError, match="context window"):
+        decode(lm, [torch.ones(300, dtype=torch.long)], 22)
 
 
 @pytest.mark.parametrize("model,head", [("lstm", "st"), ("gpt", "nmst"), ("gcnn", "softmax")])
