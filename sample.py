@@ -194,8 +194,6 @@ def story_ids(vocab, args):
 def insertion_trace(args, model, vocab, prefix, kws, banned, device):
     from insnet import generate
     from data.stories import EOS
-    if args.decoder not in ("greedy", "sample", "topk"):
-        raise UserError("insertion checkpoints decode with --decoder greedy, sample or topk")
     trace = []
     out = generate(model, [*prefix, *kws, EOS], len(prefix) + len(kws) + 1 + args.L,
                    decoder=args.decoder, k=args.k, temperature=args.temperature,

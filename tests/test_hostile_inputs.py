@@ -68,6 +68,8 @@ def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
             (sample.main, ["--title", "w10 w11", "--decoder", "topk"], "top-k needs --k"),
             (sample.main, ["--title", "w10", "--decoder", "sample", "--p", "0.5"], "does not use --p"),
             (sample.main, ["--title", "w10", "--L", "0"], "--L must lie in"),
+            (sample.main, ["--title", "w10", "--decoder", "nucleus", "--p", "0.5"],
+             "unknown decoder 'nucleus' here"),
             (sample.main, ["--title", "   "], "take --title"),
             (sample.main, ["--title", "w10 <eos>"], "control token"),
             (sample.main, ["--title", "w10", "--keywords", "<sep>"], "control token"),
