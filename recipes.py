@@ -26,17 +26,16 @@ from tasks import INSERTION_MODELS, STORY_DATASETS
 RECURRENT_RECIPE = dict(n_layer=2, d_model=512, dropout=0.5, lr=1e-3, lr_schedule="plateau",
                         batch_size=32, max_tokens=None, max_iters=0, eval_interval=0,
                         weight_decay=0.01, decay_steps=500_000, warmup=0)
+GPT_RECIPE = dict(n_layer=12, d_model=768, dropout=0.1, lr=6e-4, lr_schedule="linear",
+                  batch_size=None, max_tokens=1024, max_iters=300_000, eval_interval=2000,
+                  weight_decay=0.01, decay_steps=300_000, warmup=2000)
 RECIPES = {  # NMST paper appendix D (rnn, lstm), 4.2 (gpt_finetune); InsNet paper 4.3 (story);
     # gcnn and gpt from scratch: nanogen's (the paper only finetunes GPT-2)
     "rnn": dict(RECURRENT_RECIPE, d_model=256, dropout=0.3),
     "lstm": RECURRENT_RECIPE,
     "gcnn": dict(RECURRENT_RECIPE, n_layer=8, dropout=0.1),
-    "gpt": dict(n_layer=12, d_model=768, dropout=0.1, lr=6e-4, lr_schedule="linear",
-                batch_size=None, max_tokens=1024, max_iters=300_000, eval_interval=2000,
-                weight_decay=0.01, decay_steps=300_000, warmup=2000),  # from scratch: nanoGPT's
-    "gpt_finetune": dict(n_layer=12, d_model=768, dropout=0.1, lr=5e-5, lr_schedule="linear",
-                         batch_size=None, max_tokens=1024, max_iters=300_000, eval_interval=2000,
-                         weight_decay=0.01, decay_steps=500_000, warmup=0),  # --init_from: NMST 4.2
+    "gpt": GPT_RECIPE,  # from scratch: nanoGPT's
+    "gpt_finetune": dict(GPT_RECIPE, lr=5e-5, decay_steps=500_000, warmup=0),  # NMST 4.2
     "story": dict(n_layer=12, d_model=768, dropout=0.1, lr=1e-4, lr_schedule="linear",
                   batch_size=64, max_tokens=None, max_iters=80_000, eval_interval=1000,
                   weight_decay=0.02, decay_steps=80_000, warmup=400),
