@@ -271,10 +271,10 @@ def locate(dataset, data_dir=None):
 def open_split(source, dataset, split):
     """A text stream over one split's raw lines (read straight from the zip: never extracted)."""
     spec = DATASETS[dataset]
-    if source["kind"] == "text" and source["paths"][split] is None:
-        return io.StringIO("".join(held_out(source["paths"], split)))
-    if source["kind"] == "text" and split == "train" and None in source["paths"].values():
-        return io.StringIO("".join(held_out(source["paths"], split)))
+    paths = source.get("paths") or {}
+    if source["kind"] == "text" and (paths[split] is None or split == "train" and
+                                     None in paths.values()):  # slices of train.txt
+        return io.StringIO("".join(held_out(paths, split)))
     if source["kind"] in ("files", "text"):
         return open(source["paths"][split], encoding="utf-8")
     if source["kind"] == "dir":
