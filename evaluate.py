@@ -401,9 +401,9 @@ def compare(args):
     return 0
 
 
-NUMBER, TEXT, OPTIONAL = (int, float), (str,), (int, float, str, type(None))
-STUDY = dict(model=TEXT, dataset=TEXT, head=TEXT + (type(None),), epsilon=OPTIONAL)
-DECODING = dict(decoder=TEXT, r_nt=dict, r_nt_curve=dict, mean_length=NUMBER, n=NUMBER,
+NUMBER, TEXT, OPTIONAL = (int, float), (str,), (int, float, type(None))  # null: NaN in JSON
+STUDY = dict(model=TEXT, dataset=TEXT, head=TEXT, epsilon=NUMBER)
+DECODING = dict(decoder=TEXT, r_nt=dict, r_nt_curve=dict, mean_length=NUMBER, n=int,
                 unique_non_terminated=OPTIONAL, generated_lengths=list,
                 ground_truth_lengths=list)
 
@@ -424,7 +424,8 @@ def study_problem(r):
         return "the lengths are not integers"
     traces = r.get("eos_traces") or []
     if not isinstance(traces, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("p_eos"), list) and "index" in t
+            isinstance(t, dict) and isinstance(t.get("index"), int) and
+            isinstance(t.get("p_eos"), list) and all(isinstance(p, NUMBER) for p in t["p_eos"])
             for t in traces):
         return "'eos_traces' is malformed"
     return None
@@ -525,17 +526,21 @@ def plot_lengths(plt, results, labels, styles, out_dir):
 
 
 def plot_traces(plt, results, labels, styles, out_dir):
-    traced = [(r, lab, sty) for r, lab, sty in zip(results, labels, styles) if r.get("eos_traces")]
-    if not traced:
+    """p(eos) along the first (up to 3) traced sequences of the first run that has traces; each
+    run draws its own trace of the same sequence (same split and index), where it has one."""
+    traces = [{(r.get("split"), t["index"]): t["p_eos"] for t in r.get("eos_traces") or []}
+              for r in results]
+    shown = next((list(t)[:3] for t in traces if t), None)
+    if shown is None:
         return None
-    n = len(traced[0][0]["eos_traces"][:3])
-    fig, axes = plt.subplots(n, 1, figsize=(7, 6), squeeze=False)
-    for j, ax in enumerate(axes[:, 0]):
-        for r, label, (color, ls) in traced:
-            tr = r["eos_traces"][j]
-            ax.plot(range(1, len(tr["p_eos"]) + 1), tr["p_eos"], ls, color=color, label=label)
-        ax.set(yscale="log", ylabel="p(eos)", xlabel="t" if j == n - 1 else None)
-        ax.set_title(f"validation sequence {traced[0][0]['eos_traces'][j]['index']}", fontsize=8)
+    fig, axes = plt.subplots(len(shown), 1, figsize=(7, 6), squeeze=False)
+    for j, (ax, (split, index)) in enumerate(zip(axes[:, 0], shown)):
+        for tr, label, (color, ls) in zip(traces, labels, styles):
+            if (split, index) in tr:
+                p_eos = tr[split, index]
+                ax.plot(range(1, len(p_eos) + 1), p_eos, ls, color=color, label=label)
+        ax.set(yscale="log", ylabel="p(eos)", xlabel="t" if j == len(shown) - 1 else None)
+        ax.set_title(f"{split or 'validation'} sequence {index}", fontsize=8)
     return finish(fig, axes[0, 0], os.path.join(out_dir, "p_eos.png"))
 
 

@@ -191,7 +191,10 @@ def test_a_malformed_study_is_one_line(lstm_run, tmp_path, capsys):
                           "5", "--limit", "4", "--out", str(study)]) == 0
     good = json.loads(study.read_text())
     for damage in (lambda r: r["decoding"].pop("mean_length"), lambda r: r["decoding"]["r_nt"].update(x=1),
-                   lambda r: r.update(eos_traces=[1])):
+                   lambda r: r.update(eos_traces=[1]), lambda r: r.update(epsilon="x"),
+                   lambda r: r.update(head=None), lambda r: r["decoding"].update(n=1.5),
+                   lambda r: r["decoding"].update(unique_non_terminated="x"),
+                   lambda r: r["eos_traces"][0].update(p_eos=["x"])):
         r = json.loads(json.dumps(good))
         damage(r)
         study.write_text(json.dumps(r))

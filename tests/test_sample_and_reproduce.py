@@ -123,13 +123,14 @@ def test_a_cpu_run_says_how_long_an_epoch_takes(tmp_path, capsys):
 
 def test_compare_runs_that_differ_by_decoder(tmp_path, ckpts, monkeypatch):
     """--compare of studies that differ by decoder, not head: distinct colours, labels that
-    name the decoder, a title that fits all runs."""
+    name the decoder, a title that fits all runs; p(eos) traces of the same sequences overlaid
+    (one study traced two sequences, the other one)."""
     import cli
     paths = []
-    for dec in (["--decoder", "greedy"], ["--decoder", "topk", "--k", "2"]):
+    for dec, traces in ((["--decoder", "greedy"], "2"), (["--decoder", "topk", "--k", "2"], "1")):
         p = tmp_path / f"{dec[1]}.json"
         assert evaluate.main(["--ckpt", ckpts["word"], "--no_ppl", *dec, "--L", "5", "20",
-                              "--limit", "6", "--traces", "1", "--out", str(p)]) == 0
+                              "--limit", "6", "--traces", traces, "--out", str(p)]) == 0
         paths.append(str(p))
     figures = {}
     monkeypatch.setattr(cli, "save_figure", lambda fig, path: figures.update(
@@ -141,3 +142,6 @@ def test_compare_runs_that_differ_by_decoder(tmp_path, ckpts, monkeypatch):
     assert len({line.get_color() for line in ax.get_lines()}) == 2
     title = ax.get_title()
     assert "ptb" in title and "lstm" in title and "greedy" not in title
+    panels = figures["p_eos.png"].axes
+    assert [len(ax.get_lines()) for ax in panels] == [2, 1]
+    assert [ax.get_title() for ax in panels] == ["valid sequence 0", "valid sequence 1"]
