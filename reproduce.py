@@ -94,13 +94,16 @@ def train_once(out_dir, flags):
 
 
 def evaluate_once(ckpt, flags, path):
-    """evaluate.py's result for (ckpt, flags), reused when path holds the same request."""
+    """evaluate.py's result for (ckpt, flags), reused when path holds the same request (a file
+    that is not such a result is evaluated again)."""
     import evaluate
-    if os.path.exists(path):
+    try:
         with open(path) as f:
             res = json.load(f)
         if res.get("request") == flags and os.path.getmtime(path) >= os.path.getmtime(ckpt):
             return res
+    except (OSError, ValueError, AttributeError):  # absent, not JSON, not a dict
+        pass
     evaluate.main(["--ckpt", ckpt, *flags, "--out", path])
     with open(path) as f:
         res = json.load(f)

@@ -219,6 +219,20 @@ def test_reproduce_over_a_damaged_results_folder(tmp_path, monkeypatch):
         reproduce.train_once(str(out), ["--model", "lstm"])
 
 
+@pytest.mark.parametrize("saved", ["", "[1]", '{"request": ["--split", "valid"], "ppl": 1}'])
+def test_reproduce_evaluates_again_over_a_damaged_or_stale_result(saved, tmp_path, monkeypatch):
+    ckpt, path = tmp_path / "ckpt_best.pt", tmp_path / "r.json"
+    ckpt.write_text("")
+    path.write_text(saved)  # written after the checkpoint; the last one asks for another split
+    calls = []
+    monkeypatch.setattr(evaluate, "main", lambda argv: calls.append(argv) or cli.write_json(
+        argv[-1], {"ppl": 2.0}))
+    res = reproduce.evaluate_once(str(ckpt), ["--split", "test"], str(path))
+    assert len(calls) == 1 and res == {"ppl": 2.0, "request": ["--split", "test"]}
+    assert reproduce.evaluate_once(str(ckpt), ["--split", "test"], str(path)) == res
+    assert len(calls) == 1  # the second time it is reused
+
+
 def test_the_smaller_things(lstm_run, tmp_path, capsys):
     """A control token in a prompt, an empty prompt file, a dangling symbolic link as --out_dir,
     a JSON given as a checkpoint (never torch's advice to load unsafely), an early-stopped run's
