@@ -52,9 +52,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
     ckpt = check_run(load_checkpoint(args.ckpt), args.ckpt)
+    story = ckpt["args"]["dataset"] in STORY_DATASETS
+    cli.check_rules(STORY_RULES if story else TEXT_RULES, args)  # refused, not silently ignored
     device = cli.setup_device(cli.resolve_device(args.device))
     model = model_from_checkpoint(ckpt, args.ckpt).to(device)
-    if ckpt["args"]["dataset"] in STORY_DATASETS:
+    if story:
         task = checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt)
         return sample_story(args, task, model, device)
     if not prompts:
@@ -68,6 +70,13 @@ def main(argv=None):
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
         show(model, tok, text, x, toks, done, args)
     return 0
+
+
+STORY_RULES = [(lambda a: a.prompt or a.prompt_file or a.show_eos, "--prompt / --prompt_file / "
+                 "--show_eos are for left-to-right text checkpoints; a story checkpoint takes "
+                 "--title TEXT (and --keywords)")]
+TEXT_RULES = [(lambda a: a.title or a.keywords, "--title / --keywords are for story checkpoints; "
+               "this one continues --prompt TEXT")]
 
 
 def checkpoint_tokenizer(ckpt, args):

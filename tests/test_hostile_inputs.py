@@ -73,6 +73,8 @@ def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
             (sample.main, ["--title", "   "], "take --title"),
             (sample.main, ["--title", "w10 <eos>"], "control token"),
             (sample.main, ["--title", "w10", "--keywords", "<sep>"], "control token"),
+            (sample.main, ["--title", "w10", "--prompt", "w11"], "a story checkpoint takes --title"),
+            (sample.main, ["--title", "w10", "--show_eos"], "a story checkpoint takes --title"),
             (evaluate.main, ["--decoder", "topk", "--no_ppl"], "top-k needs --k"),
             (evaluate.main, ["--decoder", "beam", "--beam_size", "2"], "unknown decoder 'beam' here")):
         assert_one_line_error(*run_in_process(main, ["--ckpt", story_ckpt, *flags], capsys), msg)
@@ -234,8 +236,8 @@ def test_reproduce_evaluates_again_over_a_damaged_or_stale_result(saved, tmp_pat
 
 
 def test_the_smaller_things(lstm_run, tmp_path, capsys):
-    """A control token in a prompt, an empty prompt file, a dangling symbolic link as --out_dir,
-    a JSON given as a checkpoint (never torch's advice to load unsafely), an early-stopped run's
+    """A control token in a prompt, an empty prompt file, a story flag for a text checkpoint, a
+    dangling symbolic link as --out_dir, a JSON given as a checkpoint (never torch's advice to load unsafely), an early-stopped run's
     resume advice (and that following it works)."""
     ckpt = str(lstm_run / "ckpt_best.pt")
     empty = tmp_path / "prompts.txt"
@@ -247,6 +249,7 @@ def test_the_smaller_things(lstm_run, tmp_path, capsys):
     for main, flags, msg in (
             (sample.main, ["--ckpt", ckpt, "--prompt", "the company <eos> said"], "a control token"),
             (sample.main, ["--ckpt", ckpt, "--prompt_file", str(empty)], "holds no prompt"),
+            (sample.main, ["--ckpt", ckpt, "--prompt", "the", "--title", "a"], "--title / --keywords are for story"),
             (train.main, TINY + ["--out_dir", str(link)], "symbolic link to a missing folder"),
             (evaluate.main, ["--ckpt", str(study)], "is not a")):
         rc, err = run_in_process(main, flags, capsys)
