@@ -21,16 +21,27 @@ LABEL_FLAGS = ("model", "head", "epsilon", "dataset", "vocab", "d_model", "n_lay
                "dropout", "seed", "task", "order")
 
 
-def read_records(folder, name="log.jsonl"):
-    """A run's records (log.jsonl: its evaluations; steps.jsonl: its steps), whole ones only."""
+EVALUATION = ("step", "train_loss", "val_loss", "val_ppl", "lr")  # what every log.jsonl line has
+PROBE = ("probe_r_nt", "probe_eos_at_end", "probe_L", "probe_n")  # and the probe's, when it ran
+
+
+def has_numbers(record, keys):
+    return all(isinstance(record.get(k), (int, float)) for k in keys)
+
+
+def read_records(folder, name="log.jsonl", keys=EVALUATION):
+    """A run's records (log.jsonl: its evaluations; steps.jsonl: its steps) that hold the numbers
+    `keys` (a torn or damaged line is skipped)."""
     records = []
     try:
-        with open(os.path.join(folder, name)) as f:
+        with open(os.path.join(folder, name), errors="replace") as f:
             for line in f:
                 try:
-                    records.append(json.loads(line))
+                    record = json.loads(line)
                 except ValueError:
                     continue
+                if isinstance(record, dict) and has_numbers(record, keys):
+                    records.append(record)
     except OSError:
         pass
     return records
@@ -38,16 +49,16 @@ def read_records(folder, name="log.jsonl"):
 
 def read_steps(folder):
     """(step, loss) of every logged step."""
-    return [(r["step"], r["loss"]) for r in read_records(folder, "steps.jsonl")
-            if isinstance(r, dict) and "step" in r and "loss" in r]
+    return [(r["step"], r["loss"]) for r in read_records(folder, "steps.jsonl", ("step", "loss"))]
 
 
 def read_args(folder):
     try:
         with open(os.path.join(folder, "run.json")) as f:
-            return json.load(f).get("args") or {}
-    except (OSError, ValueError):
+            args = json.load(f).get("args")
+    except (OSError, ValueError, AttributeError):
         return {}
+    return args if isinstance(args, dict) else {}
 
 
 def ppl(loss):
@@ -62,7 +73,7 @@ def draw_run(folder, path=None):
     plt = cli.pyplot(quiet=True)
     if not log or plt is None:
         return None
-    probe = [r for r in log if r.get("probe_r_nt") is not None]
+    probe = [r for r in log if has_numbers(r, PROBE)]
     fig, axes = plt.subplots(1, 3 if probe else 2, figsize=(12 if probe else 8.5, 3.4))
     steps = [r["step"] for r in log]
     every = read_steps(folder)
@@ -128,7 +139,7 @@ def overlay(folders, path):
     for i, (folder, args, log) in enumerate(runs):
         name = label(args, keys, folder)
         best = min(log, key=lambda r: r["val_loss"])
-        probe = [r for r in log if r.get("probe_r_nt") is not None]
+        probe = [r for r in log if has_numbers(r, PROBE)]
         rows.append(f"| {name} | {best['val_ppl']:.2f} | {best['step']} | "
                     + (f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
                        f"{probe[-1]['probe_eos_at_end']:.4f} |" if probe else "- | - |"))
@@ -142,7 +153,7 @@ def overlay(folders, path):
     if axes is None:
         return rows, None
     axes[0].set(yscale="log", xlabel="step", ylabel="validation perplexity (log axis)")
-    L = next((r["probe_L"] for _, _, log in runs for r in log if r.get("probe_L")), "L")
+    L = next((r["probe_L"] for _, _, log in runs for r in log if has_numbers(r, PROBE)), "L")
     axes[1].set(xlabel="step", ylabel=f"r_nt({L}), greedy", ylim=(-0.02, 1.02),
                 title="termination probe")
     for ax in axes:

@@ -90,6 +90,15 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| run (head) |" in out and "| softmax |" in out and "| nmst |" in out
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
+    log = tmp_path / "nmst" / "log.jsonl"  # lines that are JSON but not evaluations are skipped
+    records = log.read_text().splitlines()
+    log.write_text("\n".join(['[1]', '{"step": 1}', records[0], '{"step": 3, "val_loss": "x"}',
+                              records[1][:-1] + ', "probe_L": null}', "\xff", '"a"', ""]))
+    (tmp_path / "softmax" / "run.json").write_text("[]")
+    assert curves.main([*folders, "--out", str(tmp_path / "cmp2.png")]) == 0
+    damaged = capsys.readouterr().out
+    assert damaged.count("\n") == out.count("\n") and (tmp_path / "cmp2.png").exists()
+    assert curves.draw_run(folders[1], str(tmp_path / "one.png")) == str(tmp_path / "one.png")
 
 
 def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
