@@ -262,6 +262,7 @@ def evaluate_stories(args, ckpt, device):
     """A story checkpoint: the NLL of the split and, with --decoder greedy / sample / topk,
     generated stories scored with BLEU-1..4 against the references (and keyword inclusion for
     --task storyline)."""
+    cli.check_rules(STORY_RULES, args)
     if args.decoder:
         check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature,
                            min(args.L), allowed=STORY_DECODERS)
@@ -291,6 +292,11 @@ def evaluate_stories(args, ckpt, device):
             print(f"  [{ex['title']} | {ex['storyline']}] {ex['generated']}\n"
                   f"    reference: {ex['reference']}")
     return res
+
+
+STORY_RULES = [(lambda a, flag=flag: getattr(a, flag), f"--{flag} is for left-to-right text "
+                 f"checkpoints; a story checkpoint reports its NLL, and BLEU with --decoder")
+               for flag in ("tau_report", "plot", "consistent", "length_penalty")]
 
 
 def bleu(hypotheses, references, max_n=4):

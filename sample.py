@@ -89,10 +89,12 @@ def checkpoint_tokenizer(ckpt, args):
 
 
 def choose_seed(args):
-    """--seed, or a fresh one for a sampling decoder, said so that the sample can be repeated."""
+    """--seed, or a fresh one for a sampling decoder, said so that the sample can be repeated
+    (greedy and beam search draw nothing: seed 0)."""
+    sampling = args.decoder in ("sample", "topk", "nucleus")
     if args.seed is None:
-        args.seed = int(torch.randint(0, 2 ** 31, ()).item()) if args.decoder != "greedy" else 0
-        if args.decoder != "greedy":
+        args.seed = int(torch.randint(0, 2 ** 31, ()).item()) if sampling else 0
+        if sampling:
             print(f"seed {args.seed} (pass --seed {args.seed} to repeat this sample)",
                   file=sys.stderr)
     torch.manual_seed(args.seed)

@@ -66,6 +66,18 @@ def test_sample_bpe_prompt_and_the_window(ckpts, capsys, tmp_path):
     assert_one_line_error(rc, err, "context window of 64 tokens")
 
 
+def test_a_sample_without_seed_says_the_seed_that_repeats_it(ckpts, capsys):
+    flags = ["--ckpt", ckpts["word"], "--prompt", "the company said it", "--L", "8"]
+    assert sample.main(flags + ["--decoder", "sample"]) == 0
+    first = capsys.readouterr()
+    seed = first.err.split("pass --seed ")[1].split()[0]
+    assert sample.main(flags + ["--decoder", "sample", "--seed", seed]) == 0
+    again = capsys.readouterr()
+    assert again.out == first.out and again.err == ""
+    assert sample.main(flags + ["--decoder", "beam", "--beam_size", "2"]) == 0
+    assert "seed" not in capsys.readouterr().err  # beam search draws nothing
+
+
 def test_sample_insnet_shows_the_canvas_after_each_insertion(ckpts, capsys):
     assert sample.main(["--ckpt", ckpts["insnet"], "--title", "the big game", "--keywords",
                         "team", "won", "--L", "6"]) == 0
