@@ -515,7 +515,7 @@ def arch_row(model, s, lm, task, ckpt, log, args):
 def print_arch(rows, args):
     print(f"\nthe survey's comparison on PTB (V=10000, word level, sequence completion), "
           f"{args.budget:g} s of training each (batch 32, lr 2e-3, dropout 0.1), validation on "
-          f"the first {args.limit} sequences, cpu, threads {torch.get_num_threads()}; "
+          f"{f'the first {args.limit}' if args.limit else 'all'} sequences, cpu, threads {torch.get_num_threads()}; "
           f"sequential steps for a T = {rows[0]['T']:.1f}-token sequence (the mean)")
     print(f"{'model':5s} {'shape':14s} {'params (formula)':>16s} {'counted':>9s} "
           f"{'MFLOP/tok body + out':>20s} {'seq. steps':>10s} {'path i->i+16':>12s} "
@@ -596,7 +596,8 @@ def build_parser():
     p.add_argument("--rounds", type=pos(int, "--rounds"), default=9,
                    help="alternating rounds (the median counts)")
     p.add_argument("--parts", action="store_true", help="train_hf: the body / output layer alone")
-    p.add_argument("--models", nargs="+", default=["lstm", "gpt"], help="train: which models")
+    p.add_argument("--models", nargs="+", default=["lstm", "gpt"], choices=["lstm", "gpt"],
+                   help="train: which models")
     p.add_argument("--batch", type=pos(int, "--batch"), default=8, help="sequences per batch")
     p.add_argument("--seq", type=pos(int, "--seq"), default=128, help="tokens per sequence")
     p.add_argument("--gpt_layers", type=pos(int, "--gpt_layers"), default=4)

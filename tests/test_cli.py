@@ -188,6 +188,7 @@ def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):
     (["arch", "--limit", "-3"], "--limit must be >= 1"),
     (["checkpoint", "--mb", "nan"], "--mb must be a positive number"),
     (["train", "--rounds", "two"], "--rounds takes an integer, got 'two'"),
+    (["train", "--models", "gru"], "invalid choice: 'gru'"),
 ])
 def test_bench_flag_ranges(args, pattern, capsys):
     import bench
