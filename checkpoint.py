@@ -116,7 +116,7 @@ def load(path, map_location="cpu"):
         raise CheckpointError(f"no checkpoint at {path}")
     comment = _zip_comment(path)
     if comment.startswith(MAGIC):
-        if not _digest_ok(path, comment, comment[len(MAGIC):].decode()):
+        if not _digest_ok(path, comment, comment[len(MAGIC):].decode(errors="replace")):
             raise CheckpointError(f"{path} is damaged: its content does not match its sha256")
         ckpt = _safe_load(path, path, map_location)
     else:

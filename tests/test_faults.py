@@ -103,7 +103,9 @@ def test_damaged_and_truncated_checkpoints_are_named(tmp_path):
     damaged.write_bytes(bytes(raw))
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(path.read_bytes()[: len(raw) // 3])
-    for bad in (damaged, truncated):
+    comment = tmp_path / "comment.pt"  # the digest in the zip comment damaged (not even text)
+    comment.write_bytes(path.read_bytes()[:-1] + b"\xff")
+    for bad in (damaged, truncated, comment):
         with pytest.raises(CheckpointError, match=str(bad.name)):
             load_checkpoint(str(bad))
     assert load_checkpoint(str(path))["model"]["w"].shape == (1000,)
