@@ -79,7 +79,6 @@ RANGES = {  # a flag's range -> (test, words); NaN and infinities are never in o
 def in_range(kind, flag, spec):
     """An argparse type: a number of `kind` (int / float) within RANGES[spec], or one line
     naming the flag, its range and the value."""
-    import math
     test, words = RANGES[spec]
 
     def parse(text):
