@@ -21,7 +21,7 @@ import cli
 from cli import UserError
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
-from data.loader import batchify, bptt_windows, load_stream
+from data.loader import bptt_windows
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
                     decode_stats, eos_probs, sampling_generator)
 from model import eval_mode
@@ -155,6 +155,8 @@ def eos_traces(lm, split, n):
 def decoding_study(lm, split, args, detok, device):
     """Decode every context once up to max(L); r_nt(L), lengths, uniqueness, examples."""
     n = len(split) if args.limit is None else min(args.limit, len(split))
+    if n == 0:
+        raise UserError(f"the {args.split} split holds no sequence: no context to decode")
     result = decode_in_batches(
         lm, [torch.as_tensor(split.context(i)) for i in range(n)], max(args.L), args.decoder,
         args.decode_batch, desc=f"decoding ({args.decoder})", k=args.k, p=args.p,
@@ -192,7 +194,7 @@ def tau_job(args, ckpt, task, lm, device):
                         f"{ckpt['config'].get('head')}")
     if ckpt["config"]["model"] not in ("rnn", "lstm"):
         raise UserError("--tau_report reads the text as a stream: use an rnn / lstm checkpoint")
-    data = batchify(load_stream(task.folder, args.split), 10)
+    data = task.columns(args.split)
     from recipes import build_parser
     bptt = ckpt["args"].get("bptt") or build_parser().get_default("bptt")
     rep = tau_report(lm, data, bptt, task.eos_id,

@@ -35,7 +35,7 @@ import torch
 from checkpoint import CheckpointError
 from cli import Dist, UserError
 from data.loader import batches, batchify, bptt_windows, collate, load, load_stream
-from data.prepare import tokenizer_of, vocabulary_of
+from data.prepare import CONTEXT_LEN, tokenizer_of, vocabulary_of
 from data.stories import EOS, load_sequences
 from heads import loss_scale
 from insnet import InsertionTransformer, InsNet, collate_insertions
@@ -129,6 +129,10 @@ class LanguageModelTask(Task):
     def tokenizer(self):
         return tokenizer_of(self.folder, self.meta)
 
+    def columns(self, split):
+        """A split's token stream (every line + eos) as the 10 evaluation columns (CT paper)."""
+        return long_enough(batchify(load_stream(self.folder, split), 10), split)
+
     def penalised(self, model, ce):
         """ce * LS (eq. 8's loss scaling, a constant) + AR / TAR on the last recurrent layer."""
         loss = ce * self.loss_scale
@@ -190,13 +194,23 @@ class CompletionTask(LanguageModelTask):
             :self.train_seqs or None]))
 
     def check_fits(self, args):
-        """Something to validate on (a window may leave every sequence out)."""
+        """Something to train and validate on (a split of your own text may keep no sequence;
+        a window may leave every sequence out)."""
+        for name in ("train", "valid"):
+            if not len(self.splits[name]):
+                own = "; without valid.txt / test.txt, train.txt's last lines are held out " \
+                    "for them" if args.dataset == "text" else ""
+                raise UserError(f"the {name} split of {args.dataset} holds no sequence: "
+                                f"sequence completion needs lines of more than {CONTEXT_LEN} "
+                                f"words (the first {CONTEXT_LEN} are the context){own}")
         if not len(batches(self.splits["valid"].lengths, limit=self.eval_seqs or None,
                            **self.eval_sizes())):
             raise UserError(f"no validation sequence fits (--eval_seqs {args.eval_seqs}, "
                             f"--block_size {args.block_size})")
 
     def report(self, res, split):
+        if res["sequences"] == 0 and not res["skipped"]:
+            raise UserError(f"the {split} split holds no sequence: nothing to evaluate")
         if res["sequences"] == 0:
             raise UserError(f"no {split} sequence fits this model (all {res['skipped']} are "
                             f"longer than its context window): nothing to evaluate")
@@ -274,7 +288,7 @@ class StreamTask(LanguageModelTask):
 
     def evaluate(self, lm, device, split="valid", limit=None, **_):
         """Continuous-LM perplexity of a split; limit: the first N tokens of each column."""
-        data = self.valid if split == "valid" else batchify(load_stream(self.folder, split), 10)
+        data = long_enough(self.valid, split) if split == "valid" else self.columns(split)
         return stream_perplexity(lm, data[:, :limit + 1] if limit else data, self.bptt, device)
 
     def report(self, res, split):
@@ -288,13 +302,24 @@ class StreamTask(LanguageModelTask):
         return self.bptt
 
     def check_fits(self, args):
-        pass
+        long_enough(self.train, "train")
+        long_enough(self.valid, "valid")
 
     def state(self):
         return dict(hidden=self.hidden)
 
     def load_state(self, state):
         self.hidden = state.get("hidden")
+
+
+def long_enough(data, split):
+    """A batchified split (bsz, N) whose columns hold a target each (N >= 2; a small text cut
+    into many columns may not), else a one-line error."""
+    if data.size(1) < 2:
+        fix = "a smaller --batch_size, or more text" if split == "train" else "more text"
+        raise UserError(f"the {split} split is too short for a stream: {data.numel()} tokens in "
+                        f"{data.size(0)} columns ({fix})")
+    return data
 
 
 @torch.no_grad()

@@ -263,14 +263,14 @@ def progress(steps, st, n_steps, rank):
 
 def check_data_fits(args, task):
     """Runs that would silently do nothing are errors: no optimizer step in an epoch, nothing to
-    validate on, a story longer than the window (the task's own check_fits)."""
+    validate on, a story longer than the window (the task's own check_fits, first)."""
+    task.check_fits(args)
     n_batches = len(task.epoch(0))
     if n_batches // args.grad_accum == 0:
         raise UserError(f"an epoch here has {n_batches} batch(es), fewer than --grad_accum "
                         f"{args.grad_accum}: no optimizer step would run (lower --grad_accum or "
                         f"--batch_size / --max_tokens, raise --train_seqs, or check that "
                         f"--block_size {args.block_size} holds some training sequences)")
-    task.check_fits(args)
 
 
 def compile_model(lm, backend="inductor"):

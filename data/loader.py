@@ -27,8 +27,7 @@ class CompletionSplit:
     def __init__(self, folder, split, meta=None):
         self.meta = meta or load_meta(folder)
         self.folder, self.split = folder, split
-        self.tokens = np.memmap(os.path.join(folder, f"{split}.bin"), dtype=self.meta["dtype"],
-                                mode="r")
+        self.tokens = memmap(os.path.join(folder, f"{split}.bin"), self.meta["dtype"])
         self.offsets = np.fromfile(os.path.join(folder, f"{split}.idx"), dtype=np.int64)
         self.lengths = np.diff(self.offsets)  # (N,) tokens incl. eos
         ctx = os.path.join(folder, f"{split}.ctx")
@@ -48,8 +47,15 @@ class CompletionSplit:
 
 def load_stream(folder, split):
     """The continuous token stream of a split (--task stream) as a memmap (N,)."""
-    meta = load_meta(folder)
-    return np.memmap(os.path.join(folder, f"{split}.stream.bin"), dtype=meta["dtype"], mode="r")
+    return memmap(os.path.join(folder, f"{split}.stream.bin"), load_meta(folder)["dtype"])
+
+
+def memmap(path, dtype):
+    """A read-only memmap of a prepared file; an empty file (a split of your own text that kept
+    no line) is an empty array, which numpy cannot map."""
+    if os.path.getsize(path) == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 def batchify(stream, bsz):

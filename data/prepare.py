@@ -480,9 +480,10 @@ def read_split(source, dataset, split, consume):
         with open_split(source, dataset, split) as f:
             return consume(f)
     except (zipfile.BadZipFile, EOFError, OSError, UnicodeDecodeError) as e:
+        fix = "your text must be UTF-8" if source["kind"] == "text" else \
+            "a damaged archive, or a file that is not UTF-8 text: download it again"
         raise DataError(f"could not read the {split} split of {dataset} from {name}: "
-                        f"{str(e).splitlines()[0][:160]} (a damaged archive, or a file that is "
-                        f"not UTF-8 text: download it again)") from None
+                        f"{str(e).splitlines()[0][:160]} ({fix})") from None
 
 
 def _write_split(source, dataset, split, tok, max_len, tmp, dtype):

@@ -1,6 +1,7 @@
 """Your own text (--dataset text --data_dir DIR), at word, char and BPE level: it trains,
-evaluates, and samples with no data at all (the checkpoint carries its vocabulary); and
-sample.py and evaluate.py agree to the token on a GPT's context window."""
+evaluates, and samples with no data at all (the checkpoint carries its vocabulary); too little
+text, or text that is not UTF-8, is one line; and sample.py and evaluate.py agree to the token
+on a GPT's context window."""
 import os
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 import evaluate
 import sample
 import train
+from data.prepare import prepare
 from conftest import ROOT, assert_one_line_error, run_in_process
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
@@ -54,6 +56,40 @@ def test_own_text_needs_a_train_file(tmp_path, capsys):
     rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(tmp_path), "--model", "lstm"],
                              capsys)
     assert_one_line_error(rc, err, "DIR/train.txt")
+
+
+def test_too_little_text_is_one_line(tmp_path, capsys):
+    """A train.txt whose lines are all held out or too short, and an empty test.txt: one line
+    each (an empty prepared split was numpy's 'cannot mmap an empty file')."""
+    small, text = tmp_path / "small", tmp_path / "text"
+    small.mkdir(), text.mkdir()
+    (small / "train.txt").write_text("a b c\n" + " ".join(f"w{i}" for i in range(30)) + "\n")
+    line = lambda i: " ".join(f"w{(i * j) % 30}" for j in range(15)) + "\n"  # noqa: E731
+    (text / "train.txt").write_text("".join(map(line, range(40))))
+    (text / "valid.txt").write_text("".join(map(line, range(5))))
+    (text / "test.txt").write_text("")
+    latin1 = tmp_path / "latin1"
+    latin1.mkdir()
+    (latin1 / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 20)
+    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(latin1)], capsys)
+    assert_one_line_error(rc, err, "your text must be UTF-8")
+    tiny = ["--dataset", "text", "--model", "lstm", "--d_model", "8", "--batch_size", "4", "--max_iters", "2"]
+    for folder in (small, text):  # prepared quietly first: the errors are then the only output
+        prepare("text", str(folder), verbose=False)
+    for task, msg in (("completion", "the train split of text holds no sequence"),
+                      ("stream", "the train split is too short for a stream")):
+        rc, err = run_in_process(train.main, [*tiny, "--data_dir", str(small), "--task", task, "--out_dir",
+                                              str(tmp_path / task)], capsys)
+        assert_one_line_error(rc, err, msg)
+        assert train.main([*tiny, "--data_dir", str(text), "--task", task, "--out_dir",
+                           str(tmp_path / f"run-{task}")]) == 0
+    ckpt = ["--data_dir", str(text), "--split", "test", "--ckpt"]
+    for run, flags, msg in (("completion", [], "the test split holds no sequence"),
+                            ("completion", ["--no_ppl", "--decoder", "greedy"], "no context to decode"),
+                            ("stream", [], "the test split is too short for a stream")):
+        rc, err = run_in_process(evaluate.main, [*ckpt, str(tmp_path / f"run-{run}" / "ckpt_last.pt"), *flags],
+                                 capsys)
+        assert_one_line_error(rc, err, msg)
 
 
 def test_sample_and_evaluate_agree_on_the_context_window(tmp_path, capsys):
