@@ -340,11 +340,13 @@ def check_own_checkpoint(ckpt, out_dir):
 
 
 def folder_run_id(out_dir):
+    """The run id in out_dir/run.json, or None (no run.json, or a damaged one)."""
     try:
         with open(os.path.join(out_dir, "run.json")) as f:
-            return json.load(f).get("run_id")
+            run_id = json.load(f).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
+    return run_id if isinstance(run_id, str) else None
 
 
 def rng_states(dist):

@@ -118,6 +118,9 @@ def test_a_foreign_checkpoint_in_a_run_folder_is_refused(lstm_run, tmp_path, cap
     rc, err = run_in_process(train.main, TINY + ["--out_dir", str(other), "--seed", "3", "--resume",
                                                  "--max_iters", "6"], capsys)
     assert_one_line_error(rc, err, "belongs to another run")
+    for damaged in ("", "[1]", '{"run_id": 5}'):  # a damaged run.json: the run id is unknown
+        (other / "run.json").write_text(damaged)
+        assert runs.folder_run_id(str(other)) is None
 
 
 def test_a_damaged_log_line_costs_only_itself(tmp_path, capsys):
