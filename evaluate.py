@@ -28,6 +28,9 @@ from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
 
+L_DEFAULT = [10, 100, 1000]
+
+
 def build_parser():
     p = cli.CLIParser(description="Evaluate a nanogen checkpoint (perplexity, non-termination "
                                   "study, BLEU).")
@@ -47,7 +50,7 @@ def build_parser():
     p.add_argument("--no_ppl", action="store_true", help="skip the perplexity pass")
     d = p.add_argument_group("non-termination study (decode.py)")
     d.add_argument("--decoder", default=None, choices=DECODERS, help="decode every context")
-    d.add_argument("--L", type=cli.in_range(int, "--L", "L"), nargs="+", default=[10, 100, 1000],
+    d.add_argument("--L", type=cli.in_range(int, "--L", "L"), nargs="+", default=L_DEFAULT,
                    help="r_nt(L) thresholds; decodes run to max(L) (default 10 100 1000)")
     cli.add_decoding_flags(d)
     d.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
@@ -298,7 +301,9 @@ def evaluate_stories(args, ckpt, device):
 
 STORY_RULES = [(lambda a, flag=flag: getattr(a, flag), f"--{flag} is for left-to-right text "
                  f"checkpoints; a story checkpoint reports its NLL, and BLEU with --decoder")
-               for flag in ("tau_report", "plot", "consistent", "length_penalty")]
+               for flag in ("tau_report", "plot", "consistent", "length_penalty")] + [
+    (lambda a: a.L != L_DEFAULT, "--L is for left-to-right text checkpoints; a story is generated "
+     "up to twice its reference's length + 10 tokens")]
 
 
 def bleu(hypotheses, references, max_n=4):

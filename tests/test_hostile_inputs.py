@@ -78,7 +78,8 @@ def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
             (evaluate.main, ["--decoder", "topk", "--no_ppl"], "top-k needs --k"),
             (evaluate.main, ["--decoder", "beam", "--beam_size", "2"], "unknown decoder 'beam' here"),
             (evaluate.main, ["--tau_report"], "--tau_report is for left-to-right text checkpoints"),
-            (evaluate.main, ["--plot", "figs"], "--plot is for left-to-right text checkpoints")):
+            (evaluate.main, ["--plot", "figs"], "--plot is for left-to-right text checkpoints"),
+            (evaluate.main, ["--decoder", "greedy", "--L", "5"], "--L is for left-to-right text checkpoints")):
         assert_one_line_error(*run_in_process(main, ["--ckpt", story_ckpt, *flags], capsys), msg)
 
 
