@@ -16,6 +16,7 @@ import os
 import sys
 
 import cli
+from runs import read_run
 
 LABEL_FLAGS = ("model", "head", "epsilon", "dataset", "vocab", "d_model", "n_layer", "lr",
                "dropout", "seed", "task", "order")
@@ -53,11 +54,7 @@ def read_steps(folder):
 
 
 def read_args(folder):
-    try:
-        with open(os.path.join(folder, "run.json")) as f:
-            args = json.load(f).get("args")
-    except (OSError, ValueError, AttributeError):
-        return {}
+    args = read_run(folder).get("args")
     return args if isinstance(args, dict) else {}
 
 

@@ -339,13 +339,18 @@ def check_own_checkpoint(ckpt, out_dir):
                               f"own folder, or start a new run elsewhere")
 
 
-def folder_run_id(out_dir):
-    """The run id in out_dir/run.json, or None (no run.json, or a damaged one)."""
+def read_run(out_dir):
+    """out_dir/run.json (the run's id and arguments) as a dict; {} when absent or damaged."""
     try:
         with open(os.path.join(out_dir, "run.json")) as f:
-            run_id = json.load(f).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+            run = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return run if isinstance(run, dict) else {}
+
+
+def folder_run_id(out_dir):
+    run_id = read_run(out_dir).get("run_id")
     return run_id if isinstance(run_id, str) else None
 
 
