@@ -468,8 +468,13 @@ def build_parser():
     return p
 
 
+RULES = [(lambda a: len(set(a.heads)) < len(a.heads),  # a head twice would count as two seeds
+          "--heads names a head twice: give each head once")]
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    cli.check_rules(RULES, args)
     todo = RESULTS if args.what == "all" else (args.what,)
     base_out, base_runs = args.out, args.runs
     for name in todo:

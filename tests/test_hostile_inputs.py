@@ -227,6 +227,13 @@ def test_reproduce_over_a_damaged_results_folder(tmp_path, monkeypatch):
         reproduce.train_once(str(out), ["--model", "lstm"])
 
 
+def test_reproduce_refuses_a_head_given_twice(tmp_path, capsys):
+    """It would count one run as two seeds (a spread of 0 over 'two seeds') in every table."""
+    argv = ["nmst-table1", "--scale", "tiny", "--heads", "nmst", "st", "nmst", "--out", str(tmp_path / "r")]
+    assert_one_line_error(*run_in_process(reproduce.main, argv, capsys), "--heads names a head twice")
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("saved", ["", "[1]", '{"request": ["--split", "valid"], "ppl": 1}'])
 def test_reproduce_evaluates_again_over_a_damaged_or_stale_result(saved, tmp_path, monkeypatch):
     ckpt, path = tmp_path / "ckpt_best.pt", tmp_path / "r.json"
