@@ -469,7 +469,9 @@ def build_parser():
 
 
 RULES = [(lambda a: len(set(a.heads)) < len(a.heads),  # a head twice would count as two seeds
-          "--heads names a head twice: give each head once")]
+          "--heads names a head twice: give each head once"),
+         (lambda a: a.heads != list(HEADS) and a.what in ("ct-table3", "insnet-storyline"),
+          "--heads is for nmst-table1 / nmst-table4 (and all); {what} compares its own models")]
 
 
 def main(argv=None):

@@ -228,9 +228,12 @@ def test_reproduce_over_a_damaged_results_folder(tmp_path, monkeypatch):
 
 
 def test_reproduce_refuses_a_head_given_twice(tmp_path, capsys):
-    """It would count one run as two seeds (a spread of 0 over 'two seeds') in every table."""
+    """It would count one run as two seeds (a spread of 0 over 'two seeds') in every table; and
+    --heads where no head is compared."""
     argv = ["nmst-table1", "--scale", "tiny", "--heads", "nmst", "st", "nmst", "--out", str(tmp_path / "r")]
     assert_one_line_error(*run_in_process(reproduce.main, argv, capsys), "--heads names a head twice")
+    argv = ["ct-table3", "--scale", "tiny", "--heads", "nmst", "--out", str(tmp_path / "r")]  # ignored there
+    assert_one_line_error(*run_in_process(reproduce.main, argv, capsys), "--heads is for nmst-table1")
     assert not (tmp_path / "r").exists()
 
 
