@@ -75,6 +75,12 @@ def build_parser():
 RULES = [  # (broken(args), message): the rules between flags (each flag checks its own range)
     (lambda a: not a.compare and not a.ckpt, "the following arguments are required: --ckpt (or "
      "--compare JSON ...)"),
+    (lambda a: a.consistent and a.decoder not in ("topk", "nucleus"), "--consistent keeps eos in "
+     "the top-k / nucleus candidate set: use it with --decoder topk or nucleus"),
+    (lambda a: a.length_penalty and a.decoder != "beam", "--length_penalty rescores finished "
+     "beam hypotheses: use it with --decoder beam"),
+    (lambda a: a.plot and not (a.decoder or a.tau_report or a.compare), "--plot draws the figures "
+     "of --decoder, --tau_report or --compare: give one of them"),
 ]
 
 
@@ -301,7 +307,7 @@ def evaluate_stories(args, ckpt, device):
 
 STORY_RULES = [(lambda a, flag=flag: getattr(a, flag), f"--{flag} is for left-to-right text "
                  f"checkpoints; a story checkpoint reports its NLL, and BLEU with --decoder")
-               for flag in ("tau_report", "plot", "consistent", "length_penalty")] + [
+               for flag in ("tau_report", "plot", "consistent")] + [
     (lambda a: a.L != L_DEFAULT, "--L is for left-to-right text checkpoints; a story is generated "
      "up to twice its reference's length + 10 tokens")]
 

@@ -78,7 +78,7 @@ def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
             (evaluate.main, ["--decoder", "topk", "--no_ppl"], "top-k needs --k"),
             (evaluate.main, ["--decoder", "beam", "--beam_size", "2"], "unknown decoder 'beam' here"),
             (evaluate.main, ["--tau_report"], "--tau_report is for left-to-right text checkpoints"),
-            (evaluate.main, ["--plot", "figs"], "--plot is for left-to-right text checkpoints"),
+            (evaluate.main, ["--decoder", "greedy", "--plot", "figs"], "--plot is for left-to-right text checkpoints"),
             (evaluate.main, ["--decoder", "greedy", "--L", "5"], "--L is for left-to-right text checkpoints")):
         assert_one_line_error(*run_in_process(main, ["--ckpt", story_ckpt, *flags], capsys), msg)
 
@@ -252,9 +252,10 @@ def test_reproduce_evaluates_again_over_a_damaged_or_stale_result(saved, tmp_pat
 
 
 def test_the_smaller_things(lstm_run, tmp_path, capsys):
-    """A control token in a prompt, an empty prompt file, a story flag for a text checkpoint, a
-    dangling symbolic link as --out_dir, a JSON given as a checkpoint (never torch's advice to load unsafely), an early-stopped run's
-    resume advice (and that following it works)."""
+    """A control token in a prompt, an empty prompt file, a story flag for a text checkpoint,
+    evaluate.py flags of a decoder not asked for, a dangling symbolic link as --out_dir, a JSON
+    given as a checkpoint (never torch's advice to load unsafely), an early-stopped run's resume
+    advice (and that following it works)."""
     ckpt = str(lstm_run / "ckpt_best.pt")
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n  \n")
@@ -266,6 +267,10 @@ def test_the_smaller_things(lstm_run, tmp_path, capsys):
             (sample.main, ["--ckpt", ckpt, "--prompt", "the company <eos> said"], "a control token"),
             (sample.main, ["--ckpt", ckpt, "--prompt_file", str(empty)], "holds no prompt"),
             (sample.main, ["--ckpt", ckpt, "--prompt", "the", "--title", "a"], "--title / --keywords are for story"),
+            (evaluate.main, ["--ckpt", ckpt, "--decoder", "greedy", "--consistent"], "use it with --decoder topk"),
+            (evaluate.main, ["--ckpt", ckpt, "--decoder", "topk", "--k", "2", "--length_penalty", "1"],
+             "use it with --decoder beam"),
+            (evaluate.main, ["--ckpt", ckpt, "--plot", str(tmp_path / "figs")], "--plot draws the figures of"),
             (train.main, TINY + ["--out_dir", str(link)], "symbolic link to a missing folder"),
             (evaluate.main, ["--ckpt", str(study)], "is not a")):
         rc, err = run_in_process(main, flags, capsys)
