@@ -513,9 +513,10 @@ def arch_row(model, s, lm, task, ckpt, log, args):
 
 
 def print_arch(rows, args):
+    validated = f"the first {args.limit}" if args.limit else "all"
     print(f"\nthe survey's comparison on PTB (V=10000, word level, sequence completion), "
           f"{args.budget:g} s of training each (batch 32, lr 2e-3, dropout 0.1), validation on "
-          f"{f'the first {args.limit}' if args.limit else 'all'} sequences, cpu, threads {torch.get_num_threads()}; "
+          f"{validated} sequences, cpu, threads {torch.get_num_threads()}; "
           f"sequential steps for a T = {rows[0]['T']:.1f}-token sequence (the mean)")
     print(f"{'model':5s} {'shape':14s} {'params (formula)':>16s} {'counted':>9s} "
           f"{'MFLOP/tok body + out':>20s} {'seq. steps':>10s} {'path i->i+16':>12s} "
