@@ -121,7 +121,7 @@ def test_lost_work_is_prevented(tmp_path, capsys):
     assert "skipped 1 damaged line(s)" in capsys.readouterr().err  # and says so
     # evaluate.py: an --out / --plot it could not write is an error before any work
     for flags, msg in ((["--out", str(tmp_path / "file.txt" / "res.json")], "cannot be written"),
-                       (["--plot", str(torn / "steps.jsonl")], "is a file")):
+                       (["--decoder", "greedy", "--plot", str(torn / "steps.jsonl")], "is a file")):
         (tmp_path / "file.txt").write_text("x")
         t0 = time.time()
         rc, err = run_in_process(evaluate.main, ["--ckpt", str(torn / "ckpt_last.pt"), *flags],
