@@ -506,7 +506,10 @@ def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpo
     if sizes and a.get("task") == "stream":
         raise UserError("--batch_size / --max_tokens do not apply to a stream checkpoint (its "
                         "perplexity reads 10 columns, as usual): drop them")
-    a.update(dict(batch_size=None, max_tokens=None, **sizes) if sizes else {})
+    if sizes and "max_tokens" in sizes and a["dataset"] in STORY_DATASETS:
+        raise UserError("--max_tokens does not apply to a story checkpoint: stories are batched "
+                        "by --batch_size sequences")
+    a.update({"batch_size": None, "max_tokens": None, **sizes} if sizes else {})
     task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
     check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task

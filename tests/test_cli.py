@@ -155,6 +155,19 @@ def test_evaluate_decoding_study(decoder, extra, tiny_ckpt, tmp_path):
     assert len(tr["p_eos"]) == len(tr["tokens"]) and tr["tokens"][-1] == 0  # ends at the true eos
 
 
+def test_evaluate_batching_flags_change_only_the_batching(tiny_ckpt, tmp_path):
+    """--batch_size / --max_tokens replace the run's batching: the same sequences, the same NLL
+    (up to float32 summation order)."""
+    results = []
+    for flags in ([], ["--batch_size", "3"], ["--max_tokens", "50"]):
+        out = tmp_path / f"r{len(results)}.json"
+        assert evaluate.main(["--ckpt", str(tiny_ckpt), "--limit", "40", "--out", str(out), *flags]) == 0
+        results.append(json.loads(out.read_text()))
+    for r in results[1:]:
+        assert r["sequences"] == results[0]["sequences"] == 40 and r["tokens"] == results[0]["tokens"]
+        assert r["nll"] == pytest.approx(results[0]["nll"], rel=1e-6)
+
+
 def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
     a = tmp_path / "a.json"
     assert evaluate.main(["--ckpt", str(tiny_ckpt), "--no_ppl", "--decoder", "greedy", "--L", "5", "20",

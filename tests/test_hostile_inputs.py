@@ -79,8 +79,10 @@ def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
             (evaluate.main, ["--decoder", "beam", "--beam_size", "2"], "unknown decoder 'beam' here"),
             (evaluate.main, ["--tau_report"], "--tau_report is for left-to-right text checkpoints"),
             (evaluate.main, ["--decoder", "greedy", "--plot", "figs"], "--plot is for left-to-right text checkpoints"),
-            (evaluate.main, ["--decoder", "greedy", "--L", "5"], "--L is for left-to-right text checkpoints")):
+            (evaluate.main, ["--decoder", "greedy", "--L", "5"], "--L is for left-to-right text checkpoints"),
+            (evaluate.main, ["--max_tokens", "100"], "stories are batched by --batch_size")):
         assert_one_line_error(*run_in_process(main, ["--ckpt", story_ckpt, *flags], capsys), msg)
+    assert evaluate.main(["--ckpt", story_ckpt, "--batch_size", "3"]) == 0  # stories batch by sequences
 
 
 def test_a_set_of_figures_is_written_all_or_nothing(tmp_path):
