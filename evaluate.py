@@ -138,7 +138,8 @@ def evaluate_completion(args, ckpt, device):
         split = task.decodable_split(args.split)
         study = decoding_study(lm, split, args, task.tokenizer().decode, device)
         study.update(decoder=args.decoder, k=args.k, p=args.p, beam_size=args.beam_size,
-                     temperature=args.temperature, consistent=args.consistent, seed=args.seed)
+                     temperature=args.temperature, consistent=args.consistent,
+                     length_penalty=args.length_penalty, seed=args.seed)
         res["decoding"] = study
         res["eos_traces"] = eos_traces(lm, split, args.traces)
         print_study_table([res])
@@ -463,7 +464,8 @@ def run_label(r, varying):
 def decoder_name(d):
     extra = {"topk": f"-{d.get('k')}", "nucleus": f"-{d.get('p')}",
              "beam": f"-{d.get('beam_size')}"}.get(d["decoder"], "")
-    return d["decoder"] + extra + ("+c" if d.get("consistent") else "")
+    return d["decoder"] + extra + ("+c" if d.get("consistent") else "") + \
+        (f"/lp{d['length_penalty']:g}" if d.get("length_penalty") else "")
 
 
 def print_study_table(results):

@@ -137,7 +137,8 @@ def tiny_ckpt(tmp_path_factory, wikitext2):
 
 
 @pytest.mark.parametrize("decoder,extra", [("greedy", []), ("topk", ["--k", "2"]), ("nucleus", ["--p", "0.4"]),
-                                           ("beam", ["--beam_size", "2"])])
+                                           ("beam", ["--beam_size", "2"]), ("topk", ["--k", "2", "--consistent"]),
+                                           ("beam", ["--beam_size", "2", "--length_penalty", "1"])])
 def test_evaluate_decoding_study(decoder, extra, tiny_ckpt, tmp_path):
     out = tmp_path / "study.json"
     args = ["--ckpt", str(tiny_ckpt), "--no_ppl", "--decoder", decoder, *extra, "--L", "3", "10", "30",
@@ -151,6 +152,7 @@ def test_evaluate_decoding_study(decoder, extra, tiny_ckpt, tmp_path):
     assert all(n is None or 1 <= n <= 30 for n in d["generated_lengths"])
     assert d["examples"] and all(len(ex["context"].split()) == 10 for ex in d["examples"])
     assert len(res["eos_traces"]) == 2
+    assert (d["consistent"], d["length_penalty"]) == ("--consistent" in extra, float("--length_penalty" in extra))
     tr = res["eos_traces"][0]
     assert len(tr["p_eos"]) == len(tr["tokens"]) and tr["tokens"][-1] == 0  # ends at the true eos
 

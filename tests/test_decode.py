@@ -210,6 +210,25 @@ def test_beam_equals_exhaustive_search(head):
     assert len(lengths) >= 20 and sum(n >= 2 for n in lengths) >= 5  # real, multi-token MAPs were checked
 
 
+def test_beam_length_penalty_reranks_the_same_final_set():
+    """eq. 19 with a length penalty a > 0: the search, and so the final set P, is the same; only
+    the choice in P changes (argmax s / |y|^a): the raw score can only drop, the normalised one
+    only rise, and on these models some choices do change (longer sequences win)."""
+    changed = 0
+    for seed in range(12):
+        lm = BigramLM(table(seed), "softmax", eps=0.2)
+        for prompt in (torch.tensor([0]), torch.tensor([1, 1]), torch.tensor([2, 0, 1])):
+            plain, pen = (decode(lm, [prompt], 60, "beam", beam_size=4, length_penalty=a)
+                          for a in (0.0, 1.0))
+            assert bool(plain["terminated"][0]) == bool(pen["terminated"][0])
+            (s0, s1), (n0, n1) = (plain["scores"][0].item(), pen["scores"][0].item()), \
+                (len(plain["tokens"][0]), len(pen["tokens"][0]))
+            assert s1 <= s0 + 1e-12 and s1 / n1 >= s0 / n0 - 1e-12
+            changed += plain["tokens"][0] != pen["tokens"][0]
+            assert n1 >= n0 or plain["tokens"][0] == pen["tokens"][0]
+    assert changed >= 3
+
+
 def t_half(eps):
     """the first t with 1 - (1 - eps)^t > 1/2 (proof of Theorem 3, eq. 23)"""
     return next(t for t in range(1, 10 ** 6) if 1 - (1 - eps) ** t > 0.5)
