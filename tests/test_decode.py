@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from decode import (decode, decode_stats, eos_probs, filter_log_probs, non_termination_ratio,
+from decode import (decode, decode_in_batches, decode_stats, eos_probs, filter_log_probs, non_termination_ratio,
                     nucleus_mask, topk_mask)
 from heads import nmst_log_probs, softmax_log_probs
 from model import LanguageModel
@@ -208,6 +208,18 @@ def test_beam_equals_exhaustive_search(head):
             assert abs(out["scores"][0].item() - score) < 1e-9
             lengths.append(len(seq))
     assert len(lengths) >= 20 and sum(n >= 2 for n in lengths) >= 5  # real, multi-token MAPs were checked
+
+
+@pytest.mark.parametrize("decoder,kw", [("greedy", {}), ("beam", dict(beam_size=3))])
+def test_decoding_in_batches_changes_only_the_batching(decoder, kw):
+    """evaluate.py --decode_batch / the training probe: any batch size decodes as one batch."""
+    lm = toy("gpt", "nmst", eos_bias=-2.0)
+    prompts = [torch.randint(3, 30, (n,), generator=torch.Generator().manual_seed(n)) for n in range(1, 9)]
+    whole = decode(lm, prompts, 25, decoder, **kw)
+    for batch in (1, 3):
+        part = decode_in_batches(lm, prompts, 25, decoder, batch, **kw)
+        assert part["tokens"] == whole["tokens"] and torch.equal(part["terminated"], whole["terminated"])
+        assert torch.allclose(part["scores"], whole["scores"], atol=1e-9)
 
 
 def test_beam_length_penalty_reranks_the_same_final_set():
