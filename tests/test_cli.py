@@ -136,6 +136,33 @@ def tiny_ckpt(tmp_path_factory, wikitext2):
     return out / "ckpt_last.pt"
 
 
+def test_model_and_optimiser_flags_do_what_they_say(tmp_path):
+    """--no_tie, --no_bias, --beta1 / --beta2, --peak_flops (the MFU column), --no_curves on a
+    GPT; --max_offset and --min_count on InsNet: each reaches the model, the optimizer, the log
+    or the vocabulary."""
+    gpt = tmp_path / "gpt"
+    assert train.main(["--model", "gpt", "--n_layer", "1", "--d_model", "16", "--n_head", "2", "--block_size", "64",
+                       "--dataset", "ptb", "--batch_size", "4", "--train_seqs", "32", "--eval_seqs", "8", "--max_iters",
+                       "2", "--eval_interval", "2", "--no_tie", "--no_bias", "--beta1", "0.8", "--beta2", "0.95",
+                       "--peak_flops", "1e12", "--no_curves", "--out_dir", str(gpt)]) == 0
+    ckpt = load_checkpoint(str(gpt / "ckpt_last.pt"))
+    assert (ckpt["config"]["tie"], ckpt["config"]["bias"]) == (False, False)
+    assert not [k for k in ckpt["model"] if k.endswith("bias")]
+    assert not torch.equal(ckpt["model"]["head.proj.weight"], ckpt["model"]["backbone.wte.weight"])
+    assert ckpt["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.95)
+    assert read_log(gpt)[0]["mfu"] > 0 and not (gpt / "curves.png").exists()
+    runs = {}
+    for name, flags in (("default", []), ("flags", ["--max_offset", "4", "--min_count", "50"])):
+        runs[name] = tmp_path / name
+        assert train.main(["--model", "insnet", "--dataset", "rocstories", "--n_layer", "1", "--d_model", "16",
+                           "--n_head", "2", "--batch_size", "4", "--train_seqs", "8", "--eval_seqs", "4",
+                           "--max_iters", "1", "--eval_interval", "1", "--warmup", "0", "--probe", "0",
+                           "--out_dir", str(runs[name]), *flags]) == 0
+    default, flagged = (load_checkpoint(str(runs[n] / "ckpt_last.pt"))["config"] for n in ("default", "flags"))
+    assert (default["max_offset"], flagged["max_offset"]) == (256, 4)
+    assert flagged["vocab_size"] < default["vocab_size"] / 3  # words seen < 50 times are <unk>
+
+
 @pytest.mark.parametrize("decoder,extra", [("greedy", []), ("topk", ["--k", "2"]), ("nucleus", ["--p", "0.4"]),
                                            ("beam", ["--beam_size", "2"]), ("topk", ["--k", "2", "--consistent"]),
                                            ("beam", ["--beam_size", "2", "--length_penalty", "1"])])
