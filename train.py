@@ -246,8 +246,8 @@ def configure_optimizer(lm, args, device):
 
 
 def learning_rate(args, st):
-    """plateau / constant: the current lr (plateau lowers it after evaluations); linear: warm-up
-    over --warmup steps, then linear decay to 0 at --decay_steps."""
+    """plateau / constant: the current lr (plateau lowers it after evaluations); linear: a linear
+    warm-up over --warmup steps times a linear decay to 0 at --decay_steps (both from step 0)."""
     if args.lr_schedule != "linear":
         return st.lr
     warm = min(1.0, (st.step + 1) / args.warmup) if args.warmup else 1.0

@@ -315,6 +315,19 @@ def test_plateau_halves_lr_and_early_stopping(tmp_path, wikitext2):
     assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["done"].startswith("early stop")
 
 
+def test_linear_schedule_warms_up_and_decays_to_zero(tmp_path, wikitext2):
+    """--lr_schedule linear: step s (1-based) trains at lr * min(1, s / warmup) * max(0, 1 - (s - 1) /
+    decay_steps), as steps.jsonl logs it: up for 4 steps, then down to 0 at step 11 and after."""
+    out = tmp_path / "linear"
+    args = tiny_args("lstm", "softmax", out, iters=12, every=12)
+    args[args.index("--lr") + 1] = "1e-3"
+    assert train.main(args + ["--lr_schedule", "linear", "--warmup", "4", "--decay_steps", "10"]) == 0
+    with open(out / "steps.jsonl") as f:
+        lrs = [json.loads(line)["lr"] for line in f]
+    expected = [1e-3 * min(1, s / 4) * max(0.0, 1 - (s - 1) / 10) for s in range(1, 13)]
+    assert lrs == pytest.approx(expected, abs=1e-15) and lrs[-2:] == [0.0, 0.0]
+
+
 def test_evaluate_needs_a_checkpoint():
     rc, _, err = run_cli("evaluate.py")
     assert_one_line_error(rc, err, "--ckpt")
