@@ -328,6 +328,17 @@ def test_linear_schedule_warms_up_and_decays_to_zero(tmp_path, wikitext2):
     assert lrs == pytest.approx(expected, abs=1e-15) and lrs[-2:] == [0.0, 0.0]
 
 
+def test_epochs_evaluate_at_each_end_and_stop_at_max_epochs(tmp_path, wikitext2):
+    """The recurrent recipes' default (--eval_interval 0): an evaluation at the end of every
+    epoch (40 sequences in batches of 8: 5 steps each), and --max_epochs stops the run."""
+    out = tmp_path / "epochs"
+    args = tiny_args("lstm", "softmax", out) + ["--train_seqs", "40", "--eval_interval", "0", "--max_epochs", "2",
+                                                "--max_iters", "0"]
+    assert train.main(args) == 0
+    assert [(r["step"], r["epoch"]) for r in read_log(out)] == [(5, 1), (10, 2)]
+    assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["done"] == "reached --max_epochs 2"
+
+
 def test_evaluate_needs_a_checkpoint():
     rc, _, err = run_cli("evaluate.py")
     assert_one_line_error(rc, err, "--ckpt")

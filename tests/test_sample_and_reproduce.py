@@ -26,7 +26,9 @@ def ckpts(tmp_path_factory):
             "bpe": ["--model", "gpt", "--head", "st", "--epsilon", "1e-2", "--n_layer", "1",
                     "--dataset", "wikitext103", "--batch_size", "4", "--block_size", "64"],
             "insnet": ["--model", "insnet", "--dataset", "rocstories", "--task", "storyline",
-                       "--n_layer", "1", "--batch_size", "8", "--warmup", "0"]}
+                       "--n_layer", "1", "--batch_size", "8", "--warmup", "0"],
+            "l2r_story": ["--model", "gpt", "--dataset", "rocstories", "--task", "storyline",
+                          "--n_layer", "1", "--batch_size", "8", "--warmup", "0"]}
     out = {}
     for name, flags in runs.items():
         assert train.main([*flags, *common, "--out_dir", str(root / name)]) == 0
@@ -64,6 +66,16 @@ def test_sample_bpe_prompt_and_the_window(ckpts, capsys, tmp_path):
     rc, err = run_in_process(sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "The history",
                                            "--L", "100"], capsys)
     assert_one_line_error(rc, err, "context window of 64 tokens")
+
+
+def test_sample_a_left_to_right_story(ckpts, capsys):
+    """The L2R baseline continues "title <sep> storyline <sep>": one line, the title first."""
+    assert sample.main(["--ckpt", ckpts["l2r_story"], "--title", "the big game", "--keywords", "team", "won",
+                        "--L", "6", "--decoder", "topk", "--k", "3", "--seed", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("the big game >>> ")
+    assert out[0].endswith("[eos]") or out[0].endswith("[length cap 6]")
+    assert len(out[0].split(">>> ")[1].split()) <= 6 + 3  # at most L words, then "[length cap 6]"
 
 
 def test_a_sample_without_seed_says_the_seed_that_repeats_it(ckpts, capsys):
