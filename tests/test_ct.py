@@ -128,7 +128,8 @@ def test_stream_training_on_real_ptb(head, tmp_path):
     if head != "mos":
         rep_path = tmp_path / "tau.json"
         assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--out",
-                              str(rep_path)]) == 0
+                              str(rep_path), "--plot", str(tmp_path / "figs")]) == 0
+        assert (tmp_path / "figs" / "tau_by_position.png").stat().st_size > 10_000
         rep = json.loads(rep_path.read_text())["tau_report"]
         assert rep["sentences"] > 500 and len(rep["position_mean"]) == 15
         assert all(2.0 <= m <= 4.0 for m in rep["position_mean"])  # (alpha/beta, (1+alpha)/beta) = (2, 4)
