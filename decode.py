@@ -31,6 +31,7 @@ from model import WINDOWED, eval_mode
 from cli import UserError
 
 DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
+SAMPLING = ("sample", "topk", "nucleus")  # the decoders that draw (greedy and beam do not)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     prompts: list of 1-D LongTensors (different lengths allowed), or an (N, P) tensor.
     -> dict(tokens: list of lists (eos included when produced), terminated: bool tensor (N,),
             lengths: long tensor (N,) = len(tokens), scores: sum of log-probs (N,))."""
-    check_decoder_args(decoder, k, p, beam_size, temperature, L)
+    check_decoder_args(decoder, k, p, beam_size, temperature, L, consistent, length_penalty)
     device = next(lm.parameters()).device
     padded, lengths = pad_prompts(prompts, device)
     cap = longest_continuation(lm, int(lengths.max()))
@@ -174,16 +175,17 @@ STORY_DECODERS = ("greedy", "sample", "topk")  # insertion decoding: slot, then 
 
 
 def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0, L=1,
-                       allowed=DECODERS):
+                       consistent=False, length_penalty=0.0, allowed=DECODERS):
     """Every entry point's decoder flags, for every kind of checkpoint: the decoder's own
     arguments present and in range, and none it would silently ignore."""
     if decoder not in allowed:
         raise UserError(f"unknown decoder '{decoder}' here (choose from {', '.join(allowed)})")
-    unused = [f for f, v, used in (("--k", k, "topk"), ("--p", p, "nucleus"),
-                                   ("--beam_size", beam_size, "beam")) if v is not None and
-              decoder != used]
-    if temperature != 1.0 and decoder in ("greedy", "beam"):
-        unused.append("--temperature")
+    unused = [f for f, given, users in (
+        ("--k", k is not None, ("topk",)), ("--p", p is not None, ("nucleus",)),
+        ("--beam_size", beam_size is not None, ("beam",)), ("--temperature", temperature != 1.0,
+                                                            SAMPLING),
+        ("--consistent", consistent, ("topk", "nucleus")),
+        ("--length_penalty", bool(length_penalty), ("beam",))) if given and decoder not in users]
     if unused:
         raise UserError(f"--decoder {decoder} does not use {' / '.join(unused)}: drop it")
     if decoder == "topk" and (k is None or int(k) < 1):

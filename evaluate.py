@@ -75,10 +75,8 @@ def build_parser():
 RULES = [  # (broken(args), message): the rules between flags (each flag checks its own range)
     (lambda a: not a.compare and not a.ckpt, "the following arguments are required: --ckpt (or "
      "--compare JSON ...)"),
-    (lambda a: a.consistent and a.decoder not in ("topk", "nucleus"), "--consistent keeps eos in "
-     "the top-k / nucleus candidate set: use it with --decoder topk or nucleus"),
-    (lambda a: a.length_penalty and a.decoder != "beam", "--length_penalty rescores finished "
-     "beam hypotheses: use it with --decoder beam"),
+    (lambda a: (a.consistent or a.length_penalty) and not a.decoder, "--consistent / "
+     "--length_penalty are options of a --decoder (top-k / nucleus; beam): give one"),
     (lambda a: a.plot and not (a.decoder or a.tau_report or a.compare), "--plot draws the figures "
      "of --decoder, --tau_report or --compare: give one of them"),
 ]
@@ -88,7 +86,7 @@ def check_args(args):
     cli.check_rules(RULES, args)
     if args.decoder:
         check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature,
-                           min(args.L))
+                           min(args.L), args.consistent, args.length_penalty)
     inputs = [args.ckpt, *(args.compare or [])]
     cli.check_output(args.out, "--out", inputs=inputs)
     cli.check_output(args.plot, "--plot", folder=True, inputs=inputs)

@@ -22,7 +22,7 @@ import cli
 from cli import UserError
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
-from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, eos_probs,
+from decode import (DECODERS, SAMPLING, STORY_DECODERS, check_decoder_args, decode, eos_probs,
                     sampling_generator)
 from data.prepare import tokenizer_from
 from tasks import INSERTION_MODELS, STORY_DATASETS, checkpoint_task, model_from_checkpoint
@@ -91,7 +91,7 @@ def checkpoint_tokenizer(ckpt, args):
 def choose_seed(args):
     """--seed, or a fresh one for a sampling decoder, said so that the sample can be repeated
     (greedy and beam search draw nothing: seed 0)."""
-    sampling = args.decoder in ("sample", "topk", "nucleus")
+    sampling = args.decoder in SAMPLING
     if args.seed is None:
         args.seed = int(torch.randint(0, 2 ** 31, ()).item()) if sampling else 0
         if sampling:

@@ -269,9 +269,11 @@ def test_the_smaller_things(lstm_run, tmp_path, capsys):
             (sample.main, ["--ckpt", ckpt, "--prompt", "the company <eos> said"], "a control token"),
             (sample.main, ["--ckpt", ckpt, "--prompt_file", str(empty)], "holds no prompt"),
             (sample.main, ["--ckpt", ckpt, "--prompt", "the", "--title", "a"], "--title / --keywords are for story"),
-            (evaluate.main, ["--ckpt", ckpt, "--decoder", "greedy", "--consistent"], "use it with --decoder topk"),
+            (evaluate.main, ["--ckpt", ckpt, "--decoder", "greedy", "--consistent"],
+             "--decoder greedy does not use --consistent: drop it"),
             (evaluate.main, ["--ckpt", ckpt, "--decoder", "topk", "--k", "2", "--length_penalty", "1"],
-             "use it with --decoder beam"),
+             "--decoder topk does not use --length_penalty: drop it"),
+            (evaluate.main, ["--ckpt", ckpt, "--consistent"], "are options of a --decoder"),
             (evaluate.main, ["--ckpt", ckpt, "--plot", str(tmp_path / "figs")], "--plot draws the figures of"),
             (train.main, TINY + ["--out_dir", str(link)], "symbolic link to a missing folder"),
             (evaluate.main, ["--ckpt", str(study)], "is not a")):
