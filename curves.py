@@ -115,7 +115,9 @@ def differing(args_list):
 
 
 def label(args, keys, folder):
-    parts = [f"{k}={args[k]:g}" if isinstance(args.get(k), float) else str(args.get(k))
+    """Words stand alone (lstm, nmst); a number names its flag (lr=0.003, seed=1)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    parts = [f"{k}={args[k]:g}" if number(args[k]) else str(args[k])
              for k in keys if args.get(k) is not None]
     return " ".join(parts) or os.path.basename(os.path.abspath(folder))
 

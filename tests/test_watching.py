@@ -101,6 +101,13 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys):
     assert curves.draw_run(folders[1], str(tmp_path / "one.png")) == str(tmp_path / "one.png")
 
 
+def test_a_label_names_the_flag_of_a_number():
+    args = dict(head="nmst", seed=1, lr=0.003, d_model=128)
+    assert curves.label(args, ["head", "seed", "lr", "d_model"], "run") == \
+        "nmst seed=1 lr=0.003 d_model=128"
+    assert curves.label({"seed": None}, ["seed"], "out/run") == "run"
+
+
 def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     flags = TINY + ["--head", "nmst", "--eval_interval", "2"]
