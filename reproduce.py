@@ -138,12 +138,15 @@ class Progress:
               + (f", ~{left / 60:.1f} min left)" if left is not None else ")"), flush=True)
 
 
+EVAL_SEQS = 400  # the validation sequences of a run's own evaluations (tiny and cpu scales)
+
+
 def base_flags(cfg, model, head, seed, eps):
     """Four evaluations per run (and as many termination probes: the curves over training);
     tiny: one."""
     every = cfg["steps"] if cfg["dataset"] == "ptb" and cfg["steps"] < 20 else cfg["steps"] // 4
     steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(every), "--eval_seqs",
-             "400"] if cfg["steps"] else []
+             str(EVAL_SEQS)] if cfg["steps"] else []
     return ["--model", model, "--head", head, "--epsilon", str(eps), "--dataset", cfg["dataset"],
             "--seed", str(seed), *cfg["models"][model], *steps]
 
@@ -309,7 +312,9 @@ def over_training(cfg, args):
         folders = [os.path.join(args.runs, f"{model}-{h}-s0") for h in args.heads]
         path = os.path.join(args.out, f"training-{model}.png")
         rows, _ = curves.overlay(folders, path)
-        lines += ["", f"Over training ({model}, seed 0; {os.path.basename(path)}): the probe "
+        seqs = f"the first {EVAL_SEQS}" if cfg["steps"] else "all"
+        lines += ["", f"Over training ({model}, seed 0; {os.path.basename(path)}): the runs' own "
+                      f"evaluations (perplexity on {seqs} validation sequences); the probe "
                       f"greedy-decodes 64 validation contexts at each evaluation.", "", *rows]
     return lines
 

@@ -120,6 +120,9 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys):
         if figure:
             assert (folder / figure).stat().st_size > 1000
     assert first.count("done (reached") > 0
+    run = json.loads((out / "nmst-table1-tiny" / "runs" / "lstm-nmst-s0" / "run.json").read_text())
+    table1 = (out / "nmst-table1-tiny" / "table.md").read_text()  # the over-training table says
+    assert f"perplexity on the first {run['args']['eval_seqs']} validation" in table1  # its split
     assert reproduce.main(["nmst-table1", "--scale", "tiny", "--out",
                            str(out / "nmst-table1-tiny")]) == 0
     again = capsys.readouterr().out
