@@ -11,7 +11,8 @@ eos, [length cap L] when it was cut at --L tokens (the continuation did not term
 paper is about (VA, ST and NMST heads model it differently).  Insertion checkpoints (InsNet,
 IT-vanilla) take a title (and storyline keywords) and print the canvas after every insertion
 with p(terminate).  Word-level prompts must be in the model's vocabulary (PTB is lower-cased);
---allow_unk reads unknown words as <unk>.
+--allow_unk reads unknown words as <unk>.  A char-level prompt is read as whole words and the
+space after them, as every training context ends.
 """
 import math
 import sys
@@ -117,11 +118,13 @@ def read_prompts(args):
 
 
 def encode_prompt(tok, text, allow_unk):
-    """Prompt text -> token ids; word / char level: unknown pieces are an error naming them
-    (or <unk> with --allow_unk)."""
+    """Prompt text -> token ids (char level: its words and a space, a context as in training);
+    word / char level: unknown pieces are an error naming them (or <unk> with --allow_unk)."""
     if tok.kind == "gpt2":
         return tok.enc.encode_ordinary(text.strip())
     pieces = tok.split(text)
+    if tok.kind == "char":  # whole words and the space after them, as every training context
+        pieces.append(" ")
     control = sorted({w for w in pieces if w in ("<eos>", "<unk>")} if tok.kind == "word" else ())
     if control:
         raise UserError(f"{', '.join(control)} in the prompt is a control token, not text: leave "
@@ -140,8 +143,7 @@ def encode_prompt(tok, text, allow_unk):
 def show(model, tok, text, prompt_ids, toks, terminated, args):
     ended = "[eos]" if terminated else f"[length cap {args.L}: not terminated]"
     body = [t for t in toks if t != model.eos_id]
-    sep = "" if tok.kind == "char" else " "
-    print(f"{text}{sep}>>> {tok.decode(body)} {ended}{why(model, toks, terminated, args)}")
+    print(f"{text} >>> {tok.decode(body)} {ended}{why(model, toks, terminated, args)}")
     if args.show_eos:
         for t, (token, p_eos) in enumerate(zip(toks, eos_probs(model, prompt_ids, toks)),
                                            start=1):

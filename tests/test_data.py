@@ -197,6 +197,17 @@ def test_collate_and_loss_mask_select_the_continuation():
     assert t[1, :9].tolist() == list(range(-8, 1)) and t[0, 11:].tolist() == [0] * 4  # context, padding
 
 
+@pytest.mark.parametrize("kind", ["word", "char"])
+def test_a_prompt_of_ten_words_is_encoded_as_a_training_context(kind):
+    """sample.py's prompt and the protocol's context of the same words are the same ids (char
+    level: the words and the space after them), so t = 1 falls on the same token."""
+    import sample
+    line = "the cat sat on the mat and then it ran far away"  # 12 words: 10 context + 2
+    tok = P.Vocabulary.build(kind, [line])
+    ids, ctx = next(tok.encode([line]))
+    assert sample.encode_prompt(tok, " ".join(line.split()[:10]), False) == ids[:ctx]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["ptb", "wikitext2"])
 def test_char_vocabulary_round_trip_and_protocol(dataset):
