@@ -19,7 +19,9 @@ import cli
 from runs import read_run
 
 LABEL_FLAGS = ("model", "head", "epsilon", "dataset", "vocab", "d_model", "n_layer", "lr",
-               "dropout", "seed", "task", "order")
+               "dropout", "seed", "task", "order")  # first, in this order; then any other flag
+NOT_LABELS = ("out_dir", "data_dir", "weights", "resume", "device", "dtype", "compile",
+              "peak_flops", "log_interval", "no_curves", "tensorboard")  # where, not what
 
 
 EVALUATION = ("step", "train_loss", "val_loss", "val_ppl", "lr")  # what every log.jsonl line has
@@ -110,16 +112,20 @@ def save(fig, path):
 
 def differing(args_list):
     """The flags whose values differ between runs (what labels them)."""
-    keys = [k for k in LABEL_FLAGS if len({repr(a.get(k)) for a in args_list}) > 1]
+    known = [a for a in args_list if a]  # (a run without a readable run.json: its folder name)
+    rest = sorted({k for a in known for k in a} - {*LABEL_FLAGS, *NOT_LABELS})
+    keys = [k for k in (*LABEL_FLAGS, *rest) if len({repr(a.get(k)) for a in known}) > 1]
     return keys or ["model"]
 
 
 def label(args, keys, folder):
-    """Words stand alone (lstm, nmst); a number names its flag (lr=0.003, seed=1)."""
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    parts = [f"{k}={args[k]:g}" if number(args[k]) else str(args[k])
-             for k in keys if args.get(k) is not None]
-    return " ".join(parts) or os.path.basename(os.path.abspath(folder))
+    """The words of LABEL_FLAGS stand alone (lstm, nmst); any other value names its flag (lr=0.003,
+    seed=1, temperature=4, loss_scaling=True)."""
+    def part(k, v):
+        return v if isinstance(v, str) and k in LABEL_FLAGS else \
+            f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+    return " ".join(part(k, args[k]) for k in keys if args.get(k) is not None) or \
+        os.path.basename(os.path.abspath(folder))
 
 
 def overlay(folders, path):
@@ -156,7 +162,8 @@ def overlay(folders, path):
     axes[1].set(xlabel="step", ylabel=f"r_nt({L}), greedy", ylim=(-0.02, 1.02),
                 title="termination probe")
     for ax in axes:
-        ax.legend(fontsize=8)
+        if ax.lines:  # (no run has a probe: an empty panel, no legend)
+            ax.legend(fontsize=8)
     return rows, save(fig, path)
 
 

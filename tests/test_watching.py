@@ -101,10 +101,17 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys):
     assert curves.draw_run(folders[1], str(tmp_path / "one.png")) == str(tmp_path / "one.png")
 
 
-def test_a_label_names_the_flag_of_a_number():
-    args = dict(head="nmst", seed=1, lr=0.003, d_model=128)
-    assert curves.label(args, ["head", "seed", "lr", "d_model"], "run") == \
-        "nmst seed=1 lr=0.003 d_model=128"
+def test_a_label_names_every_flag_that_differs():
+    runs = [dict(head="mos", temperature=t, seed=1, lr=0.003, d_model=128, loss_scaling=False,
+                 lr_schedule="linear", out_dir=f"out/{t}") for t in (0.5, 1.0, 4.0)]
+    runs[0].update(head="ct", loss_scaling=True, lr_schedule="constant")
+    keys = curves.differing(runs)  # not out_dir: where a run is, not what it trained
+    assert keys == ["head", "loss_scaling", "lr_schedule", "temperature"]
+    assert [curves.label(r, keys, "run") for r in runs] == [
+        "ct loss_scaling=True lr_schedule=constant temperature=0.5",
+        "mos loss_scaling=False lr_schedule=linear temperature=1",
+        "mos loss_scaling=False lr_schedule=linear temperature=4"]
+    assert curves.label(runs[0], ["seed", "lr", "d_model"], "run") == "seed=1 lr=0.003 d_model=128"
     assert curves.label({"seed": None}, ["seed"], "out/run") == "run"
 
 
