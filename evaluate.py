@@ -415,7 +415,7 @@ def compare(args):
         results.append(r)
     print_study_table(results)
     if args.plot:
-        plot_study(results, args.plot)
+        plot_study(results, args.plot, args.compare)
     return 0
 
 
@@ -462,8 +462,10 @@ def run_label(r, varying):
 def decoder_name(d):
     extra = {"topk": f"-{d.get('k')}", "nucleus": f"-{d.get('p')}",
              "beam": f"-{d.get('beam_size')}"}.get(d["decoder"], "")
+    T = d.get("temperature")
     return d["decoder"] + extra + ("+c" if d.get("consistent") else "") + \
-        (f"/lp{d['length_penalty']:g}" if d.get("length_penalty") else "")
+        (f"/lp{d['length_penalty']:g}" if d.get("length_penalty") else "") + \
+        (f"/T{T:g}" if isinstance(T, NUMBER) and T != 1 else "")
 
 
 def print_study_table(results):
@@ -490,10 +492,10 @@ def none_nan(x):
     return float("nan") if x is None else x
 
 
-def plot_study(results, out_dir):
+def plot_study(results, out_dir, files=None):
     """PNGs: r_nt(L) (log-log, Fig. 2 / 7), length histograms (Fig. 8), p(eos) traces (Fig. 3).
     Runs get distinct colours and labels naming what differs between them (head, epsilon,
-    model, decoder, dataset); the title names what they share."""
+    model, decoder, dataset; else their --compare files); the title names what they share."""
     plt = cli.pyplot()
     if plt is None:
         return []
@@ -505,6 +507,8 @@ def plot_study(results, out_dir):
                        if k not in varying)
     styles = [(f"C{i}", ("-", "--", ":", "-.")[i % 4]) for i in range(len(results))]
     labels = [run_label(r, varying) for r in results]
+    if len(set(labels)) < len(labels) and files:  # e.g. two checkpoints of one run
+        labels = [f"{lab} ({os.path.basename(f)})" for lab, f in zip(labels, files)]
     with cli.file_set(out_dir, STUDY_FIGURES) as tmp:  # all of them, or none
         made = [plot_r_nt(plt, results, labels, styles, shared, tmp),
                 plot_lengths(plt, results, labels, styles, tmp),

@@ -172,3 +172,27 @@ def test_compare_runs_that_differ_by_decoder(tmp_path, ckpts, monkeypatch):
     panels = figures["p_eos.png"].axes
     assert [len(ax.get_lines()) for ax in panels] == [2, 1]
     assert [ax.get_title() for ax in panels] == ["valid sequence 0", "valid sequence 1"]
+
+
+def test_compare_tells_every_study_apart(tmp_path, ckpts, monkeypatch):
+    """Studies alike but for the sampling temperature, and two files of the same study: every
+    run has its own legend entry (the legend keeps one entry per label)."""
+    import shutil
+
+    import cli
+    paths = []
+    for name, dec in (("t05", ["--temperature", "0.5"]), ("t1", [])):
+        paths.append(str(tmp_path / f"{name}.json"))
+        assert evaluate.main(["--ckpt", ckpts["word"], "--no_ppl", "--decoder", "sample", *dec,
+                              "--L", "5", "--limit", "4", "--out", paths[-1]]) == 0
+    shutil.copy(paths[1], tmp_path / "again.json")
+    figures = {}
+    monkeypatch.setattr(cli, "save_figure", lambda fig, path: figures.update(
+        {os.path.basename(path): fig}))
+
+    def legend(*files):
+        assert evaluate.main(["--compare", *files, "--plot", str(tmp_path / "figs")]) == 0
+        return [t.get_text() for t in figures["r_nt.png"].axes[0].get_legend().get_texts()]
+    assert legend(*paths) == ["sample/T0.5", "sample"]
+    assert legend(*paths, str(tmp_path / "again.json")) == [
+        "sample/T0.5 (t05.json)", "sample (t1.json)", "sample (again.json)"]
