@@ -23,7 +23,7 @@ from checkpoint import check_run
 from checkpoint import load as load_checkpoint
 from data.loader import bptt_windows
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
-                    decode_stats, eos_probs, sampling_generator)
+                    decode_stats, eos_probs, longest_continuation, sampling_generator)
 from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
@@ -308,7 +308,7 @@ STORY_RULES = [(lambda a, flag=flag: getattr(a, flag), f"--{flag} is for left-to
                  f"checkpoints; a story checkpoint reports its NLL, and BLEU with --decoder")
                for flag in ("tau_report", "plot", "consistent")] + [
     (lambda a: a.L != L_DEFAULT, "--L is for left-to-right text checkpoints; a story is generated "
-     "up to twice its reference's length + 10 tokens")]
+     "up to twice its reference's length + 10 tokens (within the model's window)")]
 
 
 def bleu(hypotheses, references, max_n=4):
@@ -363,13 +363,17 @@ def story_generation(model, task, args, device, max_len=None):
 
 def generate_story(model, task, story, seq, args, g, device, max_len=None):
     """One story's words: L2R continues the given prefix; an insertion model fills the canvas
-    BOS title SEP [keywords] EOS (a given keyword keeps its word even when it is <unk>)."""
+    BOS title SEP [keywords] EOS (a given keyword keeps its word even when it is <unk>).  At most
+    twice the reference's length + 10 tokens, within the window of a model that has one."""
     from data.stories import BOS, EOS, PAD, SEP
     from insnet import generate
     vocab, banned = task.data.vocab, (PAD, BOS, EOS, SEP)
     prefix = seq["tokens"][:seq["n_given"]]
     cap = max_len or 2 * len(seq["tokens"]) + 10
+    if task.kind == "insertion_transformer":  # absolute positions: the canvas fits the window
+        cap = min(cap, model.cfg["block_size"])
     if task.kind == "gpt":
+        cap = min(cap, longest_continuation(model, len(prefix)))
         out = decode(model, [torch.tensor(prefix, device=device)], cap, decoder=args.decoder,
                      k=args.k, temperature=args.temperature, generator=g)["tokens"][0]
         return [vocab[t] for t in out if t not in banned]

@@ -418,6 +418,9 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
             model.push(state, tok, choice + 1)  # gap g lies between canvas indices g and g+1
             canvas.insert(choice + 1, tok)
             is_given.insert(choice + 1, False)
+        if trace is not None and not terminated and len(canvas) > len(given):  # cut at max_len
+            p_end = model.next_slot_log_probs(state, slot_start)[-1].exp()
+            trace.append((list(canvas), float(p_end)))
     return dict(tokens=canvas, given=is_given, inserted=len(canvas) - len(given),
                 terminated=terminated)
 

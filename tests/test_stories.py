@@ -6,6 +6,7 @@ import random
 import pytest
 
 import evaluate
+import sample
 import train
 from data.stories import (BOS, EOS, SEP, UNK, build_vocab, encode_story, keyword_positions, parse_story,
                           synthetic)
@@ -116,6 +117,23 @@ def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys):
     # resume continues where it stopped
     assert train.main(args + ["--max_iters", "10", "--resume"]) == 0
     assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["step"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "insertion_transformer"])
+def test_story_generation_stays_within_the_window(model, tmp_path, capsys):
+    """A model with a window (the L2R GPT, IT-vanilla's positions) that holds every story: its
+    generated stories stop at the window (they were cut at twice the reference + 10 tokens, past
+    it: an error); sample.py says which --L fits."""
+    out, res = tmp_path / "run", tmp_path / "res.json"
+    assert train.main(TINY + ["--model", model, "--dataset", "rocstories", "--block_size", "120",
+                              "--max_iters", "2", "--out_dir", str(out)]) == 0
+    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--split", "test", "--limit", "8",
+                          "--no_ppl", "--decoder", "greedy", "--out", str(res)]) == 0
+    assert 0 < json.load(open(res))["generation"]["mean_length"] <= 120
+    assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), "--title", "a day",
+                                 "--L", "200"]) == 2
+    assert "use a smaller --L" in capsys.readouterr().err
 
 
 @pytest.mark.slow
