@@ -173,10 +173,14 @@ def sample_story(args, task, model, device):
         raise UserError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
                        allowed=STORY_DECODERS)
-    vocab = task.data.vocab
+    vocab, l2r = task.data.vocab, task.kind not in INSERTION_MODELS
+    if l2r and bool(args.keywords) != (task.variant == "storyline"):  # its training prefix
+        raise UserError("this L2R checkpoint continues a title and its storyline: give --keywords"
+                        if not args.keywords else "this L2R checkpoint continues a title alone "
+                        "(--task story): drop --keywords")
     title, kws = story_ids(vocab, args)
-    prefix = [BOS, *title, SEP] + ([*kws, SEP] if task.kind not in INSERTION_MODELS and kws else [])
-    if task.kind not in INSERTION_MODELS:
+    prefix = [BOS, *title, SEP] + ([*kws, SEP] if l2r and kws else [])
+    if l2r:
         out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
                      temperature=args.temperature,
                      generator=sampling_generator(device, choose_seed(args)))

@@ -76,6 +76,8 @@ def test_sample_a_left_to_right_story(ckpts, capsys):
     assert len(out) == 1 and out[0].startswith("the big game >>> ")
     assert out[0].endswith("[eos]") or out[0].endswith("[length cap 6]")
     assert len(out[0].split(">>> ")[1].split()) <= 6 + 3  # at most L words, then "[length cap 6]"
+    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["l2r_story"], "--title", "a game"], capsys)
+    assert_one_line_error(rc, err, "give --keywords")  # it was trained on title + storyline
 
 
 def test_a_sample_without_seed_says_the_seed_that_repeats_it(ckpts, capsys):
