@@ -45,7 +45,7 @@ def build_parser():
     p.add_argument("--max_tokens", type=cli.in_range(int, "--max_tokens", ">=1"), default=None,
                    help="padded tokens per batch (GPT)")
     p.add_argument("--limit", type=cli.in_range(int, "--limit", ">=1"), default=None,
-                   help="evaluate only the first N sequences")
+                   help="evaluate only the first N sequences (stream: N tokens of each column)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no_ppl", action="store_true", help="skip the perplexity pass")
     d = p.add_argument_group("non-termination study (decode.py)")

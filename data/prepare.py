@@ -705,12 +705,18 @@ def print_counts(folder, file=sys.stderr):
 
 def main(argv=None):
     p = CLIParser(description="Download / verify / tokenize a dataset for nanogen.")
-    p.add_argument("--dataset", required=True, choices=sorted(DATASETS))
+    p.add_argument("--dataset", required=True, choices=sorted(DATASETS) + ["rocstories"])
     p.add_argument("--vocab", default="word", choices=VOCABS,
                    help="wikitext2 / ptb: word (default) or char level; text: also bpe")
     p.add_argument("--data_dir", default=None, help="folder holding the archives/files (default: "
                    "$NANOGEN_DATA, else download into $NANOGEN_CACHE)")
     args = p.parse_args(argv)
+    if args.dataset == "rocstories":  # read, not tokenized ahead: its files and counts
+        from data.stories import load_rocstories
+        if args.vocab != "word":
+            raise DataError("--vocab: rocstories has its own word vocabulary")
+        load_rocstories(args.data_dir)
+        return 0
     prepare(args.dataset, args.data_dir, vocab=args.vocab)
     return 0
 

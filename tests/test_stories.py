@@ -89,6 +89,15 @@ def test_rocstories_splits(rocstories):
     assert all(len(s["keywords"]) == 5 for s in rocstories["test"])
 
 
+def test_prepare_reports_rocstories(capsys):
+    """python -m data.prepare --dataset rocstories: its files found (or downloaded) and counted."""
+    from data import prepare
+    assert prepare.main(["--dataset", "rocstories"]) == 0
+    assert "9316 / 500 / 9816 stories" in capsys.readouterr().out
+    with pytest.raises(prepare.DataError, match="its own word vocabulary"):
+        prepare.main(["--dataset", "rocstories", "--vocab", "char"])
+
+
 TINY = ["--n_layer", "1", "--d_model", "32", "--n_head", "2", "--batch_size", "16", "--lr", "3e-3", "--warmup", "0",
         "--train_seqs", "128", "--eval_seqs", "16", "--max_iters", "8", "--eval_interval", "4"]
 
