@@ -276,6 +276,8 @@ APPLIES = [  # (flag, does it apply to these arguments?)
     ("min_count", lambda a: a.dataset == "rocstories"),
     ("synthetic_count", lambda a: a.dataset == "synthetic"),
     ("no_bias", lambda a: a.model == "gpt"),
+    ("probe", lambda a: a.task == "completion"),  # (contexts to continue)
+    ("probe_L", lambda a: a.task == "completion"),
 ]
 
 

@@ -12,6 +12,7 @@ import torch
 
 import cli
 import evaluate
+import recipes
 import reproduce
 import runs
 import sample
@@ -294,6 +295,10 @@ def test_flags_that_do_not_apply_are_said(tmp_path, capsys):
     assert train.main(TINY + ["--n_head", "4", "--warmup", "3", "--out_dir", str(tmp_path / "r"),
                               "--max_iters", "1", "--eval_interval", "1"]) == 0
     assert "note: --n_head, --warmup do not apply to --model lstm" in capsys.readouterr().out
+    # the probe continues completion contexts: a stream run has none
+    recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--task", "stream", "--probe", "8"])
+    assert "note: --probe does not apply to --model lstm --head softmax --task stream" in \
+        capsys.readouterr().out
 
 
 def test_batching_flags_on_a_stream_checkpoint_are_refused(tmp_path, capsys):
