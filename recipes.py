@@ -276,6 +276,8 @@ APPLIES = [  # (flag, does it apply to these arguments?)
     ("min_count", lambda a: a.dataset == "rocstories"),
     ("synthetic_count", lambda a: a.dataset == "synthetic"),
     ("no_bias", lambda a: a.model == "gpt"),
+    ("no_tie", lambda a: a.model not in INSERTION_MODELS),  # (always tied: insnet.py)
+    ("train_seqs", lambda a: a.task != "stream"),  # (a stream trains on the whole corpus)
     ("probe", lambda a: a.task == "completion"),  # (contexts to continue)
     ("probe_L", lambda a: a.task == "completion"),
 ]

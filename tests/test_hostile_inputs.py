@@ -296,9 +296,12 @@ def test_flags_that_do_not_apply_are_said(tmp_path, capsys):
                               "--max_iters", "1", "--eval_interval", "1"]) == 0
     assert "note: --n_head, --warmup do not apply to --model lstm" in capsys.readouterr().out
     # the probe continues completion contexts: a stream run has none
-    recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--task", "stream", "--probe", "8"])
-    assert "note: --probe does not apply to --model lstm --head softmax --task stream" in \
-        capsys.readouterr().out
+    recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--task", "stream", "--probe", "8",
+                        "--train_seqs", "9"])
+    assert "note: --train_seqs, --probe do not apply to --model lstm --head softmax --task " \
+        "stream" in capsys.readouterr().out
+    recipes.parse_args(["--model", "insnet", "--dataset", "rocstories", "--no_tie"])
+    assert "note: --no_tie does not apply to --model insnet" in capsys.readouterr().out
 
 
 def test_batching_flags_on_a_stream_checkpoint_are_refused(tmp_path, capsys):
