@@ -72,11 +72,14 @@ def build_parser():
     return p
 
 
+STUDY_OPTIONS = ("L", "consistent", "length_penalty", "decode_batch", "examples", "traces")
 RULES = [  # (broken(args), message): the rules between flags (each flag checks its own range)
     (lambda a: not a.compare and not a.ckpt, "the following arguments are required: --ckpt (or "
      "--compare JSON ...)"),
-    (lambda a: (a.consistent or a.length_penalty) and not a.decoder, "--consistent / "
-     "--length_penalty are options of a --decoder (top-k / nucleus; beam): give one"),
+    (lambda a: not a.decoder and any(getattr(a, k) != build_parser().get_default(k)
+                                     for k in STUDY_OPTIONS), "--L / --consistent / "
+     "--length_penalty / --decode_batch / --examples / --traces are options of a --decoder (the "
+     "decoding study): give one"),
     (lambda a: a.plot and not (a.decoder or a.tau_report or a.compare), "--plot draws the figures "
      "of --decoder, --tau_report or --compare: give one of them"),
 ]

@@ -275,6 +275,7 @@ def test_the_smaller_things(lstm_run, tmp_path, capsys):
             (evaluate.main, ["--ckpt", ckpt, "--decoder", "topk", "--k", "2", "--length_penalty", "1"],
              "--decoder topk does not use --length_penalty: drop it"),
             (evaluate.main, ["--ckpt", ckpt, "--consistent"], "are options of a --decoder"),
+            (evaluate.main, ["--ckpt", ckpt, "--L", "10", "100"], "are options of a --decoder"),
             (evaluate.main, ["--ckpt", ckpt, "--plot", str(tmp_path / "figs")], "--plot draws the figures of"),
             (train.main, TINY + ["--out_dir", str(link)], "symbolic link to a missing folder"),
             (evaluate.main, ["--ckpt", str(study)], "is not a")):
