@@ -61,6 +61,7 @@ def read_args(folder):
 
 
 def ppl(loss):
+    """exp(loss), drawn at most at e^50 (a diverged run's 1e300 would overflow the log axis)."""
     return math.exp(min(loss, 50.0))
 
 
@@ -82,7 +83,7 @@ def draw_run(folder, path=None):
         axes[0].plot(xs, [ppl(v) for v in mean], "-", color="C0", alpha=0.35, lw=1,
                      label="train, per step (mean of 10)")
     axes[0].plot(steps, [ppl(r["train_loss"]) for r in log], "o-", label="train")
-    axes[0].plot(steps, [r["val_ppl"] for r in log], "s-", label="validation")
+    axes[0].plot(steps, [ppl(r["val_loss"]) for r in log], "s-", label="validation")
     axes[0].set(yscale="log", xlabel="step", ylabel="perplexity (log axis)", title="perplexity")
     axes[0].legend(fontsize=8)
     axes[1].plot(steps, [r["lr"] for r in log], ".-", color="0.3")
@@ -150,7 +151,7 @@ def overlay(folders, path):
                        f"{probe[-1]['probe_eos_at_end']:.4f} |" if probe else "- | - |"))
         if axes is not None:
             style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
-            axes[0].plot([r["step"] for r in log], [r["val_ppl"] for r in log], label=name,
+            axes[0].plot([r["step"] for r in log], [ppl(r["val_loss"]) for r in log], label=name,
                          **style)
             if probe:
                 axes[1].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe],
