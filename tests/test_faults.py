@@ -126,6 +126,7 @@ def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path) == ["ckpt_last.pt"]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # curves.png of a diverging run draws
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, wikitext2, capsys):
     out = tmp_path / "nan"
     args = ARGS[:-6] + ["--max_iters", "30", "--eval_interval", "1", "--lr", "1e30", "--grad_clip", "0",
