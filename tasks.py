@@ -150,6 +150,7 @@ class CompletionTask(LanguageModelTask):
         self.splits, self.seed, self.train_seqs, self.eval_seqs = splits, seed, train_seqs, \
             eval_seqs
         self.sizes = dict(batch_size=batch_size, max_tokens=max_tokens, max_len=max_len)
+        self.note = self.note or self.window_note()
 
     def epoch(self, e):
         return batches(self.splits["train"].lengths, shuffle=True, seed=self.seed, epoch=e,
@@ -186,12 +187,29 @@ class CompletionTask(LanguageModelTask):
                     mean_length=float(lengths.double().mean()),
                     example=(split.context(0).tolist(), res["tokens"][0], bool(done[0])))
 
+    def lengths(self, split="train", window=True):
+        """The lengths of the sequences an epoch (train) or a validation (valid) reads:
+        --train_seqs / --eval_seqs of them, less those the window of a GPT / GCNN leaves out."""
+        n = self.splits[split].lengths[:(self.train_seqs if split == "train" else
+                                         self.eval_seqs) or None]
+        m = self.sizes["max_len"]
+        return n if m is None or not window else n[n - 1 <= m]
+
+    def window_note(self):
+        """What the window leaves out of training and validation ('' when nothing)."""
+        sizes = {s: (len(self.lengths(s, window=False)), len(self.lengths(s)))
+                 for s in ("train", "valid")}
+        if all(n == kept for n, kept in sizes.values()):
+            return ""
+        return " and ".join(f"{n - kept:,} of {n:,} {s}" for s, (n, kept) in sizes.items()) + \
+            f" sequences are longer than the {self.sizes['max_len']}-token window (--block_size) " \
+            f"and left out"
+
     def tokens_per_epoch(self):
-        return int(np.sum(self.splits["train"].lengths[:self.train_seqs or None] - 1))
+        return int(np.sum(self.lengths() - 1))
 
     def mean_length(self):
-        return self.tokens_per_epoch() / max(1, len(self.splits["train"].lengths[
-            :self.train_seqs or None]))
+        return self.tokens_per_epoch() / max(1, len(self.lengths()))
 
     def check_fits(self, args):
         """Something to train and validate on (a split of your own text may keep no sequence;
@@ -216,7 +234,9 @@ class CompletionTask(LanguageModelTask):
                             f"longer than its context window): nothing to evaluate")
         return (f"{'split':6s} {'sequences':>9s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s} "
                 f"{'p(eos@end)':>10s}\n{split:6s} {res['sequences']:9d} {res['tokens']:9d} "
-                f"{res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}")
+                f"{res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}"
+                + (f"\n({res['skipped']:,} longer sequences do not fit the model's "
+                   f"{self.sizes['max_len']}-token window: left out)" if res["skipped"] else ""))
 
     @torch.no_grad()
     def evaluate(self, lm, device, split="valid", limit=None, rank=0, world=1, autocast=None):

@@ -405,3 +405,14 @@ def test_the_mean_training_length_is_of_the_sequences_trained_on(wikitext2):
     _, splits = wikitext2
     task = tasks.CompletionTask(splits, batch_size=4, train_seqs=10)
     assert task.mean_length() == pytest.approx(float((splits["train"].lengths[:10] - 1).mean()))
+    assert task.note == ""
+    windowed = tasks.CompletionTask(splits, batch_size=4, max_len=40)  # a GPT's window
+    inputs = splits["train"].lengths - 1
+    fits = inputs[inputs <= 40]  # an epoch trains on these alone (batches() leaves out the rest)
+    assert sum(len(b) for b in windowed.epoch(0)) == len(fits)
+    assert windowed.tokens_per_epoch() == fits.sum()
+    assert windowed.mean_length() == pytest.approx(float(fits.mean()))
+    assert windowed.note.startswith(f"{len(inputs) - len(fits):,} of {len(inputs):,} train and ")
+    res = dict(sequences=5, skipped=3, tokens=50, nll=1.0, ppl=2.7, eos_prob_at_end=0.5)
+    assert windowed.report(res, "valid").endswith("(3 longer sequences do not fit the model's "
+                                                  "40-token window: left out)")  # evaluate.py
