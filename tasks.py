@@ -518,8 +518,9 @@ def _story_task(a, data_dir, vocab, verbose):
 
 def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpoint", sizes=None):
     """The task of a checkpoint's run, on all of its data (no --train_seqs / --eval_seqs
-    limits), checked to be the data it was made from (for the splits to be read).  sizes:
-    evaluate.py's --batch_size / --max_tokens, replacing the run's batching."""
+    limits), checked to be the data it was made from (for the splits to be read); your own text
+    is read from the run's --data_dir unless another is given.  sizes: evaluate.py's
+    --batch_size / --max_tokens, replacing the run's batching."""
     from recipes import build_parser  # (recipes imports this module)
     a = {**vars(build_parser().parse_args([])), "model": ckpt["config"]["model"], **ckpt["args"],
          "train_seqs": 0, "eval_seqs": 0}
@@ -530,6 +531,8 @@ def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpo
         raise UserError("--max_tokens does not apply to a story checkpoint: stories are batched "
                         "by --batch_size sequences")
     a.update({"batch_size": None, "max_tokens": None, **sizes} if sizes else {})
+    if data_dir is None and a["dataset"] == "text":  # your own text: where it was trained on
+        data_dir = a.get("data_dir")
     task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
     check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task

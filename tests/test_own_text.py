@@ -41,7 +41,10 @@ def test_own_text_trains_evaluates_and_samples_without_data(vocab, model, own_te
     assert train.main(flags) == 0
     assert "valid and test held out of train.txt" in capsys.readouterr().err
     assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--data_dir", str(own_text)]) == 0
-    assert "ppl" in capsys.readouterr().out
+    with_dir = capsys.readouterr().out
+    assert "ppl" in with_dir
+    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt")]) == 0  # the run's own --data_dir
+    assert capsys.readouterr().out == with_dir
     # sampling needs no data: no --data_dir, no NANOGEN_DATA, an empty cache
     monkeypatch.delenv("NANOGEN_DATA", raising=False)
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "empty-cache"))
