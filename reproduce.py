@@ -462,7 +462,8 @@ def fig12(cfg, args):
 
 # --------------------------------------------------------------------------------------------
 def build_parser():
-    p = cli.CLIParser(description="Reproduce a paper result in one command (see --help).")
+    p = cli.CLIParser(description="Reproduce a paper result in one command: train (or reuse the "
+                                  "runs), evaluate, write the paper's table beside nanogen's.")
     p.add_argument("what", choices=[*RESULTS, "all"])
     p.add_argument("--scale", default="cpu", choices=["tiny", "cpu", "paper"])
     p.add_argument("--out", default=None, help="results folder (default results/NAME-SCALE)")
