@@ -373,17 +373,15 @@ def generate_story(model, task, story, seq, args, g, device, max_len=None):
     vocab, banned = task.data.vocab, (PAD, BOS, EOS, SEP)
     prefix = seq["tokens"][:seq["n_given"]]
     cap = max_len or 2 * len(seq["tokens"]) + 10
-    if task.kind == "insertion_transformer":  # absolute positions: the canvas fits the window
-        cap = min(cap, model.cfg["block_size"])
     if task.kind == "gpt":
         cap = min(cap, longest_continuation(model, len(prefix)))
         out = decode(model, [torch.tensor(prefix, device=device)], cap, decoder=args.decoder,
                      k=args.k, temperature=args.temperature, generator=g)["tokens"][0]
         return [vocab[t] for t in out if t not in banned]
     kw = seq["keywords"] if task.variant == "storyline" else []  # constrained: given tokens
-    out = generate(model, [*prefix, *kw, EOS], cap, decoder=args.decoder, k=args.k,
-                   temperature=args.temperature, slot_start=len(prefix) - 1, banned=banned,
-                   generator=g)
+    out = generate(model, [*prefix, *kw, EOS], min(cap, model.max_canvas() or cap),
+                   decoder=args.decoder, k=args.k, temperature=args.temperature,
+                   slot_start=len(prefix) - 1, banned=banned, generator=g)
     kw_words = iter(story["keywords"])
     return [next(kw_words) if given else vocab[t] for t, given in
             zip(out["tokens"][len(prefix):-1], out["given"][len(prefix):-1])]

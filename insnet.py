@@ -160,6 +160,10 @@ class InsertionModel(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
+    def max_canvas(self):
+        """The most tokens a canvas may hold: None (InsNet's positions are relative offsets)."""
+        return None
+
     def _gap_parts(self):
         """u (n_parts, D): gap logit = sum_p u[p] . part_p + c  (q . (W [parts] + b))."""
         q = self.slot_query.weight[0]  # (D,)
@@ -296,6 +300,10 @@ class InsertionTransformer(InsertionModel):
         super().__init__(cfg)
         self.wpe = nn.Embedding(cfg["block_size"], cfg["d_model"])
         nn.init.normal_(self.wpe.weight, std=0.02)
+
+    def max_canvas(self):
+        """IT-vanilla's absolute positions: --block_size tokens."""
+        return self.wpe.num_embeddings
 
     def encode(self, canvas_tokens, n_canvas):
         """canvas_tokens (M, m) in canvas order, n_canvas (M,) -> (M, m, D), bidirectional."""

@@ -212,10 +212,9 @@ def insertion_trace(args, model, vocab, prefix, kws, banned, device):
     from insnet import generate
     from data.stories import EOS
     trace, given = [], len(prefix) + len(kws) + 1
-    window = model.cfg["block_size"] if model.cfg["model"] == "insertion_transformer" else None
-    if window is not None and given + args.L > window:  # IT-vanilla: absolute positions
+    if model.max_canvas() and given + args.L > model.max_canvas():  # IT-vanilla's positions
         raise UserError(f"a canvas of {given} given tokens + L={args.L} exceeds the "
-                        f"INSERTION_TRANSFORMER window of {window} tokens: use a smaller --L")
+                        f"{model.max_canvas()} positions of the model: use a smaller --L")
     out = generate(model, [*prefix, *kws, EOS], given + args.L,
                    decoder=args.decoder, k=args.k, temperature=args.temperature,
                    slot_start=len(prefix) - 1, banned=banned, trace=trace,
