@@ -143,7 +143,8 @@ def encode_prompt(tok, text, allow_unk):
 def show(model, tok, text, prompt_ids, toks, terminated, args):
     ended = "[eos]" if terminated else f"[length cap {args.L}: not terminated]"
     body = [t for t in toks if t != model.eos_id]
-    print(f"{text} >>> {tok.decode(body)} {ended}{why(model, toks, terminated, args)}")
+    shown = (text, ">>>", tok.decode(body).strip(), ended)  # (an empty continuation: no gap)
+    print(" ".join(part for part in shown if part) + why(model, toks, terminated, args))
     if args.show_eos:
         for t, (token, p_eos) in enumerate(zip(toks, eos_probs(model, prompt_ids, toks)),
                                            start=1):

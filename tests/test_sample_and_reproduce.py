@@ -56,6 +56,22 @@ def test_sample_word_level_prompt_with_p_eos(ckpts, capsys):
     assert "read as <unk>: zyzzyva" in capsys.readouterr().err
 
 
+def test_a_continuation_is_shown_with_single_spaces(capsys):
+    from types import SimpleNamespace
+
+    from data.prepare import BPE, Vocabulary
+    model, args = SimpleNamespace(eos_id=0, cfg={}), SimpleNamespace(L=5, show_eos=False,
+                                                                      decoder="greedy")
+    words = Vocabulary("word", ["<eos>", "<unk>", "a"])
+    sample.show(model, words, "a a", [2, 2], [0], True, args)  # eos at once: nothing generated
+    sample.show(model, words, "a a", [2, 2], [2, 0], True, args)
+    bpe = BPE()  # its tokens carry their leading space
+    gpt = SimpleNamespace(eos_id=bpe.eos_id, cfg={})
+    sample.show(gpt, bpe, "a", [64], bpe.enc.encode_ordinary(" the end"), False, args)
+    assert capsys.readouterr().out.splitlines() == [
+        "a a >>> [eos]", "a a >>> a [eos]", "a >>> the end [length cap 5: not terminated]"]
+
+
 def test_sample_bpe_prompt_and_the_window(ckpts, capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The history of the city\nIn 1990 , the band\n")
