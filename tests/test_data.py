@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import sample
 from data import prepare as P
 from data.loader import batches, collate, load
 
@@ -201,7 +202,6 @@ def test_collate_and_loss_mask_select_the_continuation():
 def test_a_prompt_of_ten_words_is_encoded_as_a_training_context(kind):
     """sample.py's prompt and the protocol's context of the same words are the same ids (char
     level: the words and the space after them), so t = 1 falls on the same token."""
-    import sample
     line = "the cat sat on the mat and then it ran far away"  # 12 words: 10 context + 2
     tok = P.Vocabulary.build(kind, [line])
     ids, ctx = next(tok.encode([line]))
