@@ -292,7 +292,7 @@ def plot_nmst(cfg, runs, args):
                 ys = [[max(c[str(L)], 1e-3) for c in curves] for L in Ls]
                 mean = [statistics.mean(y) for y in ys]
                 sd = [statistics.pstdev(y) for y in ys]
-                ax.plot(Ls, mean, ls, color=color, marker=marker, markersize=5 - k,
+                ax.plot(Ls, mean, ls, color=color, marker=marker, markersize=max(5 - k, 2),
                         fillstyle="none", label=h.upper())
                 ax.fill_between(Ls, [max(a - b, 1e-3) for a, b in zip(mean, sd)],
                                 [a + b for a, b in zip(mean, sd)], color=color, alpha=0.15)
