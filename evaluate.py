@@ -24,6 +24,7 @@ from checkpoint import load as load_checkpoint
 from data.loader import bptt_windows
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
                     decode_stats, eos_probs, longest_continuation, sampling_generator)
+from heads import TERMINATION_HEADS
 from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
@@ -458,7 +459,7 @@ def run_label(r, varying):
     """What tells run r apart from the others: the fields that vary among them."""
     d = r["decoding"]
     parts = {"head": r["head"].upper() if r["head"] else r["model"],
-             "epsilon": "" if r["head"] in ("softmax", None) else f"eps={r['epsilon']:g}",
+             "epsilon": f"eps={r['epsilon']:g}" if r["head"] in TERMINATION_HEADS else "",
              "model": r["model"], "decoder": decoder_name(d), "dataset": r["dataset"]}
     return " ".join(parts[k] for k in ("head", "epsilon", "model", "decoder", "dataset")
                     if k in varying and parts[k]) or parts["head"]
@@ -485,7 +486,7 @@ def print_study_table(results):
     for r in rows:
         d = r["decoding"]
         r_nt = {int(L): v for L, v in d["r_nt"].items()}
-        eps = "-" if r["head"] == "softmax" else f"{r['epsilon']:.0e}"
+        eps = f"{r['epsilon']:.0e}" if r["head"] in TERMINATION_HEADS else "-"  # (eq. 9, 10)
         print(f"{r['model']:5s} {r['head']:8s} {eps:>7s} {decoder_name(d):12s} "
               + " ".join(f"{r_nt.get(L, float('nan')):11.4f}" for L in Ls)
               + f" {d['mean_length']:9.1f} {none_nan(d['unique_non_terminated']):13.3f} "

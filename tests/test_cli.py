@@ -197,6 +197,19 @@ def test_evaluate_batching_flags_change_only_the_batching(tiny_ckpt, tmp_path):
         assert r["nll"] == pytest.approx(results[0]["nll"], rel=1e-6)
 
 
+def test_epsilon_is_shown_for_the_heads_that_read_it(capsys):
+    """eps belongs to ST / NMST (eq. 9, 10): the study table and the labels leave it out for
+    the other heads (a MoS study showed the unused default 1e-05)."""
+    study = lambda head: dict(model="lstm", head=head, epsilon=1e-5, dataset="ptb",  # noqa: E731
+                              decoding=dict(decoder="greedy", r_nt={"10": 0.5}, mean_length=2.0,
+                                            unique_non_terminated=None, n=4))
+    evaluate.print_study_table([study("mos"), study("nmst")])
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:3] for row in rows] == [["lstm", "mos", "-"], ["lstm", "nmst", "1e-05"]]
+    assert [evaluate.run_label(study(h), {"head", "epsilon"}) for h in ("mos", "nmst")] == [
+        "MOS", "NMST eps=1e-05"]
+
+
 def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
     a = tmp_path / "a.json"
     assert evaluate.main(["--ckpt", str(tiny_ckpt), "--no_ppl", "--decoder", "greedy", "--L", "5", "20",
