@@ -16,6 +16,7 @@ import os
 import sys
 
 import cli
+from heads import TERMINATION_HEADS
 from runs import read_run
 
 LABEL_FLAGS = ("model", "head", "epsilon", "dataset", "vocab", "d_model", "n_layer", "lr",
@@ -125,8 +126,9 @@ def label(args, keys, folder):
     def part(k, v):
         return v if isinstance(v, str) and k in LABEL_FLAGS else \
             f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-    return " ".join(part(k, args[k]) for k in keys if args.get(k) is not None) or \
-        os.path.basename(os.path.abspath(folder))
+    unused = () if args.get("head") in TERMINATION_HEADS else ("epsilon",)  # (eq. 9, 10 only)
+    return " ".join(part(k, args[k]) for k in keys if args.get(k) is not None and
+                    k not in unused) or os.path.basename(os.path.abspath(folder))
 
 
 def overlay(folders, path):

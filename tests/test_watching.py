@@ -113,6 +113,8 @@ def test_a_label_names_every_flag_that_differs():
         "mos loss_scaling=False lr_schedule=linear temperature=4"]
     assert curves.label(runs[0], ["seed", "lr", "d_model"], "run") == "seed=1 lr=0.003 d_model=128"
     assert curves.label({"seed": None}, ["seed"], "out/run") == "run"
+    assert [curves.label(dict(head=h, epsilon=e), ["head", "epsilon"], "run") for h, e in
+            (("softmax", 1e-5), ("nmst", 1e-3))] == ["softmax", "nmst epsilon=0.001"]
 
 
 def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
