@@ -156,11 +156,16 @@ def evaluate_completion(args, ckpt, device):
 
 
 def eos_traces(lm, split, n):
-    """p(eos | y_<t, x) at every continuation step t of the first n sequences (paper Fig. 3)."""
+    """p(eos | y_<t, x) at every continuation step t of the first n sequences (paper Fig. 3)
+    that fit the model's window (GPT, GCNN; as in perplexity, longer ones are left out)."""
     out = []
-    for i in range(min(n, len(split))):
+    for i in range(len(split)):
         c, seq = int(split.contexts[i]), split[i].tolist()
-        out.append(dict(index=i, tokens=seq[c:], p_eos=eos_probs(lm, seq[:c], seq[c:])))
+        cap = longest_continuation(lm, c)
+        if len(out) == n:
+            break
+        if cap is None or len(seq) - c <= cap:
+            out.append(dict(index=i, tokens=seq[c:], p_eos=eos_probs(lm, seq[:c], seq[c:])))
     return out
 
 

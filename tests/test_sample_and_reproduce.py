@@ -82,6 +82,11 @@ def test_sample_bpe_prompt_and_the_window(ckpts, capsys, tmp_path):
     rc, err = run_in_process(sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "The history",
                                            "--L", "100"], capsys)
     assert_one_line_error(rc, err, "context window of 64 tokens")
+    res = tmp_path / "study.json"  # p(eos) traces of the sequences that fit the window only
+    assert evaluate.main(["--ckpt", ckpts["bpe"], "--no_ppl", "--decoder", "greedy", "--L", "5",
+                          "--limit", "4", "--traces", "2", "--out", str(res)]) == 0
+    traces = json.loads(res.read_text())["eos_traces"]
+    assert len(traces) == 2 and all(10 + len(t["tokens"]) - 1 <= 64 for t in traces)
 
 
 def test_sample_a_left_to_right_story(ckpts, capsys):
