@@ -124,7 +124,7 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     if cap is not None and L > cap:
         raise UserError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the "
                         f"{lm.cfg['model'].upper()} context window of {lm.cfg['block_size']} "
-                        f"tokens: use a smaller --L")
+                        f"tokens: use a {'smaller --L' if cap >= 1 else 'shorter prompt'}")
     with eval_mode(lm):
         stepper = CachedStepper(lm)
         if decoder == "beam":
