@@ -29,9 +29,6 @@ from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
 
-L_DEFAULT = [10, 100, 1000]
-
-
 def build_parser():
     p = cli.CLIParser(description="Evaluate a nanogen checkpoint (perplexity, non-termination "
                                   "study, BLEU).")
@@ -51,7 +48,7 @@ def build_parser():
     p.add_argument("--no_ppl", action="store_true", help="skip the perplexity pass")
     d = p.add_argument_group("non-termination study (decode.py)")
     d.add_argument("--decoder", default=None, choices=DECODERS, help="decode every context")
-    d.add_argument("--L", type=cli.in_range(int, "--L", "L"), nargs="+", default=L_DEFAULT,
+    d.add_argument("--L", type=cli.in_range(int, "--L", "L"), nargs="+", default=[10, 100, 1000],
                    help="r_nt(L) thresholds; decodes run to max(L) (default 10 100 1000)")
     cli.add_decoding_flags(d)
     d.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
@@ -83,6 +80,8 @@ RULES = [  # (broken(args), message): the rules between flags (each flag checks 
      "decoding study): give one"),
     (lambda a: a.plot and not (a.decoder or a.tau_report or a.compare), "--plot draws the figures "
      "of --decoder, --tau_report or --compare: give one of them"),
+    (lambda a: a.no_ppl and not (a.decoder or a.tau_report), "--no_ppl skips the perplexity: with "
+     "no --decoder or --tau_report there is nothing left to do"),
 ]
 
 
@@ -313,11 +312,11 @@ def evaluate_stories(args, ckpt, device):
     return res
 
 
-STORY_RULES = [(lambda a, flag=flag: getattr(a, flag), f"--{flag} is for left-to-right text "
-                 f"checkpoints; a story checkpoint reports its NLL, and BLEU with --decoder")
-               for flag in ("tau_report", "plot", "consistent")] + [
-    (lambda a: a.L != L_DEFAULT, "--L is for left-to-right text checkpoints; a story is generated "
-     "up to twice its reference's length + 10 tokens (within the model's window)")]
+STORY_RULES = [(lambda a, flag=flag: getattr(a, flag) != build_parser().get_default(flag),
+                 f"--{flag} is for left-to-right text checkpoints; a story checkpoint reports its "
+                 f"NLL and, with --decoder, the BLEU of stories generated one by one up to twice "
+                 f"their reference's length + 10 tokens (within the model's window)")
+               for flag in ("tau_report", "plot", "consistent", "L", "traces", "decode_batch")]
 
 
 def bleu(hypotheses, references, max_n=4):

@@ -81,6 +81,8 @@ def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
             (evaluate.main, ["--tau_report"], "--tau_report is for left-to-right text checkpoints"),
             (evaluate.main, ["--decoder", "greedy", "--plot", "figs"], "--plot is for left-to-right text checkpoints"),
             (evaluate.main, ["--decoder", "greedy", "--L", "5"], "--L is for left-to-right text checkpoints"),
+            (evaluate.main, ["--decoder", "greedy", "--traces", "2"], "--traces is for left-to-right text"),
+            (evaluate.main, ["--no_ppl"], "nothing left to do"),
             (evaluate.main, ["--max_tokens", "100"], "stories are batched by --batch_size")):
         assert_one_line_error(*run_in_process(main, ["--ckpt", story_ckpt, *flags], capsys), msg)
     assert evaluate.main(["--ckpt", story_ckpt, "--batch_size", "3"]) == 0  # stories batch by sequences
