@@ -70,12 +70,17 @@ def build_parser():
     return p
 
 
+def given(args, flag):
+    """Set to other than its default: how the rules below tell that a flag was asked for."""
+    return getattr(args, flag) != DEFAULTS[flag]
+
+
+DEFAULTS = vars(build_parser().parse_args([]))
 STUDY_OPTIONS = ("L", "consistent", "length_penalty", "decode_batch", "examples", "traces")
 RULES = [  # (broken(args), message): the rules between flags (each flag checks its own range)
     (lambda a: not a.compare and not a.ckpt, "the following arguments are required: --ckpt (or "
      "--compare JSON ...)"),
-    (lambda a: not a.decoder and any(getattr(a, k) != build_parser().get_default(k)
-                                     for k in STUDY_OPTIONS), "--L / --consistent / "
+    (lambda a: not a.decoder and any(given(a, k) for k in STUDY_OPTIONS), "--L / --consistent / "
      "--length_penalty / --decode_batch / --examples / --traces are options of a --decoder (the "
      "decoding study): give one"),
     (lambda a: a.plot and not (a.decoder or a.tau_report or a.compare), "--plot draws the figures "
@@ -312,7 +317,7 @@ def evaluate_stories(args, ckpt, device):
     return res
 
 
-STORY_RULES = [(lambda a, flag=flag: getattr(a, flag) != build_parser().get_default(flag),
+STORY_RULES = [(lambda a, flag=flag: given(a, flag),
                  f"--{flag} is for left-to-right text checkpoints; a story checkpoint reports its "
                  f"NLL and, with --decoder, the BLEU of stories generated one by one up to twice "
                  f"their reference's length + 10 tokens (within the model's window)")
