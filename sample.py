@@ -9,8 +9,8 @@ Left-to-right checkpoints print each continuation and how it ended: [eos] when t
 eos, [length cap L] when it was cut at --L tokens (the continuation did not terminate).  With
 --show_eos every generated token is printed with p(eos) at that step, the quantity the NMST
 paper is about (VA, ST and NMST heads model it differently).  Insertion checkpoints (InsNet,
-IT-vanilla) take a title (and storyline keywords) and print the canvas after every insertion
-with p(terminate).  Word-level prompts must be in the model's vocabulary (PTB is lower-cased);
+IT-vanilla) take a title (and storyline keywords; synthetic ones nothing) and print the canvas
+after every insertion with p(terminate).  Word-level prompts must be in the model's vocabulary (PTB is lower-cased);
 --allow_unk reads unknown words as <unk>.  A char-level prompt is read as whole words and the
 space after them, as every training context ends.
 """
@@ -170,7 +170,11 @@ def sample_story(args, task, model, device):
     """A story checkpoint: L2R continues "title [storyline]"; an insertion model fills the
     canvas, printed after every insertion."""
     from data.stories import BOS, EOS, PAD, SEP
-    if not (args.title or "").strip():
+    synthetic = task.data.stories is None  # InsNet's benchmark: trained from <bos> alone
+    if synthetic and (args.title or args.keywords):
+        raise UserError("a synthetic checkpoint generates from <bos> alone: drop --title / "
+                        "--keywords")
+    if not synthetic and not (args.title or "").strip():
         raise UserError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
                        allowed=STORY_DECODERS)
@@ -180,14 +184,14 @@ def sample_story(args, task, model, device):
                         if not args.keywords else "this L2R checkpoint continues a title alone "
                         "(--task story): drop --keywords")
     title, kws = story_ids(vocab, args)
-    prefix = [BOS, *title, SEP] + ([*kws, SEP] if l2r and kws else [])
+    prefix = [BOS] if synthetic else [BOS, *title, SEP] + ([*kws, SEP] if l2r and kws else [])
     if l2r:
         out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
                      temperature=args.temperature,
                      generator=sampling_generator(device, choose_seed(args)))
         story = [vocab[t] for t in out["tokens"][0] if t not in (PAD, BOS, EOS, SEP)]
         ended = "[eos]" if bool(out["terminated"][0]) else f"[length cap {args.L}]"
-        print(f"{args.title} >>> {' '.join(story)} {ended}")
+        print(f"{args.title or ''} >>> {' '.join(story)} {ended}".strip())
         return 0
     return insertion_trace(args, model, vocab, prefix, kws, (PAD, BOS, EOS, SEP), device)
 
@@ -196,7 +200,8 @@ def story_ids(vocab, args):
     """--title and --keywords as ids of the story vocabulary (lower-cased, like the data)."""
     from data.stories import SPECIALS, UNK
     stoi = {w: i for i, w in enumerate(vocab)}
-    words = args.title.lower().split() + [k.lower() for k in args.keywords]
+    title = (args.title or "").lower().split()
+    words = title + [k.lower() for k in args.keywords]
     control = sorted({w for w in words if w in SPECIALS})
     if control:
         raise UserError(f"{', '.join(control)}: a control token, not a word: leave it out of "
@@ -205,7 +210,7 @@ def story_ids(vocab, args):
     if unknown and not args.allow_unk:
         raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
                         f"--allow_unk to read them as <unk>)")
-    return ([stoi.get(w, UNK) for w in args.title.lower().split()],
+    return ([stoi.get(w, UNK) for w in title],
             [stoi.get(w.lower(), UNK) for w in args.keywords])
 
 

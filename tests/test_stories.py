@@ -150,13 +150,20 @@ def test_story_generation_stays_within_the_window(model, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_synthetic_runs_all_three_models(tmp_path):
+def test_synthetic_runs_all_three_models(tmp_path, capsys):
     for model in ("insnet", "insertion_transformer", "gpt"):
         out = tmp_path / model
         assert train.main(["--model", model, "--dataset", "synthetic", "--synthetic_count", "2", "--n_layer", "1",
                            "--d_model", "16", "--n_head", "2", "--batch_size", "7", "--max_iters", "2",
                            "--out_dir", str(out), "--block_size", "200"]) == 0
         assert os.path.exists(out / "ckpt_last.pt")
+        # trained from <bos> alone: sample.py generates from it, and refuses a title
+        capsys.readouterr()
+        assert sample.main(["--ckpt", str(out / "ckpt_last.pt"), "--L", "3"]) == 0
+        shown = capsys.readouterr().out
+        assert ">>> w" in shown if model == "gpt" else shown.startswith("  1  p(terminate)=")
+        assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_last.pt"), "--title", "w5"]) == 2
+        assert "generates from <bos> alone" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,pattern", [
