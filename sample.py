@@ -10,9 +10,9 @@ eos, [length cap L] when it was cut at --L tokens (the continuation did not term
 --show_eos every generated token is printed with p(eos) at that step, the quantity the NMST
 paper is about (VA, ST and NMST heads model it differently).  Insertion checkpoints (InsNet,
 IT-vanilla) take a title (and storyline keywords; synthetic ones nothing) and print the canvas
-after every insertion with p(terminate).  Word-level prompts must be in the model's vocabulary (PTB is lower-cased);
---allow_unk reads unknown words as <unk>.  A char-level prompt is read as whole words and the
-space after them, as every training context ends.
+after every insertion with p(terminate).  Word-level prompts must be in the model's
+vocabulary (PTB is lower-cased); --allow_unk reads unknown words as <unk>.  A char-level prompt
+is read as whole words and the space after them, as every training context ends.
 """
 import math
 import sys
