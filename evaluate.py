@@ -137,11 +137,13 @@ def describe(ckpt, args):
 def evaluate_completion(args, ckpt, device):
     task, lm = load_for(args, ckpt, device)
     res = describe(ckpt, args)
+    split = task.decodable_split(args.split) if args.decoder else None  # refused before any pass
+    if args.tau_report:
+        check_tau(ckpt)
     if not args.no_ppl:
         res.update(task.evaluate(lm, device, split=args.split, limit=args.limit))
         print(task.report(res, args.split))
     if args.decoder:
-        split = task.decodable_split(args.split)
         study = decoding_study(lm, split, args, task.tokenizer().decode, device)
         study.update(decoder=args.decoder, k=args.k, p=args.p, beam_size=args.beam_size,
                      temperature=args.temperature, consistent=args.consistent,
@@ -209,12 +211,15 @@ def study_examples(split, result, k, detok):
     return examples
 
 
-def tau_job(args, ckpt, task, lm, device):
+def check_tau(ckpt):
     if ckpt["config"].get("head") not in ("ct", "ctmos"):
         raise UserError(f"--tau_report needs a contextual-temperature head (ct / ctmos), not "
                         f"{ckpt['config'].get('head')}")
     if ckpt["config"]["model"] not in ("rnn", "lstm"):
         raise UserError("--tau_report reads the text as a stream: use an rnn / lstm checkpoint")
+
+
+def tau_job(args, ckpt, task, lm, device):
     data = task.columns(args.split)
     from recipes import build_parser
     bptt = ckpt["args"].get("bptt") or build_parser().get_default("bptt")

@@ -9,6 +9,7 @@ import torch
 
 import evaluate
 import train
+from cli import run_cli
 from data.loader import batchify, bptt_windows
 from heads import Head, contextual_temperature, ct_log_probs, loss_scale, mos_log_probs, softmax_log_probs
 from model import LanguageModel
@@ -110,7 +111,7 @@ def test_hidden_state_detached_between_windows():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["mos", "ct", "ctmos"])
-def test_stream_training_on_real_ptb(head, tmp_path):
+def test_stream_training_on_real_ptb(head, tmp_path, capsys):
     out = tmp_path / head
     args = ["--model", "lstm", "--head", head, "--task", "stream", "--dataset", "ptb", "--d_model", "32",
             "--batch_size", "8", "--bptt", "20", "--max_iters", "30", "--eval_interval", "15", "--eval_seqs", "300",
@@ -125,6 +126,13 @@ def test_stream_training_on_real_ptb(head, tmp_path):
     r = json.loads(res.read_text())
     assert r["task"] == "stream" and r["tokens"] == 73_760 // 10 * 10 - 10  # the batchified valid targets
     assert os.path.exists(out / "ckpt_last.pt")
+    capsys.readouterr()
+    for flags, msg in ((["--decoder", "greedy"], "contexts of sequence-completion data"),
+                       (["--tau_report"], "needs a contextual-temperature head")):
+        if head == "mos" or "--decoder" in flags:
+            assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_best.pt"), *flags]) == 2
+            std = capsys.readouterr()
+            assert std.out == "" and msg in std.err  # refused before the perplexity pass
     if head != "mos":
         rep_path = tmp_path / "tau.json"
         assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--out",
@@ -144,7 +152,7 @@ def test_stream_training_on_real_ptb(head, tmp_path):
 ])
 def test_bad_flag_combinations(args, msg, tmp_path, capsys):
     import train
-    from tests.test_cli import assert_one_line_error, run_in_process
+    from conftest import assert_one_line_error, run_in_process
     rc, err = run_in_process(train.main, [*args, "--dataset", "ptb", "--out_dir", str(tmp_path / "o"), "--max_iters",
                                           "1"], capsys)
     assert_one_line_error(rc, err, msg)
