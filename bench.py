@@ -627,8 +627,29 @@ def build_parser():
     return p
 
 
+GPT_SHAPE = "gpt_layers gpt_dim gpt_heads"
+READS = dict(  # the flags each benchmark reads: another one given is refused, not ignored
+    train=f"device iters rounds models batch seq {GPT_SHAPE}",
+    train_hf=f"device iters rounds parts batch seq {GPT_SHAPE}",
+    decode=f"device iters prompts new_tokens {GPT_SHAPE}",
+    fast=f"iters rounds batch seq prompts new_tokens {GPT_SHAPE}",  # the CPU's fast paths
+    checkpoint="mb", insnet=f"device iters batch seqs it_batch lengths plot {GPT_SHAPE}",
+    arch="limit data_dir budget eval_every plot",  # trains on the CPU
+    gpu="device iters rounds parts batch seq new_tokens")  # GPT-2 124M, 32 prompts
+
+
+def check_reads(args):
+    defaults = vars(build_parser().parse_args([args.what]))
+    unread = [k for k, v in vars(args).items() if k != "what" and v != defaults[k]
+              and k not in READS[args.what].split()]
+    if unread:
+        raise cli.UserError(f"bench.py {args.what} does not read --{unread[0]} (it reads "
+                        f"{', '.join('--' + k for k in READS[args.what].split())})")
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    check_reads(args)
     cli.check_output(args.plot, "--plot")
     if cli.resolve_device(args.device) == "cpu" and fast.KEEP_FREED_MEMORY:
         fast.tune_cpu_allocator()  # as train.py and evaluate.py do, for every model compared

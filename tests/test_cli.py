@@ -244,6 +244,9 @@ def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):
     (["checkpoint", "--mb", "nan"], "--mb must be a positive number"),
     (["train", "--rounds", "two"], "--rounds takes an integer, got 'two'"),
     (["train", "--models", "gru"], "invalid choice: 'gru'"),
+    (["fast", "--device", "cuda"], "bench.py fast does not read --device"),  # CPU fast paths
+    (["gpu", "--gpt_layers", "2"], "bench.py gpu does not read --gpt_layers"),  # GPT-2 124M
+    (["train", "--plot", "x.png"], "bench.py train does not read --plot"),
 ])
 def test_bench_flag_ranges(args, pattern, capsys):
     import bench
