@@ -24,6 +24,7 @@ import time
 import cli
 from cli import UserError
 from heads import HEADS as HEADS_AVAILABLE
+from heads import TERMINATION_HEADS
 
 RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
 
@@ -187,21 +188,20 @@ def r_nt(results, dec, L):
 
 
 def report_table1(cfg, runs, args):
-    """Perplexity by model and head (the paper's layout: a column per model and terminating
-    head, VA in its own row), any heads given, the paper's value beside nanogen's."""
-    heads = [h for h in args.heads if h != "softmax"]
+    """Perplexity by head (a row; the paper's "+" names, VA for softmax) and model (a column),
+    the paper's value beside nanogen's; eps only for the heads that read it."""
+    models = list(cfg["models"])
     lines = [f"NMST Table 1 (scale {args.scale}): validation perplexity, mean ± std over "
-             f"{cfg['seeds']} seed(s); {cfg['dataset']}, eps = {cfg['eps']:g}.  In () the paper's "
-             f"(WikiText-2, eps = 1e-5, 10 runs, converged 2x256 RNN / 2x512 LSTM).", "",
-             "| eps | " + " | ".join(f"{m.upper()} {h.upper()}+" for m in cfg["models"]
-                                     for h in heads) + " |",
-             "|---" * (1 + len(heads) * len(cfg["models"])) + "|"]
-    cell = lambda m, h: f"{mean_std([r['ppl'] for r in runs[m, h]])} " \
-        f"({PAPER_TABLE1.get((m, h), '-')})"  # noqa: E731
-    lines.append(f"| {cfg['eps']:g} | " + " | ".join(cell(m, h) for m in cfg["models"]
-                                                     for h in heads) + " |")
-    if "softmax" in args.heads:
-        lines.append("| VA+ | " + " | ".join(cell(m, "softmax") for m in cfg["models"]) + " |")
+             f"{cfg['seeds']} seed(s); {cfg['dataset']}.  In () the paper's (WikiText-2, "
+             f"eps = 1e-5, 10 runs, converged 2x256 RNN / 2x512 LSTM).", "",
+             "| head | eps | " + " | ".join(m.upper() for m in models) + " |",
+             "|---|---|" + "---|" * len(models)]
+    for h in args.heads:
+        eps = f"{cfg['eps']:g}" if h in TERMINATION_HEADS else "-"
+        cells = [f"{mean_std([r['ppl'] for r in runs[m, h]])} ({PAPER_TABLE1.get((m, h), '-')})"
+                 for m in models]
+        name = "VA" if h == "softmax" else h.upper()
+        lines.append(f"| {name}+ | {eps} | " + " | ".join(cells) + " |")
     return lines + rnt_rows(cfg, runs, args)
 
 

@@ -223,3 +223,22 @@ def test_compare_tells_every_study_apart(tmp_path, ckpts, monkeypatch):
     assert legend(*paths) == ["sample/T0.5", "sample"]
     assert legend(*paths, str(tmp_path / "again.json")) == [
         "sample/T0.5 (t05.json)", "sample (t1.json)", "sample (again.json)"]
+
+
+def test_table1_puts_every_value_under_its_model():
+    """A row per head and a column per model: VA's LSTM perplexity sits under LSTM (it once
+    fell under RNN NMST+), and eps is shown only for the heads that read it."""
+    import argparse
+    cfg = dict(models={"rnn": [], "lstm": []}, seeds=1, dataset="ptb", eps=1e-3)
+    runs = {(m, h): [dict(ppl=float(100 * i + j))] for i, m in enumerate(cfg["models"], 1)
+            for j, h in enumerate(("softmax", "nmst", "mos"))}
+    args = argparse.Namespace(scale="tiny", heads=["softmax", "nmst", "mos"])
+    rows = reproduce.report_table1(dict(cfg, decoders=[], L=10, contexts=4), runs, args)
+    rows = rows[:rows.index("", 2)]  # Table 1 itself (the r_nt table follows)
+    table = [[c.strip() for c in ln.strip("|").split("|")] for ln in rows if ln.startswith("| ")]
+    assert table[0] == ["head", "eps", "RNN", "LSTM"]
+    cols = {row[0]: dict(zip(table[0], row)) for row in table[1:]}
+    assert all(len(row) == 4 for row in table)
+    assert cols["VA+"]["LSTM"].startswith("200.0") and cols["VA+"]["eps"] == "-"
+    assert cols["NMST+"]["RNN"].startswith("101.0") and cols["NMST+"]["eps"] == "0.001"
+    assert cols["MOS+"]["LSTM"] == "202.0 (-)" and cols["MOS+"]["eps"] == "-"
