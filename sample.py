@@ -106,7 +106,7 @@ def read_prompts(args):
     prompts = list(args.prompt)
     if args.prompt_file:
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
+            with open(args.prompt_file, encoding="utf-8-sig") as f:  # a BOM is not text
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--prompt_file {args.prompt_file}: {e}") from None

@@ -276,7 +276,7 @@ def open_split(source, dataset, split):
                                      None in paths.values()):  # slices of train.txt
         return io.StringIO("".join(held_out(paths, split)))
     if source["kind"] in ("files", "text"):
-        return open(source["paths"][split], encoding="utf-8")
+        return open(source["paths"][split], encoding="utf-8-sig")  # a BOM is not text
     if source["kind"] == "dir":
         name = os.path.basename(spec["members"][split])
         return open(os.path.join(source["path"], name), encoding="utf-8")
@@ -288,7 +288,7 @@ def held_out(paths, split):
     """Your own text without valid.txt / test.txt: train.txt's last 1/HELD_OUT lines are the
     test split, the 1/HELD_OUT before them the valid split (each only when its file is
     missing), the rest the train split.  -> the split's lines."""
-    with open(paths["train"], encoding="utf-8") as f:
+    with open(paths["train"], encoding="utf-8-sig") as f:
         lines = f.readlines()
     k, end, parts = max(1, len(lines) // HELD_OUT), len(lines), {}
     for s in ("test", "valid"):

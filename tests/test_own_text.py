@@ -114,3 +114,19 @@ def test_sample_and_evaluate_agree_on_the_context_window(tmp_path, capsys):
         else:
             assert_one_line_error(rc, err, "context window")
             assert_one_line_error(rc2, err2, "context window")
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path, monkeypatch):
+    """A file saved with a UTF-8 BOM (Windows editors): its first word is the word, not
+    '\\ufeff' + the word, in the vocabulary and in a --prompt_file."""
+    import argparse
+    from data.prepare import load_meta, tokenizer_of
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    line = "the cat sat on the mat and then the dog ran far away from it\n"
+    (tmp_path / "train.txt").write_text("\ufeff" + line * 30, encoding="utf-8")
+    folder = prepare("text", str(tmp_path), verbose=False)
+    tok = tokenizer_of(folder, load_meta(folder))
+    assert "the" in tok.stoi and not any("\ufeff" in w for w in tok.tokens)
+    (tmp_path / "prompts.txt").write_text("\ufeffthe cat\n", encoding="utf-8")
+    args = argparse.Namespace(prompt=[], prompt_file=str(tmp_path / "prompts.txt"))
+    assert sample.read_prompts(args) == ["the cat"]
