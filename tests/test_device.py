@@ -86,13 +86,14 @@ def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
 
 
 @pytest.mark.slow
-def test_float16_trains_with_a_grad_scaler(monkeypatch, tmp_path):
+def test_float16_trains_with_a_grad_scaler(monkeypatch, tmp_path, capsys):
     """With float16 autocast (emulated here on the CPU) the loop scales the loss, unscales
     before clipping and steps through the scaler; the checkpoint keeps the scaler's state."""
     monkeypatch.setattr(cli, "autocast_dtype", lambda device, dtype: torch.float16)
     out = tmp_path / "fp16"
     assert train.main(["--model", "gpt", *TINY, "--device", "cpu", "--dropout", "0",
                        "--out_dir", str(out), "--max_iters", "6", "--eval_interval", "3"]) == 0
+    assert "device cpu, float16 autocast" in capsys.readouterr().out  # the precision is said
     from checkpoint import load
     ckpt = load(str(out / "ckpt_last.pt"))
     assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0

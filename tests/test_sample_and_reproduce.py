@@ -159,9 +159,10 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys):
 def test_a_cpu_run_says_how_long_an_epoch_takes(tmp_path, capsys):
     assert train.main(["--model", "lstm", "--dataset", "ptb", "--d_model", "16", "--batch_size",
                        "8", "--max_iters", "4", "--eval_interval", "4", "--eval_seqs", "8",
-                       "--out_dir", str(tmp_path / "r")]) == 0
+                       "--out_dir", str(tmp_path / "r"), "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "parameters" in out and "training tokens per epoch" in out
+    assert "device cpu, float32 (--dtype bfloat16 is for CUDA)" in out  # said, not ignored
     assert "tokens/s on this CPU: " in out and " per epoch; this run (4 steps, " in out
     assert train.main(["--model", "lstm", "--dataset", "ptb", "--d_model", "16", "--batch_size",
                        "8", "--max_iters", "12", "--eval_interval", "4", "--eval_seqs", "8",
