@@ -50,7 +50,8 @@ class Run:
         self.args, self.out_dir, self.dist, self.scaler = args, args.out_dir, dist, scaler
         self.master, self.epoch_tokens, self.epoch_steps = dist.rank == 0, epoch_tokens, \
             max(epoch_steps, 1)
-        self.timed = []  # (seconds, tokens) of this process's steps 2-4: the CPU estimate
+        self.timed = []  # (seconds, tokens) of the steps timed for the CPU estimate
+        self.warm = 4 if args.compile else 1  # steps left out of it (--compile: recompiles)
         self.state, self.stop_requested, self.lock = TrainState(lr=args.lr), None, None
         self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
         self.step_tokens = 0  # tokens of the step under way
@@ -134,20 +135,21 @@ class Run:
     def after_step(self, loss, bad, seconds):
         """Keep the step's loss on the device; every --log_interval steps (and before any
         evaluation, checkpoint or stop) `flush` reads them all at once into steps.jsonl.  On a
-        CPU, after steps 2-4 (the first warms up: allocator, compile), the time an epoch and
-        the whole run will take."""
+        CPU, after steps 2-4 (the first warms up: allocator, compile; with --compile steps
+        5-7, after the recompiles of new shapes), the time an epoch and the run will take."""
         st = self.state
         self.pending.append((st.step, st.lr, loss.detach(), bad))
         if st.step % self.args.log_interval == 0:
             self.flush()
-        if self.first_step + 2 <= st.step <= self.first_step + 4:
+        if self.first_step + self.warm < st.step <= self.first_step + self.warm + 3:
             self.timed.append((seconds, self.step_tokens))
         self.step_tokens = 0
-        if st.step == self.first_step + 4 and self.master and self.dist.device == "cpu":
+        if st.step == self.first_step + self.warm + 3 and self.master and \
+                self.dist.device == "cpu":
             self.estimate()
 
     def estimate(self):
-        """The speed of steps 2-4 (no evaluation counted), an epoch's time and the whole run's
+        """The speed of steps 2-4 or 5-7 (no evaluation counted), an epoch's time and the run's
         (--max_iters, else --max_epochs) at that speed."""
         seconds = max(sum(s for s, _ in self.timed), 1e-9)
         rate = sum(n for _, n in self.timed) * self.dist.world / seconds

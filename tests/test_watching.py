@@ -143,3 +143,19 @@ def test_no_display_and_no_font_cache_still_train(tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert (tmp_path / "run" / "curves.png").exists()
+
+
+def test_the_cpu_estimate_times_steps_after_the_warm_up(capsys):
+    """Steps 2-4 (the first warms up); with --compile steps 5-7, after the recompiles of new
+    shapes (one at step 2 made the estimate ten times too slow)."""
+    import torch
+    from runs import Run
+    for compiled, timed in ((False, [2, 3, 4]), (True, [5, 6, 7])):
+        args = types.SimpleNamespace(out_dir="unused", lr=1e-3, compile=compiled, log_interval=99,
+                                     max_iters=10, max_epochs=1)
+        run = Run(args, cli.Dist(), scaler=None, epoch_tokens=1000, epoch_steps=10)
+        for step in range(1, 9):
+            run.state.step, run.step_tokens = step, 100
+            run.after_step(torch.zeros(()), torch.tensor(False), seconds=float(step))
+        assert run.timed == [(float(s), 100) for s in timed]
+        assert capsys.readouterr().out.count("tokens/s on this CPU") == 1
