@@ -143,6 +143,11 @@ def test_story_generation_stays_within_the_window(model, tmp_path, capsys):
     assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), "--title", "a day",
                                  "--L", "200"]) == 2
     assert "use a smaller --L" in capsys.readouterr().err
+    keywords = [] if model == "gpt" else [(["--title", "a day", "--keywords", "<sep>"], "control token")]
+    for flags, msg in [(["--title", "   "], "take --title"), (["--title", "a <eos>"], "control token"),
+                       *keywords]:
+        assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), *flags]) == 2
+        assert msg in capsys.readouterr().err
     if model == "gpt":  # trained on titles alone (--task story): no storyline to condition on
         assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), "--title", "a day",
                                      "--keywords", "team"]) == 2
