@@ -141,7 +141,8 @@ def evaluate_completion(args, ckpt, device):
     if args.tau_report:
         check_tau(ckpt)
     if not args.no_ppl:
-        res.update(task.evaluate(lm, device, split=args.split, limit=args.limit))
+        res.update(task.evaluate(lm, device, split=args.split, limit=args.limit,
+                                 desc=f"perplexity ({args.split})"))
         print(task.report(res, args.split))
     if args.decoder:
         study = decoding_study(lm, split, args, task.tokenizer().decode, device)
@@ -302,7 +303,7 @@ def evaluate_stories(args, ckpt, device):
     name = res["model"] + ("-l2r" if task.order == "l2r" else "")
     if not args.no_ppl:
         res.update(task.evaluate(model, device, split=args.split, limit=args.limit,
-                                 seed=args.seed))
+                                 seed=args.seed, desc=f"NLL ({args.split})"))
         bound = f"; -log p(story) <= {res['nll_bound_per_story']:.2f} (mean over orders - log " \
                 f"n!)" if task.order == "random" and res["model"] != "gpt" else ""
         print(f"{res['dataset']} {args.split} {name}: {res['stories']} stories, NLL "

@@ -239,7 +239,8 @@ class CompletionTask(LanguageModelTask):
                    f"{self.sizes['max_len']}-token window: left out)" if res["skipped"] else ""))
 
     @torch.no_grad()
-    def evaluate(self, lm, device, split="valid", limit=None, rank=0, world=1, autocast=None):
+    def evaluate(self, lm, device, split="valid", limit=None, rank=0, world=1, autocast=None,
+                 desc=None):
         """Perplexity exactly as the NMST paper uses it: exp of the mean NLL over the
         continuation tokens (eos included) given the context; also the mean p(eos) at the true
         end.  Under torchrun each process scores every world-th batch and the sums are
@@ -248,7 +249,8 @@ class CompletionTask(LanguageModelTask):
         limit = limit if limit is not None else (self.eval_seqs or None)
         sums = torch.zeros(4, dtype=torch.float64)  # nll, tokens, p(eos) at the end, sequences
         with eval_mode(lm):
-            for index in batches(data.lengths, limit=limit, **self.eval_sizes())[rank::world]:
+            for index in bar(batches(data.lengths, limit=limit, **self.eval_sizes())[rank::world],
+                             desc):
                 b = collate(data, index, device)
                 with autocast or contextlib.nullcontext():
                     log_p = self.loss_terms(lm, b)
@@ -306,10 +308,11 @@ class StreamTask(LanguageModelTask):
         self.hidden = detach(hidden)  # truncated BPTT: no gradient into the past
         return log_p.float(), torch.ones_like(batch["y"], dtype=torch.bool), batch["y"].numel()
 
-    def evaluate(self, lm, device, split="valid", limit=None, **_):
+    def evaluate(self, lm, device, split="valid", limit=None, desc=None, **_):
         """Continuous-LM perplexity of a split; limit: the first N tokens of each column."""
         data = long_enough(self.valid, split) if split == "valid" else self.columns(split)
-        return stream_perplexity(lm, data[:, :limit + 1] if limit else data, self.bptt, device)
+        return stream_perplexity(lm, data[:, :limit + 1] if limit else data, self.bptt, device,
+                                 desc)
 
     def report(self, res, split):
         return (f"{split}: stream perplexity {res['ppl']:.2f} (nll {res['nll']:.4f} over "
@@ -343,12 +346,18 @@ def long_enough(data, split):
 
 
 @torch.no_grad()
-def stream_perplexity(lm, data, bptt, device="cpu"):
+def bar(items, desc):
+    """items, with a tqdm bar on a terminal when desc is given (evaluate.py's long passes)."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, disable=None if desc else True, leave=False)
+
+
+def stream_perplexity(lm, data, bptt, device="cpu", desc=None):
     """Continuous-LM perplexity (CT paper): exp of the mean NLL over every target token of a
     batchified stream (bsz, N), hidden state carried across BPTT windows."""
     nll, n, state = 0.0, 0, None
     with eval_mode(lm):
-        for i, L in bptt_windows(data.size(1), bptt):
+        for i, L in bar(bptt_windows(data.size(1), bptt), desc):
             x, y = data[:, i:i + L].to(device), data[:, i + 1:i + 1 + L].to(device)
             log_p, state = lm.stream_log_probs(x, y, state)
             nll -= log_p.double().sum().item()
@@ -447,7 +456,7 @@ class StoryTask(Task):
                             f"{args.block_size}")
 
     @torch.no_grad()
-    def evaluate(self, model, device, split="valid", limit=None, seed=None, **_):
+    def evaluate(self, model, device, split="valid", limit=None, seed=None, desc=None, **_):
         """-> dict(nll (per event), nll_per_story, ppl (= exp nll), stories, events,
         nll_bound_per_story).  The orders come from one generator seeded with `seed` (the run's
         seed): the same for every call.  With random orders, nll_per_story estimates
@@ -460,7 +469,7 @@ class StoryTask(Task):
         nll, events, log_orders = 0.0, 0, 0.0
         random_orders = self.order == "random" and self.kind in INSERTION_MODELS
         with eval_mode(model):
-            for index in batches([len(s["tokens"]) for s in seqs], batch_size=self.batch_size):
+            for index in bar(batches([len(s["tokens"]) for s in seqs], self.batch_size), desc):
                 b_nll, b_events = story_nll(model, story_batch([seqs[i] for i in index], self.kind,
                                                                self.order, g, device))
                 nll += b_nll.sum().item()

@@ -24,7 +24,10 @@ def log(folder):
     return [json.loads(line) for line in open(folder / "log.jsonl")]
 
 
-def test_the_probe_is_evaluate_greedy(tmp_path):
+def test_the_probe_is_evaluate_greedy(tmp_path, monkeypatch):
+    import tasks
+    bars = []  # evaluate.py's perplexity pass has a progress bar, train.py's evaluations none
+    monkeypatch.setattr(tasks, "bar", lambda items, desc: bars.append(desc) or items)
     out = tmp_path / "run"
     assert train.main(TINY + ["--head", "softmax", "--max_iters", "4", "--eval_interval", "2", "--out_dir",
                               str(out)]) == 0
@@ -36,6 +39,7 @@ def test_the_probe_is_evaluate_greedy(tmp_path):
     assert last["probe_r_nt"] == d["decoding"]["r_nt"]["30"]
     assert last["probe_mean_length"] == pytest.approx(d["decoding"]["mean_length"])
     assert last["probe_eos_at_end"] == pytest.approx(d["eos_prob_at_end"], rel=1e-6)
+    assert set(bars) == {None, "perplexity (valid)"} and bars[-1] == "perplexity (valid)"
 
 
 def test_curves_are_redrawn_at_every_evaluation(tmp_path, monkeypatch, capsys):
