@@ -206,8 +206,9 @@ RULES = [
     (lambda a: a.dataset in STORY and a.max_tokens is not None,
      "story runs batch by --batch_size sequences, not --max_tokens"),
     (lambda a: a.init_from != "scratch" and DATASETS.get(a.dataset, {}).get("tokenizer") != "gpt2"
-     and a.dataset not in STORY, "--init_from {init_from} needs the GPT-2 BPE vocabulary: use "
-     "--dataset wikitext103"),
+     and a.dataset not in STORY and (a.dataset, a.vocab) != ("text", "bpe"), "--init_from "
+     "{init_from} needs the GPT-2 BPE vocabulary: use --dataset wikitext103, or your own text "
+     "with --vocab bpe"),
     (lambda a: a.init_from != "scratch" and a.model != "gpt",
      "--init_from {init_from} loads GPT-2 weights: use it with --model gpt"),
     (lambda a: a.weights and a.init_from == "scratch",

@@ -80,16 +80,24 @@ def test_train_init_from_hf_checkpoint(tmp_path):
         torch.save(hf.state_dict(), folder / "pytorch_model.bin")
         _, splits = load("wikitext103", verbose=False)
         out = tmp_path / "run"
-        args = ["--init_from", "tiny-test", "--weights", str(folder), "--head", "nmst", "--dataset", "wikitext103",
-                "--max_iters", "2", "--eval_interval", "1", "--eval_seqs", "8", "--train_seqs", "30", "--lr", "1e-12",
-                "--out_dir", str(out), "--dropout", "0"]
-        assert train.main(args) == 0
+        base = ["--init_from", "tiny-test", "--weights", str(folder), "--head", "nmst", "--max_iters", "2",
+                "--eval_interval", "1", "--eval_seqs", "8", "--train_seqs", "30", "--lr", "1e-12", "--dropout", "0"]
+        assert train.main(base + ["--dataset", "wikitext103", "--out_dir", str(out)]) == 0
         ckpt = load_checkpoint(str(out / "ckpt_best.pt"))
         ref = hf.state_dict()["transformer.h.0.attn.c_attn.weight"].t()
         assert (ckpt["model"]["backbone.h.0.attn.c_attn.weight"] - ref).abs().max() < 1e-6
         log = [json.loads(x) for x in open(out / "log.jsonl")]
         assert abs(log[0]["val_loss"] - log[1]["val_loss"]) < 1e-5  # lr ~ 0: the loaded weights stay put
         assert os.path.exists(out / "ckpt_best.pt")
+        # your own text in GPT-2's BPE finetunes the same weights
+        text = tmp_path / "mytext"
+        text.mkdir()
+        (text / "train.txt").write_text("the company said it would sell its stake in the unit to a group "
+                                        "of investors for cash\n" * 60)
+        assert train.main(base + ["--dataset", "text", "--data_dir", str(text), "--vocab", "bpe", "--out_dir",
+                                  str(tmp_path / "own")]) == 0
+        ckpt = load_checkpoint(str(tmp_path / "own" / "ckpt_best.pt"))
+        assert (ckpt["model"]["backbone.h.0.attn.c_attn.weight"] - ref).abs().max() < 1e-6
     finally:
         GPT2_SIZES.pop("tiny-test")
 
