@@ -138,8 +138,9 @@ FLAGS = {  # group: [(flag, argparse keywords)]; None defaults come from RECIPES
         ("--loss_scaling", dict(action="store_true", help="ct / ctmos: CT eq. 8's LS")),
         ("--ar", dict(range=">=0", type=float, default=0.0, help="activation regularisation")),
         ("--tar", dict(range=">=0", type=float, default=0.0, help="temporal AR (rnn/lstm)")),
-        ("--grad_accum", dict(range=">=1", type=int, default=1,
-                              help="batches per optimizer step, over all processes")),
+        ("--grad_accum", dict(range=">=1", type=int, default=None,
+                              help="batches per optimizer step, over all processes (default: one "
+                                   "per process)")),
         ("--max_epochs", dict(range=">=1", type=int, default=70)),
         ("--max_iters", dict(range=">=0", type=int, default=None, help="step limit (0: none)")),
         ("--max_minutes", dict(range=">=0", type=float, default=0.0,
@@ -307,6 +308,8 @@ def resolve(args, explicit):
     for k, v in recipe.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.grad_accum is None:  # one batch per process: torchrun sets WORLD_SIZE
+        args.grad_accum = int(os.environ.get("WORLD_SIZE", "1"))
     if args.task is None:
         args.task = "story" if args.dataset in STORY else "completion"
     cli.check_rules(RULES, args)

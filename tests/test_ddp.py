@@ -48,12 +48,14 @@ def test_two_processes_match_one(tmp_path):
 
 @pytest.mark.parametrize("model", ["insnet", "insertion_transformer"])
 def test_story_models_train_under_torchrun(model, tmp_path):
-    """The insertion models' loss goes through forward, so DDP syncs their gradients."""
+    """The insertion models' loss goes through forward, so DDP syncs their gradients; without
+    --grad_accum each process takes one batch a step (the README's torchrun command)."""
     args = ["--model", model, "--dataset", "synthetic", "--synthetic_count", "8", "--n_layer", "1",
-            "--d_model", "32", "--n_head", "2", "--block_size", "256", "--batch_size", "4", "--grad_accum",
-            "2", "--max_iters", "4", "--eval_interval", "2", "--warmup", "0"]
+            "--d_model", "32", "--n_head", "2", "--block_size", "256", "--batch_size", "4",
+            "--max_iters", "4", "--eval_interval", "2", "--warmup", "0"]
     run(TORCHRUN + ["train.py"], tmp_path / model, args)
     assert [r["step"] for r in log(tmp_path / model)] == [2, 4]
+    assert json.loads((tmp_path / model / "run.json").read_text())["args"]["grad_accum"] == 2
 
 
 def test_time_limit_is_decided_together(tmp_path):
