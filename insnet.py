@@ -391,7 +391,8 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
     tokens, so they appear in every output, in order).  Tokens are never deleted.
     slot_start: gaps left of it are closed (a conditioning prefix); banned: token ids never
     inserted (BOS / EOS / SEP / PAD); min_len: terminate only once max(...) tokens were inserted.
-    trace: a list to which (canvas, p(terminate)) is appended after every insertion (sample.py).
+    trace: a list to which (canvas, p(terminate)) is appended for the given canvas and after
+    every insertion (sample.py).
     -> dict(tokens: the final canvas (list), given: whether each canvas token was given,
             inserted: insertions made, terminated: bool)."""
     from decode import draw, filter_log_probs
@@ -411,7 +412,7 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
         state = start_canvas(model, given)
         while len(canvas) < max_len:
             slot_lp = model.next_slot_log_probs(state, slot_start)  # (gaps + 1,)
-            if trace is not None and len(canvas) > len(given):
+            if trace is not None:
                 trace.append((list(canvas), float(slot_lp[-1].exp())))
             if len(canvas) - len(given) < min_len:
                 slot_lp[-1] = float("-inf")
@@ -426,7 +427,7 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
             model.push(state, tok, choice + 1)  # gap g lies between canvas indices g and g+1
             canvas.insert(choice + 1, tok)
             is_given.insert(choice + 1, False)
-        if trace is not None and not terminated and len(canvas) > len(given):  # cut at max_len
+        if trace is not None and not terminated:  # cut at max_len: the last canvas too
             p_end = model.next_slot_log_probs(state, slot_start)[-1].exp()
             trace.append((list(canvas), float(p_end)))
     return dict(tokens=canvas, given=is_given, inserted=len(canvas) - len(given),

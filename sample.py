@@ -9,10 +9,11 @@ Left-to-right checkpoints print each continuation and how it ended: [eos] when t
 eos, [length cap L] when it was cut at --L tokens (the continuation did not terminate).  With
 --show_eos every generated token is printed with p(eos) at that step, the quantity the NMST
 paper is about (VA, ST and NMST heads model it differently).  Insertion checkpoints (InsNet,
-IT-vanilla) take a title (and storyline keywords; synthetic ones nothing) and print the canvas
-after every insertion with p(terminate).  Word-level prompts must be in the model's
-vocabulary (PTB is lower-cased); --allow_unk reads unknown words as <unk>.  A char-level prompt
-is read as whole words and the space after them, as every training context ends.
+IT-vanilla) take a title (and storyline keywords; synthetic ones nothing) and print the given
+canvas, then the canvas after every insertion, with p(terminate).  Word-level prompts must be
+in the model's vocabulary (PTB is lower-cased); --allow_unk reads unknown words as <unk>.  A
+char-level prompt is read as whole words and the space after them, as every training context
+ends.
 """
 import math
 import sys
@@ -168,7 +169,7 @@ def why(model, toks, terminated, args):
 
 def sample_story(args, task, model, device):
     """A story checkpoint: L2R continues "title [storyline]"; an insertion model fills the
-    canvas, printed after every insertion."""
+    canvas, printed as given and after every insertion."""
     from data.stories import BOS, EOS, PAD, SEP
     synthetic = task.data.stories is None  # InsNet's benchmark: trained from <bos> alone
     if synthetic and (args.title or args.keywords):
@@ -225,10 +226,10 @@ def insertion_trace(args, model, vocab, prefix, kws, banned, device):
                    decoder=args.decoder, k=args.k, temperature=args.temperature,
                    slot_start=len(prefix) - 1, banned=banned, trace=trace,
                    generator=sampling_generator(device, choose_seed(args)))
-    for step, (canvas, p_end) in enumerate(trace, start=1):
+    for step, (canvas, p_end) in enumerate(trace):  # step 0: the given canvas
         print(f"{step:3d}  p(terminate)={p_end:.3f}  {' '.join(vocab[t] for t in canvas[1:-1])}")
     ended = "terminated" if out["terminated"] else f"length cap {args.L}"
-    print(f"[{ended} after {out['inserted']} insertions]")
+    print(f"[{ended} after {out['inserted']} insertion{'' if out['inserted'] == 1 else 's'}]")
     return 0
 
 

@@ -121,8 +121,9 @@ def test_sample_insnet_shows_the_canvas_after_each_insertion(ckpts, capsys):
                         "team", "won", "--L", "6"]) == 0
     out = capsys.readouterr().out.splitlines()
     steps = [ln for ln in out if "p(terminate)=" in ln]
-    assert 1 <= len(steps) <= 6 and out[-1].startswith("[")
-    assert len(steps) == int(out[-1].split(" after ")[1].split()[0])  # every canvas, the last too
+    assert 1 <= len(steps) <= 7 and out[-1].startswith("[") and steps[0].startswith("  0  ")
+    assert len(steps) == int(out[-1].split(" after ")[1].split()[0]) + 1  # every canvas: the given
+    assert steps[0].split()[2:] == ["the", "big", "game", "<sep>", "team", "won"]  # one, the last
     assert all("team" in ln and "won" in ln for ln in steps)  # the keywords are on every canvas
     assert len(steps[-1].split()) > len(steps[0].split()) or len(steps) == 1
 

@@ -166,7 +166,7 @@ def test_synthetic_runs_all_three_models(tmp_path, capsys):
         capsys.readouterr()
         assert sample.main(["--ckpt", str(out / "ckpt_last.pt"), "--L", "3"]) == 0
         shown = capsys.readouterr().out
-        assert ">>> w" in shown if model == "gpt" else shown.startswith("  1  p(terminate)=")
+        assert ">>> w" in shown if model == "gpt" else shown.startswith("  0  p(terminate)=")
         assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_last.pt"), "--title", "w5"]) == 2
         assert "generates from <bos> alone" in capsys.readouterr().err
 
