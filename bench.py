@@ -508,8 +508,8 @@ def arch_row(model, s, lm, task, ckpt, log, args):
     steps = ckpt["train_state"]["step"]
     train_tps = float(np.median([r["tokens_per_s"] for r in log]))  # between evaluations
     return dict(model=model, shape=s, counted=lm.num_params(), steps=steps, train_tps=train_tps,
-                decode_tps=dec, ppl=res["ppl"], T=T, **arch_costs(model, s, task.vocab_size, T,
-                                                                     256))
+                decode_tps=dec, ppl=res["ppl"], T=T,
+                **arch_costs(model, s, task.vocab_size, T, 256))
 
 
 def print_arch(rows, args):
@@ -524,8 +524,8 @@ def print_arch(rows, args):
           f"{'val ppl':>8s}")
     for r in rows:
         s = r["shape"]
-        shape = f"{s['n_layer']}x{s['d_model']}" + (f" k{s['kernel_size']}" if "kernel_size" in s
-                                                     else "")
+        kernel = f" k{s['kernel_size']}" if "kernel_size" in s else ""
+        shape = f"{s['n_layer']}x{s['d_model']}{kernel}"
         print(f"{r['model']:5s} {shape:14s} {r['params_formula']:16,d} {r['counted']:9,d} "
               f"{r['flops'] / 1e6:10.2f} + {r['flops_out'] / 1e6:7.2f} {r['sequential']:>10s} "
               f"{r['path16']:>12s} {str(r['field']):>13s} {r['train_tps']:11.0f} "
@@ -644,7 +644,7 @@ def check_reads(args):
               and k not in READS[args.what].split()]
     if unread:
         raise cli.UserError(f"bench.py {args.what} does not read --{unread[0]} (it reads "
-                        f"{', '.join('--' + k for k in READS[args.what].split())})")
+                            f"{', '.join('--' + k for k in READS[args.what].split())})")
 
 
 def main(argv=None):

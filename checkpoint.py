@@ -268,4 +268,3 @@ def load_pretrained_gpt2(lm, name, weights=None):
     hf_state = read_hf_weights(weights) if weights else read_hf_weights(fetch_hf_weights(name))
     lm.load_state_dict(gpt_state_from_hf(hf_state, lm))
     return lm
-

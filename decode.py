@@ -205,7 +205,7 @@ def draw(log_q, generator=None):
     (which must live there too: make it with sampling_generator).  -> (N,) long."""
     if generator is not None and generator.device != log_q.device:
         raise ValueError(f"the sampling generator is on {generator.device} but the "
-                        f"probabilities on {log_q.device}: use decode.sampling_generator")
+                         f"probabilities on {log_q.device}: use decode.sampling_generator")
     return torch.multinomial(log_q.exp(), 1, generator=generator).squeeze(1)
 
 

@@ -187,8 +187,8 @@ def decoding_study(lm, split, args, detok, device):
         beam_size=args.beam_size, temperature=args.temperature, consistent=args.consistent,
         generator=sampling_generator(device, args.seed), length_penalty=args.length_penalty)
     stats = decode_stats(result, args.L)
-    curve_L = sorted(set(int(round(x)) for x in torch.logspace(0, math.log10(max(args.L)),
-                                                                60).tolist()))
+    grid = torch.logspace(0, math.log10(max(args.L)), 60).tolist()
+    curve_L = sorted(set(int(round(x)) for x in grid))
     stats["r_nt_curve"] = decode_stats(result, curve_L)["r_nt"]
     stats["generated_lengths"] = [n_ if done else None for n_, done in
                                   zip(result["lengths"].tolist(), result["terminated"].tolist())]

@@ -177,7 +177,6 @@ def loss_scale(vocab_size, alpha, beta):
     return (1.0 / vocab_size + alpha) / beta
 
 
-
 # ---------------------------------------------------------------------------------------------
 # the loss path: log p(target) without the (B, T, V) log-probabilities
 # ---------------------------------------------------------------------------------------------

@@ -370,5 +370,3 @@ def model_config(args, vocab_size, eos_id):
     if args.temperature != 1.0:
         cfg.update(temperature=args.temperature)
     return cfg
-
-

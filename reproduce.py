@@ -382,10 +382,9 @@ def run_ct(args):
     if args.scale == "tiny":
         return lines + ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."], \
             runs
+    verdict = "holds" if best == "CT-MoS" else "does NOT hold"
     lines += ["", f"- Lowest mean validation perplexity here: {best}.  The paper's claim (CT-MoS "
-                  f"beats every constant-temperature MoS) " + ("holds at this scale." if best ==
-                                                                "CT-MoS" else "does NOT hold at "
-                                                                "this scale.")]
+                  f"beats every constant-temperature MoS) {verdict} at this scale."]
     return lines, runs
 
 
