@@ -112,6 +112,10 @@ def _zip_comment(path):
 def load(path, map_location="cpu"):
     """Read a nanogen checkpoint (format 2, or format 1) safely and check it.  Every way it can
     be unusable is a CheckpointError that names the file and the problem."""
+    if os.path.isdir(path):  # a run folder: which of its checkpoints is the user's choice
+        found = sorted(f for f in os.listdir(path) if f.endswith(".pt")) or ["none"]
+        raise CheckpointError(f"{path} is a folder: give a checkpoint file in it (there: "
+                              f"{', '.join(found)})")
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}")
     comment = _zip_comment(path)

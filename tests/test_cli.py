@@ -118,6 +118,8 @@ def test_corrupt_and_foreign_checkpoints(tmp_path, capsys):
     assert_one_line_error(rc, err, "safe (weights_only) loading refused it")
     rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path / "missing.pt")], capsys)
     assert_one_line_error(rc, err, "no checkpoint at")
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path)], capsys)  # a run folder
+    assert_one_line_error(rc, err, "is a folder: give a checkpoint file in it (there: bad.pt, evil.pt, plain.pt)")
 
 
 def test_help_lists_the_flags():
