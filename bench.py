@@ -650,7 +650,7 @@ def check_reads(args):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     check_reads(args)
-    cli.check_output(args.plot, "--plot")
+    cli.check_output(args.plot, "--plot", png=True)
     if cli.resolve_device(args.device) == "cpu" and fast.KEEP_FREED_MEMORY:
         fast.tune_cpu_allocator()  # as train.py and evaluate.py do, for every model compared
     globals()[f"bench_{args.what}"](args)

@@ -251,12 +251,14 @@ def setup_distributed(args):
 # ---------------------------------------------------------------------------------------------
 # output files: checked before the work, written atomically
 # ---------------------------------------------------------------------------------------------
-def check_output(path, flag, folder=False, inputs=()):
+def check_output(path, flag, folder=False, inputs=(), png=False):
     """Fail now, not after minutes of work, when `path` (a file, or with folder=True a folder of
-    files) cannot be written, or would replace one of the command's `inputs` or a checkpoint.
-    Nothing is created."""
+    files) cannot be written, or would replace one of the command's `inputs` or a checkpoint;
+    png=True: a figure, which save_figure writes as PNG.  Nothing is created."""
     if path is None:
         return
+    if png and not path.lower().endswith(".png"):
+        raise UserError(f"{flag} {path}: figures are written as PNG; name the file .png")
     target = os.path.abspath(path)
     for source in inputs:
         if source and os.path.abspath(source) == target or (

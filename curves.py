@@ -176,7 +176,7 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="run folders of train.py (--out_dir)")
     p.add_argument("--out", default="curves.png", help="the PNG (default curves.png)")
     args = p.parse_args(argv)
-    cli.check_output(args.out, "--out", inputs=args.runs)
+    cli.check_output(args.out, "--out", inputs=args.runs, png=True)
     rows, path = overlay(args.runs, args.out)
     print("\n".join(rows))
     if path:

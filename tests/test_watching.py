@@ -94,6 +94,8 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| run (head) |" in out and "| softmax |" in out and "| nmst |" in out
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
+    assert cli.run_cli(curves.main, [*folders, "--out", str(tmp_path / "cmp.pdf")]) == 2  # not a PNG
+    assert "figures are written as PNG" in capsys.readouterr().err and not (tmp_path / "cmp.pdf").exists()
     log = tmp_path / "nmst" / "log.jsonl"  # lines that are JSON but not evaluations are skipped
     records = log.read_text().splitlines()
     log.write_text("\n".join(['[1]', '{"step": 1}', records[0], '{"step": 3, "val_loss": "x"}',
