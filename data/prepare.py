@@ -643,8 +643,9 @@ def _build(dataset, vocab, source, tmp):
     return meta
 
 
-def prepare(dataset, data_dir=None, verbose=True, vocab="word"):
-    """Make sure the prepared memmaps exist and match their meta.json; return their folder."""
+def prepare(dataset, data_dir=None, verbose=True, vocab="word", counts=False):
+    """Make sure the prepared memmaps exist and match their meta.json; return their folder.
+    verbose: notes, and the counts when it prepares; counts: the counts when already prepared."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset '{dataset}' (choose from {', '.join(DATASETS)})")
     if vocab not in VOCABS or (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word") or \
@@ -654,6 +655,8 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word"):
     source = locate(dataset, data_dir)
     out = prepared_dir(dataset, source, vocab)
     if _usable(out, verbose):
+        if counts:
+            print_counts(out)
         return out
     make_dirs(os.path.dirname(out))
     remove_stale_temporaries(out)
@@ -717,7 +720,7 @@ def main(argv=None):
             raise DataError("--vocab: rocstories has its own word vocabulary")
         load_rocstories(args.data_dir)
         return 0
-    prepare(args.dataset, args.data_dir, vocab=args.vocab)
+    prepare(args.dataset, args.data_dir, vocab=args.vocab, counts=True)
     return 0
 
 

@@ -57,11 +57,13 @@ def test_stream_counts_are_the_usual_corpus_sizes(wikitext2):
         assert tuple(meta["counts"][s]["stream_tokens"] for s in ("train", "valid", "test")) == expected
 
 
-def test_ptb_counts():
+def test_ptb_counts(capsys):
     meta, splits = load("ptb", verbose=False)
     assert meta["vocab_size"] == 10_000
     for s, (n_seq, n_tok) in PTB.items():
         assert (len(splits[s]), int(splits[s].lengths.sum())) == (n_seq, n_tok)
+    assert P.main(["--dataset", "ptb"]) == 0  # prepared already: the counts are printed anyway
+    assert f"{PTB['train'][0]:,}" in capsys.readouterr().err
 
 
 @pytest.mark.slow
