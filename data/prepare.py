@@ -693,8 +693,8 @@ def load_meta(folder):
         return json.load(f)
 
 
-def print_counts(folder, file=sys.stderr):
-    meta = load_meta(folder)
+def print_counts(folder):
+    meta, file = load_meta(folder), sys.stderr  # (looked up now: a redirected stderr too)
     unit = "words" if meta["tokenizer"] == "char" else "tokens"
     print(f"{meta['dataset']} ({meta['tokenizer']}): vocabulary {meta['vocab_size']:,}, eos id "
           f"{meta['eos_id']}, context {meta['context_len']} {unit} ({folder})", file=file)
