@@ -1,7 +1,8 @@
-"""Coursework exercise 1 (README), done by following its own text on a copy of the code: a new
-termination head, alpha_t = sigmoid(z_eos + w log t), goes through training, evaluation and
-`reproduce.py nmst-table1 --scale tiny --heads ... logt`; and a head name without its branch
-is an error, never a silent ST."""
+"""Coursework exercises 1 and 2 (README), done by following their own text on a copy of the
+code: a new termination head, alpha_t = sigmoid(z_eos + w log t), goes through training,
+evaluation and `reproduce.py nmst-table1 --scale tiny --heads ... logt`; a head name without its
+branch is an error, never a silent ST; a new decoder (typical sampling) samples in sample.py and
+evaluate.py like the others."""
 import os
 import subprocess
 import sys
@@ -36,6 +37,28 @@ def st_log_alpha('''),
     ("heads.py", '        elif self.kind == "st":\n            log_alpha, log_one_minus_alpha, head_state',
      '        elif self.kind == "logt":\n            log_alpha, log_one_minus_alpha = logt_log_alpha(z_eos, t, '
      'self.w)\n        elif self.kind == "st":\n            log_alpha, log_one_minus_alpha, head_state'),
+]
+
+
+EXERCISE_2 = [  # typical sampling (Meister et al. 2022), --p the kept mass
+    ("decode.py", 'DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")',
+     'DECODERS = ("greedy", "sample", "topk", "nucleus", "beam", "typical")'),
+    ("decode.py", 'SAMPLING = ("sample", "topk", "nucleus")', 'SAMPLING = ("sample", "topk", "nucleus", "typical")'),
+    ("decode.py", "def filter_log_probs(", """def typical_mask(log_probs, p):
+    \"\"\"The tokens whose -log p is closest to the entropy, kept until their mass reaches p.\"\"\"
+    entropy = -(log_probs.exp() * log_probs.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
+    order = (-log_probs - entropy).abs().argsort(-1)
+    mass = log_probs.gather(-1, order).exp().cumsum(-1)
+    keep = torch.cat([torch.ones_like(mass[..., :1], dtype=torch.bool), mass[..., :-1] < p], -1)
+    return torch.zeros_like(keep).scatter_(-1, order, keep)
+
+
+def filter_log_probs("""),
+    ("decode.py", '    elif decoder == "nucleus":\n        mask = nucleus_mask(lp, p)',
+     '    elif decoder == "nucleus":\n        mask = nucleus_mask(lp, p)\n    elif decoder == "typical":\n'
+     '        mask = typical_mask(lp, p)'),
+    ("decode.py", '("--p", p is not None, ("nucleus",))', '("--p", p is not None, ("nucleus", "typical"))'),
+    ("decode.py", 'if decoder == "nucleus" and (p is None', 'if decoder in ("nucleus", "typical") and (p is None'),
 ]
 
 
@@ -84,3 +107,24 @@ def test_a_head_without_its_branch_is_an_error(tmp_path):
              "    except ValueError as e:\n        print('REFUSED', e)\n")
     p = subprocess.run([sys.executable, "-c", probe], cwd=code, capture_output=True, text=True, timeout=120)
     assert p.stdout.count("REFUSED") == 2 and "SILENT" not in p.stdout, p.stdout + p.stderr
+
+
+def test_exercise_2_a_new_decoder_samples_like_the_others(tmp_path):
+    code = tmp_path / "code"
+    copy_of_the_code(str(code))
+    apply(str(code), EXERCISE_2)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def run(*args):
+        p = subprocess.run([sys.executable, *args], cwd=code, capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p
+    run("train.py", "--model", "lstm", "--dataset", "ptb", "--d_model", "16", "--n_layer", "1", "--batch_size", "8",
+        "--max_iters", "2", "--eval_interval", "2", "--eval_seqs", "8", "--probe", "0", "--out_dir", "run")
+    ckpt = os.path.join("run", "ckpt_best.pt")
+    p = run("sample.py", "--ckpt", ckpt, "--prompt", "the company said", "--decoder", "typical", "--p", "0.9",
+            "--temperature", "0.8", "--L", "5")
+    assert "pass --seed" in p.stderr and ">>>" in p.stdout  # it draws: a fresh seed, said
+    p = run("evaluate.py", "--ckpt", ckpt, "--no_ppl", "--decoder", "typical", "--p", "0.9", "--L", "5", "--limit",
+            "4")
+    assert "typical" in p.stdout
