@@ -331,8 +331,10 @@ def build_backbone(cfg):
                    cfg["bias"])
     if cfg["model"] == "gcnn":
         return GCNN(V, cfg["block_size"], cfg["n_layer"], D, cfg["kernel_size"], cfg["dropout"])
-    return Recurrent(cfg["model"], V, D, cfg["n_layer"], cfg["dropout"],
-                     cfg.get("locked_dropout", False))
+    if cfg["model"] in ("rnn", "lstm"):
+        return Recurrent(cfg["model"], V, D, cfg["n_layer"], cfg["dropout"],
+                         cfg.get("locked_dropout", False))
+    raise ValueError(f"no backbone for model '{cfg['model']}': add its branch to build_backbone")
 
 
 class LanguageModel(nn.Module):

@@ -9,7 +9,7 @@ import torch.nn as nn
 from decode import (decode, decode_in_batches, decode_stats, eos_probs, filter_log_probs, non_termination_ratio,
                     nucleus_mask, topk_mask)
 from heads import nmst_log_probs, softmax_log_probs
-from model import LanguageModel
+from model import MODELS, LanguageModel
 from cli import UserError
 from conftest import RecomputeStepper, steps
 
@@ -44,7 +44,7 @@ def unigram(logits, head="softmax", eps=0.05):
 PROMPTS = [torch.tensor(x) for x in ([5, 6, 7], [9] * 10, [3, 4, 5, 6, 7, 8, 9], [12, 13])]
 
 
-@pytest.mark.parametrize("model", ["lstm", "gcnn", "gpt"])
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "rnn"])  # (rnn: lstm's code)
 @pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
 @pytest.mark.parametrize("decoder,kw", [("greedy", {}), ("beam", dict(beam_size=3)), ("beam", dict(beam_size=1))])
 def test_cached_equals_uncached(model, head, decoder, kw, monkeypatch):
@@ -246,7 +246,7 @@ def t_half(eps):
     return next(t for t in range(1, 10 ** 6) if 1 - (1 - eps) ** t > 0.5)
 
 
-@pytest.mark.parametrize("model", ["rnn", "lstm", "gcnn", "gpt"])
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("seed", range(3))
 def test_theorem3_nmst_terminates(model, seed):
     """Random-weight NMST models (eos pushed far down): greedy ends by t_1/2, beam-k by t_1/2 + k,

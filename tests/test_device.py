@@ -19,7 +19,7 @@ import tasks
 import train
 from conftest import DEVICES, steps
 from heads import nmst_log_probs
-from model import LanguageModel
+from model import MODELS, LanguageModel
 
 TINY = ["--dataset", "ptb", "--d_model", "32", "--n_layer", "1", "--n_head", "2", "--block_size", "64",
         "--batch_size", "4", "--train_seqs", "64", "--eval_seqs", "16", "--max_iters", "20",
@@ -331,7 +331,7 @@ def tiny_lm(model, head, device):
 def test_cached_steps_equal_one_full_forward_in_float32(device):
     """Token-by-token steps through the state == one full forward, every backbone x ST/NMST,
     with the device's own float32 kernels (cuDNN RNN, sdpa; test_model does it in float64)."""
-    for model in ("rnn", "lstm", "gcnn", "gpt"):
+    for model in MODELS:
         for head in ("st", "nmst"):
             lm = tiny_lm(model, head, device)
             idx = torch.randint(0, 63, (3, 20), device=device)
