@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import types
 
 import cli
 from heads import TERMINATION_HEADS
@@ -126,9 +127,23 @@ def label(args, keys, folder):
     def part(k, v):
         return v if isinstance(v, str) and k in LABEL_FLAGS else \
             f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-    unused = () if args.get("head") in TERMINATION_HEADS else ("epsilon",)  # (eq. 9, 10 only)
+    unused = not_applying(args)
     return " ".join(part(k, args[k]) for k in keys if args.get(k) is not None and
                     k not in unused) or os.path.basename(os.path.abspath(folder))
+
+
+def not_applying(args):
+    """The flags a run ignored, which do not label it: recipes.APPLIES (--probe on a stream
+    run, --n_head on an LSTM, ...) and eps outside the ST / NMST heads (eq. 9, 10)."""
+    from recipes import APPLIES
+    a = types.SimpleNamespace(**args)
+    out = set() if args.get("head") in TERMINATION_HEADS else {"epsilon"}
+    for k, applies in APPLIES:
+        try:
+            out |= set() if applies(a) else {k}
+        except AttributeError:  # a run.json without that argument
+            pass
+    return out
 
 
 def overlay(folders, path):
