@@ -49,19 +49,26 @@ def run_cli(main, argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except UserError as e:  # anything else is a bug: its traceback is shown
-        print(f"error: {e}", file=sys.stderr)
+        error_line(e)
     except KeyboardInterrupt:
         done = f"written before it: {', '.join(dict.fromkeys(WRITTEN))}" if WRITTEN else \
             "no result was written"
-        print(f"error: interrupted (Ctrl-C); {done}", file=sys.stderr)
+        error_line(f"interrupted (Ctrl-C); {done}")
         return 130
     except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):
             raise
-        print("error: out of memory: the model, its batch or its decoding does not fit; use "
-              "smaller --batch_size / --max_tokens / --bptt / --decode_batch / --L / "
-              "--beam_size, or a smaller model (--d_model / --n_layer)", file=sys.stderr)
+        error_line("out of memory: the model, its batch or its decoding does not fit; use "
+                   "smaller --batch_size / --max_tokens / --bptt / --decode_batch / --L / "
+                   "--beam_size, or a smaller model (--d_model / --n_layer)")
     return 2
+
+
+def error_line(text):
+    """'error: TEXT' in one write (print writes the newline apart, and stderr writes through):
+    under torchrun the processes' lines cannot interleave."""
+    sys.stderr.write(f"error: {text}\n")
+    sys.stderr.flush()
 
 
 RANGES = {  # a flag's range -> (test, words); NaN and infinities are never in one

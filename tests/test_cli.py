@@ -384,3 +384,17 @@ def test_gcnn_and_char_vocabulary_end_to_end(tmp_path):
         ex = r["decoding"]["examples"][0]
         if name == "char":  # the context: 10 words and a space, as characters
             assert len(ex["context"].split()) == 10 and ex["context"].endswith(" ")
+
+
+def test_an_error_line_is_one_write(monkeypatch):
+    """Under torchrun every process writes its error line to one stderr: written whole in one
+    call (print wrote the newline apart, and two processes' lines ran together)."""
+    import cli
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Err", (), dict(write=lambda self, s: writes.append(s),
+                                                          flush=lambda self: None))())
+
+    def fails(argv):
+        raise cli.UserError("the folder is in use")
+    assert cli.run_cli(fails, []) == 2
+    assert writes == ["error: the folder is in use\n"]
