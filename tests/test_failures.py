@@ -94,7 +94,6 @@ def test_lost_work_is_prevented(tmp_path, capsys):
     blocks a resume, and evaluate.py refuses an output path before it computes anything."""
     out = tiny_run(tmp_path / "run")
     os.remove(out / "ckpt_last.pt")  # only the best model is left: a new run must not replace it
-    capsys.readouterr()  # (what training printed: the data's counts when it prepared them)
     rc, err = run_in_process(train.main, TINY + ["--out_dir", str(out), "--max_iters", "2"],
                              capsys)
     assert_one_line_error(rc, err, "already holds a run (ckpt_best.pt")
