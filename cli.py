@@ -64,6 +64,12 @@ def run_cli(main, argv=None):
     return 2
 
 
+def bar(items, desc):
+    """items, with a tqdm bar on a terminal when desc is given (evaluate.py's long passes)."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, disable=None if desc else True, leave=False)
+
+
 def error_line(text):
     """'error: TEXT' in one write (print writes the newline apart, and stderr writes through):
     under torchrun the processes' lines cannot interleave."""

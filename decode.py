@@ -28,7 +28,7 @@ import math
 import torch
 
 from model import WINDOWED, eval_mode
-from cli import UserError
+from cli import UserError, bar
 
 DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
 SAMPLING = ("sample", "topk", "nucleus")  # the decoders that draw (greedy and beam do not)
@@ -144,9 +144,8 @@ def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **k
     """decode() over many prompts, `batch` at a time (a tqdm bar when `desc` is given): what
     evaluate.py's study and train.py's termination probe both run, batched the same way so that
     they decode the same.  -> decode()'s dict for all prompts."""
-    from tqdm import tqdm
     tokens, lengths, terminated, scores = [], [], [], []
-    for lo in tqdm(range(0, len(prompts), batch), desc=desc, disable=None if desc else True):
+    for lo in bar(range(0, len(prompts), batch), desc):
         res = decode(lm, prompts[lo:lo + batch], L, decoder, **kw)
         tokens += res["tokens"]
         lengths.append(res["lengths"])

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from checkpoint import CheckpointError
-from cli import Dist, UserError
+from cli import Dist, UserError, bar
 from data.loader import batches, batchify, bptt_windows, collate, load, load_stream
 from data.prepare import CONTEXT_LEN, tokenizer_of, vocabulary_of
 from data.stories import EOS, load_sequences
@@ -346,12 +346,6 @@ def long_enough(data, split):
 
 
 @torch.no_grad()
-def bar(items, desc):
-    """items, with a tqdm bar on a terminal when desc is given (evaluate.py's long passes)."""
-    from tqdm import tqdm
-    return tqdm(items, desc=desc, disable=None if desc else True, leave=False)
-
-
 def stream_perplexity(lm, data, bptt, device="cpu", desc=None):
     """Continuous-LM perplexity (CT paper): exp of the mean NLL over every target token of a
     batchified stream (bsz, N), hidden state carried across BPTT windows."""

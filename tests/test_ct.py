@@ -13,7 +13,7 @@ from cli import run_cli
 from data.loader import batchify, bptt_windows
 from heads import Head, contextual_temperature, ct_log_probs, loss_scale, mos_log_probs, softmax_log_probs
 from model import LanguageModel
-from tasks import detach
+from tasks import detach, stream_perplexity
 
 torch.manual_seed(0)
 
@@ -107,6 +107,12 @@ def test_hidden_state_detached_between_windows():
     lp3, _ = lm.stream_log_probs(data[:, 10:20], data[:, 11:21], state)
     with pytest.raises(RuntimeError):
         lp3.sum().backward()  # without detaching, backward runs into the first window
+    # evaluation carries the state across all windows: without autograd (else one graph grows
+    # over the whole split)
+    grad = []
+    read = lm.stream_log_probs
+    lm.stream_log_probs = lambda *a: grad.append(torch.is_grad_enabled()) or read(*a)
+    assert stream_perplexity(lm, data, 5)["tokens"] == 3 * 20 and grad == [False] * 4
 
 
 @pytest.mark.slow
