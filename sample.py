@@ -184,8 +184,7 @@ def sample_story(args, task, model, device):
         raise UserError("this L2R checkpoint continues a title and its storyline: give --keywords"
                         if not args.keywords else "this L2R checkpoint continues a title alone "
                         "(--task story): drop --keywords")
-    title, kws = story_ids(vocab, args)
-    prefix = [BOS] if synthetic else [BOS, *title, SEP] + ([*kws, SEP] if l2r and kws else [])
+    prefix, kws = ([BOS], []) if synthetic else story_prefix(vocab, args, task)
     if l2r:
         out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
                      temperature=args.temperature,
@@ -197,12 +196,13 @@ def sample_story(args, task, model, device):
     return insertion_trace(args, model, vocab, prefix, kws, (PAD, BOS, EOS, SEP), device)
 
 
-def story_ids(vocab, args):
-    """--title and --keywords as ids of the story vocabulary (lower-cased, like the data)."""
-    from data.stories import SPECIALS, UNK
+def story_prefix(vocab, args, task):
+    """--title and --keywords (lower-cased, like the data) -> the prefix the checkpoint was
+    trained to continue, as data.stories.encode_story makes it, and the keywords' ids."""
+    from data.stories import SPECIALS, encode_story
     stoi = {w: i for i, w in enumerate(vocab)}
-    title = (args.title or "").lower().split()
-    words = title + [k.lower() for k in args.keywords]
+    title, keywords = args.title.lower().split(), [k.lower() for k in args.keywords]
+    words = title + keywords
     control = sorted({w for w in words if w in SPECIALS})
     if control:
         raise UserError(f"{', '.join(control)}: a control token, not a word: leave it out of "
@@ -211,8 +211,9 @@ def story_ids(vocab, args):
     if unknown and not args.allow_unk:
         raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
                         f"--allow_unk to read them as <unk>)")
-    return ([stoi.get(w, UNK) for w in title],
-            [stoi.get(w.lower(), UNK) for w in args.keywords])
+    enc = encode_story(dict(title=title, keywords=keywords, story=[]), stoi, task.variant,
+                       task.kind)
+    return enc["tokens"][:enc["n_given"]], enc["keywords"]
 
 
 def insertion_trace(args, model, vocab, prefix, kws, banned, device):
