@@ -167,10 +167,10 @@ def eos_traces(lm, split, n):
     that fit the model's window (GPT, GCNN; as in perplexity, longer ones are left out)."""
     out = []
     for i in range(len(split)):
-        c, seq = int(split.contexts[i]), split[i].tolist()
-        cap = longest_continuation(lm, c)
         if len(out) == n:
             break
+        c, seq = int(split.contexts[i]), split[i].tolist()
+        cap = longest_continuation(lm, c)
         if cap is None or len(seq) - c <= cap:
             out.append(dict(index=i, tokens=seq[c:], p_eos=eos_probs(lm, seq[:c], seq[c:])))
     return out
