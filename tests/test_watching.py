@@ -169,3 +169,19 @@ def test_the_cpu_estimate_times_steps_after_the_warm_up(capsys):
             run.after_step(torch.zeros(()), torch.tensor(False), seconds=float(step))
         assert run.timed == [(float(s), 100) for s in timed]
         assert capsys.readouterr().out.count("tokens/s on this CPU") == 1
+
+
+def test_the_cpu_estimate_of_the_run_agrees_with_its_epoch_time(capsys):
+    """The timed steps held 100 tokens each, an epoch's steps hold 200 on average: the run's time
+    is its epochs times the epoch's time (the steps' seconds alone said half)."""
+    import torch
+    from runs import Run
+    args = types.SimpleNamespace(out_dir="unused", lr=1e-3, compile=False, log_interval=99,
+                                 max_iters=None, max_epochs=30)
+    run = Run(args, cli.Dist(), scaler=None, epoch_tokens=120_000, epoch_steps=600)
+    for step in range(1, 5):
+        run.state.step, run.step_tokens = step, 100
+        run.after_step(torch.zeros(()), torch.tensor(False), seconds=1.0)
+    out = capsys.readouterr().out  # 100 tokens/s: 20 min an epoch, 30 epochs less 4 steps
+    assert "100 tokens/s on this CPU: 20.0 min per epoch" in out
+    assert f"has about {(30 * 600 - 4) * 200 / 100 / 3600:.1f} h to go" in out
