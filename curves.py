@@ -149,6 +149,10 @@ def not_applying(args):
 def overlay(folders, path):
     """Several runs side by side (validation perplexity; the probe's r_nt) and a table of their
     best values.  -> (the table's lines, the figure's path or None)."""
+    strays = [f for f in folders if not os.path.isdir(f)]
+    if strays:
+        raise cli.UserError(f"{strays[0]} is not a folder: give run folders (train.py's "
+                            f"--out_dir)")
     runs = [(f, read_args(f), read_records(f)) for f in folders]
     missing = [f for f, _, log in runs if not log]
     if missing:

@@ -96,6 +96,9 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys):
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
     assert cli.run_cli(curves.main, [*folders, "--out", str(tmp_path / "cmp.pdf")]) == 2  # not a PNG
     assert "figures are written as PNG" in capsys.readouterr().err and not (tmp_path / "cmp.pdf").exists()
+    ckpt = folders[1] + "/ckpt_best.pt"  # a checkpoint, a typo: named as what they are
+    assert cli.run_cli(curves.main, [folders[0], ckpt, "--out", str(tmp_path / "cmp3.png")]) == 2
+    assert f"{ckpt} is not a folder: give run folders" in capsys.readouterr().err
     log = tmp_path / "nmst" / "log.jsonl"  # lines that are JSON but not evaluations are skipped
     records = log.read_text().splitlines()
     log.write_text("\n".join(['[1]', '{"step": 1}', records[0], '{"step": 3, "val_loss": "x"}',
