@@ -122,9 +122,10 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     padded, lengths = pad_prompts(prompts, device)
     cap = longest_continuation(lm, int(lengths.max()))
     if cap is not None and L > cap:
+        fix = f"use --L {cap} or less" if cap >= 1 else "use a shorter prompt"
         raise UserError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the "
                         f"{lm.cfg['model'].upper()} context window of {lm.cfg['block_size']} "
-                        f"tokens: use a {'smaller --L' if cap >= 1 else 'shorter prompt'}")
+                        f"tokens: {fix}")
     with eval_mode(lm):
         stepper = CachedStepper(lm)
         if decoder == "beam":

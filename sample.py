@@ -221,8 +221,11 @@ def insertion_trace(args, model, vocab, prefix, kws, banned, device):
     from data.stories import EOS
     trace, given = [], len(prefix) + len(kws) + 1
     if model.max_canvas() and given + args.L > model.max_canvas():  # IT-vanilla's positions
+        room = model.max_canvas() - given
         raise UserError(f"a canvas of {given} given tokens + L={args.L} exceeds the "
-                        f"{model.max_canvas()} positions of the model: use a smaller --L")
+                        f"{model.max_canvas()} positions of the model: " +
+                        (f"use --L {room} or less" if room >= 1 else
+                         "use a shorter --title or fewer --keywords"))
     out = generate(model, [*prefix, *kws, EOS], given + args.L,
                    decoder=args.decoder, k=args.k, temperature=args.temperature,
                    slot_start=len(prefix) - 1, banned=banned, trace=trace,

@@ -313,6 +313,7 @@ def test_prompt_longer_than_the_window_cli(tmp_path, wikitext2):
     rc, _, err = run_cli("evaluate.py", "--ckpt", str(out / "ckpt_last.pt"), "--no_ppl", "--decoder", "greedy",
                          "--L", "100", "--limit", "2")
     assert_one_line_error(rc, err, "exceeds the GPT context window")
+    assert "prompt of 10 tokens + L=100 exceeds the GPT context window of 64 tokens: use --L 55 or less" in err
 
 
 def test_init_from_gpt2_needs_the_gpt_model(tmp_path):

@@ -81,7 +81,7 @@ def test_sample_bpe_prompt_and_the_window(ckpts, capsys, tmp_path):
     assert len(out) == 2 and out[1].startswith("In 1990 , the band >>> ")
     rc, err = run_in_process(sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "The history",
                                            "--L", "100"], capsys)
-    assert_one_line_error(rc, err, "context window of 64 tokens: use a smaller --L")
+    assert_one_line_error(rc, err, "context window of 64 tokens: use --L 63 or less")
     rc, err = run_in_process(sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "a b " * 40,
                                            "--L", "1"], capsys)
     assert_one_line_error(rc, err, "context window of 64 tokens: use a shorter prompt")

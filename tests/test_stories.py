@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 
 import pytest
 
@@ -142,7 +143,11 @@ def test_story_generation_stays_within_the_window(model, tmp_path, capsys):
     assert 0 < json.load(open(res))["generation"]["mean_length"] <= 120
     assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), "--title", "a day",
                                  "--L", "200"]) == 2
-    assert "use a smaller --L" in capsys.readouterr().err
+    assert re.search(r"positions of the model: use --L \d+ or less|window of 120 tokens: use --L \d+ or "
+                     r"less", capsys.readouterr().err)
+    assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), "--title", "a day " * 60,
+                                 "--L", "1"]) == 2  # no room left at all
+    assert re.search(r"use a shorter (--title or fewer --keywords|prompt)$", capsys.readouterr().err)
     keywords = [] if model == "gpt" else [(["--title", "a day", "--keywords", "<sep>"], "control token")]
     for flags, msg in [(["--title", "   "], "take --title"), (["--title", "a <eos>"], "control token"),
                        *keywords]:
