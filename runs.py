@@ -150,17 +150,19 @@ class Run:
 
     def estimate(self):
         """The speed of steps 2-4 or 5-7 (no evaluation counted), an epoch's time and the run's
-        (--max_iters, else --max_epochs) at that speed: the steps left hold an epoch's mean
-        tokens per step (the timed steps' batches may be shorter or longer)."""
+        (--max_iters, else --max_epochs; --max_minutes when sooner) at that speed: the steps
+        left hold an epoch's mean tokens per step (the timed steps' may be shorter or longer)."""
         seconds = max(sum(s for s, _ in self.timed), 1e-9)
         rate = max(sum(n for _, n in self.timed) * self.dist.world / seconds, 1e-9)
         args, st = self.args, self.state
         total = args.max_iters or args.max_epochs * self.epoch_steps
         left = max(total - st.step, 0) * self.epoch_tokens / self.epoch_steps / rate
+        capped = args.max_minutes and 60 * args.max_minutes - st.elapsed < left
+        left = max(60 * args.max_minutes - st.elapsed, 0) if capped else left
         print(f"\n{rate:,.0f} tokens/s on this CPU: {hours(self.epoch_tokens / rate)} "
               f"per epoch; this run ({total:,} steps"
               + (f", about {total / self.epoch_steps:,.1f} epochs" if args.max_iters else "")
-              + f") has about {hours(left)} to go"
+              + f") has about {hours(left)} to go" + (" (--max_minutes)" if capped else "")
               + ("; for a run sized for a laptop see `python reproduce.py nmst-table1 --scale "
                  "cpu` (README, Coursework)" if left > 3600 else ""), flush=True)
 

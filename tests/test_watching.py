@@ -165,7 +165,7 @@ def test_the_cpu_estimate_times_steps_after_the_warm_up(capsys):
     from runs import Run
     for compiled, timed in ((False, [2, 3, 4]), (True, [5, 6, 7])):
         args = types.SimpleNamespace(out_dir="unused", lr=1e-3, compile=compiled, log_interval=99,
-                                     max_iters=10, max_epochs=1)
+                                     max_iters=10, max_epochs=1, max_minutes=None)
         run = Run(args, cli.Dist(), scaler=None, epoch_tokens=1000, epoch_steps=10)
         for step in range(1, 9):
             run.state.step, run.step_tokens = step, 100
@@ -180,11 +180,17 @@ def test_the_cpu_estimate_of_the_run_agrees_with_its_epoch_time(capsys):
     import torch
     from runs import Run
     args = types.SimpleNamespace(out_dir="unused", lr=1e-3, compile=False, log_interval=99,
-                                 max_iters=None, max_epochs=30)
+                                 max_iters=None, max_epochs=30, max_minutes=None)
     run = Run(args, cli.Dist(), scaler=None, epoch_tokens=120_000, epoch_steps=600)
     for step in range(1, 5):
         run.state.step, run.step_tokens = step, 100
         run.after_step(torch.zeros(()), torch.tensor(False), seconds=1.0)
     out = capsys.readouterr().out  # 100 tokens/s: 20 min an epoch, 30 epochs less 4 steps
     assert "100 tokens/s on this CPU: 20.0 min per epoch" in out
-    assert f"has about {(30 * 600 - 4) * 200 / 100 / 3600:.1f} h to go" in out
+    assert f"has about {(30 * 600 - 4) * 200 / 100 / 3600:.1f} h to go;" in out
+    args.max_minutes = 90  # sooner than the epochs: the time limit is the run's
+    run.first_step, run.timed = 4, []
+    for step in range(5, 9):
+        run.state.step, run.step_tokens = step, 100
+        run.after_step(torch.zeros(()), torch.tensor(False), seconds=1.0)
+    assert "this run (18,000 steps) has about 1.5 h to go (--max_minutes);" in capsys.readouterr().out
