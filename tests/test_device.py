@@ -67,6 +67,23 @@ def test_a_missing_gpu_index_is_a_user_error(one_fake_gpu):
         cli.resolve_device("cuda:1")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(REAL_GPU, reason="a real GPU: `python bench.py gpu` times it")
+def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):
+    """`python bench.py gpu`, the README's first command on a GPU machine: cuda:0 selected, the
+    device named, the GPT-2 124M model built, and the first CUDA kernel (moving it to the GPU)
+    is where a CPU build stops, with torch's own error."""
+    import bench
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    built = []
+    monkeypatch.setattr(bench, "LanguageModel", lambda cfg: built.append(cfg) or LanguageModel(cfg))
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        bench.main(["gpu"])
+    assert one_fake_gpu == [0] and capsys.readouterr().out.startswith("NVIDIA H100 80GB HBM3, torch")
+    assert [(c["n_layer"], c["d_model"], c["vocab_size"]) for c in built] == [(12, 768, 50257)]
+
+
 def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
     """auto: bfloat16 only where the GPU runs it natively (no emulation), else float32;
     float16 is honoured (train.py then scales the loss with a GradScaler)."""
