@@ -33,7 +33,7 @@ def test_each_benchmark_prints_its_table(argv, last_row, capsys):
 
 
 def test_the_survey_comparison_trains_each_architecture(capsys, monkeypatch):
-    """bench.py arch at a 1-second budget and toy sizes: a row per architecture, the parameter
+    """bench.py arch at a half-second budget and toy sizes: a row per architecture, the parameter
     formulas equal to the counted parameters, and nothing but training in the budget (no
     termination probe, no curves.png)."""
     import train
@@ -43,7 +43,7 @@ def test_the_survey_comparison_trains_each_architecture(capsys, monkeypatch):
                                         "gpt": dict(n_layer=1, d_model=16, n_head=2)})
     argvs, real_main = [], train.main
     monkeypatch.setattr(train, "main", lambda argv: argvs.append(argv) or real_main(argv))
-    assert bench.main(["arch", "--budget", "1", "--eval_every", "2", "--limit", "8"]) == 0
+    assert bench.main(["arch", "--budget", "0.5", "--eval_every", "2", "--limit", "8"]) == 0
     rows = capsys.readouterr().out.strip().splitlines()[-4:]
     assert [r.split()[0] for r in rows] == ["rnn", "lstm", "gcnn", "gpt"]
     params = [re.findall(r"\b\d[\d,]*\b", r)[:2] for r in rows]  # after the shape (2x16 k4)
