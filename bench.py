@@ -480,13 +480,13 @@ def bench_arch(args):
             out = os.path.join(tmp, model)
             flags = [f"--{k}={v}" for k, v in s.items()] + \
                 (["--block_size", "256"] if model in WINDOWED else [])
-            train.main(["--model", model, "--dataset", "ptb", "--head", "softmax", *flags,
-                        "--dropout", "0.1", "--batch_size", "32", "--lr", "2e-3",
-                        "--lr_schedule", "constant", "--max_iters", "0", "--max_minutes",
-                        str(args.budget / 60), "--eval_interval", str(args.eval_every),
-                        "--eval_seqs", "300", "--probe", "0", "--no_curves",  # the budget trains
-                        "--out_dir", out, "--seed", "0",
-                        *(["--data_dir", args.data_dir] if args.data_dir else [])])
+            train.fit_or_stop(["--model", model, "--dataset", "ptb", "--head", "softmax",
+                               *flags, "--dropout", "0.1", "--batch_size", "32", "--lr", "2e-3",
+                               "--lr_schedule", "constant", "--max_iters", "0", "--max_minutes",
+                               str(args.budget / 60), "--eval_interval", str(args.eval_every),
+                               "--eval_seqs", "300", "--probe", "0", "--no_curves",  # training
+                               "--out_dir", out, "--seed", "0",
+                               *(["--data_dir", args.data_dir] if args.data_dir else [])])
             ckpt = load(os.path.join(out, "ckpt_last.pt"))
             task = checkpoint_task(ckpt, args.data_dir)
             lm = model_from_checkpoint(ckpt).eval()

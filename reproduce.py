@@ -84,12 +84,16 @@ def train_once(out_dir, flags):
     redo = f"reproduce.py reuses and continues its runs by itself: delete {out_dir} to train " \
            f"that run again"
     try:
-        rc = train.main([*flags, "--out_dir", out_dir, *resume])
-    except UserError as e:
+        train.fit_or_stop([*flags, "--out_dir", out_dir, *resume])
+    except train.Stopped as e:
+        raise UserError(f"{e} in {out_dir}: the same command goes on from there") from None
+    except UserError as e:  # (a new run's error, e.g. offline, is the error itself)
+        if not resume:
+            raise
         raise UserError(f"the run in {out_dir} cannot be reused or continued ({e}); {redo}") \
             from None
     best = os.path.join(out_dir, "ckpt_best.pt")
-    if rc or not os.path.exists(best):
+    if not os.path.exists(best):
         raise UserError(f"{out_dir} holds no ckpt_best.pt (removed, or the run failed); {redo}")
     return best
 
@@ -145,9 +149,11 @@ EVAL_SEQS = 400  # the validation sequences of a run's own evaluations (tiny and
 def base_flags(cfg, model, head, seed, eps):
     """Four evaluations per run (and as many termination probes: the curves over training);
     tiny: one."""
-    every = cfg["steps"] if cfg["dataset"] == "ptb" and cfg["steps"] < 20 else cfg["steps"] // 4
-    steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(every), "--eval_seqs",
-             str(EVAL_SEQS)] if cfg["steps"] else []
+    steps = []  # paper scale: the recipe's own steps and evaluations
+    if cfg["steps"]:
+        every = cfg["steps"] if cfg["steps"] < 20 else cfg["steps"] // 4
+        steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(every), "--eval_seqs",
+                 str(EVAL_SEQS)]
     return ["--model", model, "--head", head, "--epsilon", str(eps), "--dataset", cfg["dataset"],
             "--seed", str(seed), *cfg["models"][model], *steps]
 

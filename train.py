@@ -7,7 +7,7 @@
     python train.py --model insnet --dataset rocstories [--task storyline]  # InsNet
     python train.py ... --resume                                     # go on from ckpt_last.pt
 
-main: the flags (recipes.py: the defaults of each --model, from NMST paper section 4 and
+main / fit: the flags (recipes.py: the defaults of each --model, from NMST paper section 4 and
 appendix D and InsNet paper section 4.3; a flag you type always wins) -> the data (tasks.py) ->
 the model -> the run folder (runs.py) -> the loop.  The loop: the step's learning rate ->
 micro-batches, each scored by NMST paper eq. 3 (the mean -log p over the continuation tokens,
@@ -30,6 +30,15 @@ from tasks import build_model, check_same_data, load_task, unwrap
 
 
 def main(argv=None):
+    """`python train.py ...`: exit status 0, also when a signal stopped the run (its checkpoint
+    is written; --resume goes on from it)."""
+    fit(argv)
+    return 0
+
+
+def fit(argv=None):
+    """The run: flags -> data -> model -> run folder -> the loop.  -> None when the run finished
+    (or had), else the signal that stopped it ("Ctrl-C", "SIGTERM", ...)."""
     args, ckpt = parse_args(argv)  # flags, recipes, rules; --resume: the run's own arguments
     runs.check_folder(args)  # on every process, before torchrun's process group exists
     dist = cli.setup_distributed(args)
@@ -51,7 +60,7 @@ def main(argv=None):
     run = runs.Run(args, dist, torch.amp.GradScaler(dist.device.split(":")[0], enabled=fp16),
                    task.tokens_per_epoch(), len(task.epoch(0)) // args.grad_accum)
     if ckpt is not None and not run.restore(ckpt, lm, optimizer, task, cfg):
-        return 0
+        return None
     if args.compile:
         compile_model(lm)
     model = lm
@@ -67,7 +76,7 @@ def main(argv=None):
         print(message)
     if dist.world > 1:
         torch.distributed.destroy_process_group()
-    return 0
+    return run.stop_requested
 
 
 def train(args, task, model, optimizer, run, cfg):
@@ -271,6 +280,20 @@ def check_data_fits(args, task):
                         f"{args.grad_accum}: no optimizer step would run (lower --grad_accum or "
                         f"--batch_size / --max_tokens, raise --train_seqs, or check that "
                         f"--block_size {args.block_size} holds some training sequences)")
+
+
+class Stopped(UserError):
+    """A signal stopped a run that a longer command (reproduce.py, bench.py arch) started."""
+
+
+def fit_or_stop(argv):
+    """fit, for a command that trains several runs: a signal that stopped this one stops the
+    command too (Ctrl-C as a KeyboardInterrupt), rather than going on to the next."""
+    stopped = fit(argv)
+    if stopped == "Ctrl-C":
+        raise KeyboardInterrupt
+    if stopped:
+        raise Stopped(f"stopped by {stopped}; the run's checkpoint is written")
 
 
 def compile_model(lm, backend="inductor"):

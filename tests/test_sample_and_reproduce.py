@@ -157,6 +157,57 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys):
     assert "done (reached" not in again and "already finished" in again
 
 
+@pytest.mark.parametrize("result, dataset", [("nmst-table1", "wikitext2"), ("nmst-table4", "wikitext103"),
+                                             ("ct-table3", "ptb"), ("insnet-storyline", "rocstories")])
+def test_the_paper_scale_starts_its_first_run(result, dataset, tmp_path, monkeypatch):
+    """--scale paper takes GPU days, but each command must reach its first run with flags that
+    train.py accepts (nmst-table1 crashed on the step count the paper scale leaves unset)."""
+    import recipes
+
+    class Started(Exception):
+        pass
+
+    def fit(argv):
+        fit.args, fit.typed = recipes.parse_args(argv)[0], recipes.typed_flags(argv)  # + rules
+        raise Started
+    monkeypatch.setattr(train, "fit", fit)
+    with pytest.raises(Started):
+        reproduce.main([result, "--scale", "paper", "--out", str(tmp_path / "r")])
+    assert fit.args.dataset == dataset and not {"max_iters", "eval_interval"} & fit.typed  # the recipe's
+    if result == "nmst-table4":
+        assert fit.args.init_from == "gpt2" and fit.args.epsilon == 1e-5
+
+
+@pytest.mark.parametrize("signal_name", ["Ctrl-C", "SIGTERM"])
+def test_a_signal_that_stops_a_run_stops_reproduce(signal_name, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or a scheduler's SIGTERM) during one of reproduce.py's trainings stops the command
+    there, with its checkpoint; it does not go on to evaluate a half-trained run and train the
+    next one.  The same command then goes on."""
+    calls = []
+    monkeypatch.setattr(train, "fit", lambda argv: calls.append(argv) or signal_name)
+    out = ["nmst-table1", "--scale", "tiny", "--out", str(tmp_path / "r")]
+    rc, err = run_in_process(reproduce.main, out, capsys)
+    assert len(calls) == 1 and not (tmp_path / "r" / "lstm-softmax-s0-ppl.json").exists()
+    if signal_name == "Ctrl-C":
+        assert rc == 130 and "interrupted (Ctrl-C)" in err
+    else:
+        assert_one_line_error(rc, err, "stopped by SIGTERM; the run's checkpoint is written in ")
+        assert err.rstrip().endswith("the same command goes on from there")
+
+
+def test_a_new_runs_error_is_not_called_a_reuse_problem(tmp_path, monkeypatch, capsys):
+    """An error of a run reproduce.py starts (offline: no GPT-2 weights) is said as it is; only a
+    run it continues can be one it 'cannot reuse or continue'."""
+    from cli import UserError
+
+    def offline(argv):
+        raise UserError("could not download gpt2 (offline?); pass --weights PATH")
+    monkeypatch.setattr(train, "fit", offline)
+    rc, err = run_in_process(reproduce.main, ["nmst-table4", "--scale", "tiny", "--out",
+                                              str(tmp_path / "r")], capsys)
+    assert_one_line_error(rc, err, "error: could not download gpt2 (offline?); pass --weights PATH")
+
+
 def test_a_cpu_run_says_how_long_an_epoch_takes(tmp_path, capsys):
     assert train.main(["--model", "lstm", "--dataset", "ptb", "--d_model", "16", "--batch_size",
                        "8", "--max_iters", "4", "--eval_interval", "4", "--eval_seqs", "8",
