@@ -217,14 +217,14 @@ def test_reproduce_over_a_damaged_results_folder(tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
     (out / "steps.jsonl").write_text("")
-    monkeypatch.setattr(train, "main", lambda argv: 0)  # "already finished"
+    monkeypatch.setattr(train, "fit", lambda argv: None)  # "already finished"
     with pytest.raises(cli.UserError, match="delete") as e:
         reproduce.train_once(str(out), ["--model", "lstm"])
     assert "--resume" not in str(e.value)
 
     def refused(argv):
         raise cli.UserError("x already holds a run: continue it with --resume")
-    monkeypatch.setattr(train, "main", refused)
+    monkeypatch.setattr(train, "fit", refused)
     with pytest.raises(cli.UserError, match="delete"):
         reproduce.train_once(str(out), ["--model", "lstm"])
 
