@@ -179,7 +179,8 @@ def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0,
     """Every entry point's decoder flags, for every kind of checkpoint: the decoder's own
     arguments present and in range, and none it would silently ignore."""
     if decoder not in allowed:
-        raise UserError(f"unknown decoder '{decoder}' here (choose from {', '.join(allowed)})")
+        what = "is not for this checkpoint" if decoder in DECODERS else "is unknown"
+        raise UserError(f"--decoder {decoder} {what} (choose from {', '.join(allowed)})")
     unused = [f for f, given, users in (
         ("--k", k is not None, ("topk",)), ("--p", p is not None, ("nucleus",)),
         ("--beam_size", beam_size is not None, ("beam",)), ("--temperature", temperature != 1.0,
