@@ -504,8 +504,8 @@ def arch_row(model, s, lm, task, ckpt, log, args):
     T = float(np.mean(task.splits["train"].lengths - 1))
     res = task.evaluate(lm, "cpu", limit=args.limit)
     prompts = [torch.as_tensor(split.context(i)) for i in range(16)]
-    out = decode(lm, prompts, 64)  # greedy: the same tokens at every call
-    dec = sum(len(t) for t in out["tokens"]) / timed(lambda: decode(lm, prompts, 64), 1, 3, "cpu")
+    out = decode(lm, prompts, 64)  # the warm-up; greedy: the same tokens at every call
+    dec = sum(len(t) for t in out["tokens"]) / timed(lambda: decode(lm, prompts, 64), 0, 3, "cpu")
     steps = ckpt["train_state"]["step"]
     train_tps = float(np.median([r["tokens_per_s"] for r in log]))  # between evaluations
     return dict(model=model, shape=s, counted=lm.num_params(), steps=steps, train_tps=train_tps,
