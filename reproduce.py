@@ -86,7 +86,8 @@ def train_once(out_dir, flags):
     try:
         train.fit_or_stop([*flags, "--out_dir", out_dir, *resume])
     except train.Stopped as e:
-        raise UserError(f"{e} in {out_dir}: the same command goes on from there") from None
+        raise UserError(f"{e}; the run's checkpoint is written in {out_dir}: the same command "
+                        f"goes on from there") from None
     except UserError as e:  # (a new run's error, e.g. offline, is the error itself)
         if not resume:
             raise

@@ -293,7 +293,7 @@ def fit_or_stop(argv):
     if stopped == "Ctrl-C":
         raise KeyboardInterrupt
     if stopped:
-        raise Stopped(f"stopped by {stopped}; the run's checkpoint is written")
+        raise Stopped(f"stopped by {stopped}")
 
 
 def compile_model(lm, backend="inductor"):
