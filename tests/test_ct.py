@@ -148,6 +148,9 @@ def test_stream_training_on_real_ptb(head, tmp_path, capsys):
         assert rep["sentences"] > 500 and len(rep["position_mean"]) == 15
         assert all(2.0 <= m <= 4.0 for m in rep["position_mean"])  # (alpha/beta, (1+alpha)/beta) = (2, 4)
         assert rep["highest"][0][1] >= rep["lowest"][0][1]
+        assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--limit", "400",
+                              "--out", str(rep_path)]) == 0  # --limit: the first 400 tokens of each column
+        assert 0 < json.loads(rep_path.read_text())["tau_report"]["sentences"] < rep["sentences"] / 10
 
 
 @pytest.mark.parametrize("args,msg", [
