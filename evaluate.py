@@ -80,6 +80,9 @@ STUDY_OPTIONS = ("L", "consistent", "length_penalty", "decode_batch", "examples"
 RULES = [  # (broken(args), message): the rules between flags (each flag checks its own range)
     (lambda a: not a.compare and not a.ckpt, "the following arguments are required: --ckpt (or "
      "--compare JSON ...)"),
+    (lambda a: a.compare and any(given(a, k) for k in DEFAULTS if k not in ("compare", "plot")),
+     "--compare overlays studies already written (--out files) and evaluates nothing: it takes "
+     "only --plot"),
     (lambda a: not a.decoder and any(given(a, k) for k in STUDY_OPTIONS), "--L / --consistent / "
      "--length_penalty / --decode_batch / --examples / --traces are options of a --decoder (the "
      "decoding study): give one"),

@@ -233,6 +233,7 @@ def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
     (["--decoder", "beam", "--beam_size", "0"], "--beam_size must lie in [1, 1000]"),
     (["--decoder", "greedy", "--L", "0"], "--L must lie in [1, 10^6]"),
     (["--decoder", "bfs"], "invalid choice: 'bfs'"),
+    (["--compare", "a.json"], "--compare overlays studies already written (--out files) and evaluates nothing"),
 ])
 def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):
     rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path / "x.pt"), *args], capsys)
