@@ -59,8 +59,7 @@ def main(argv=None):
     device = cli.setup_device(cli.resolve_device(args.device))
     model = model_from_checkpoint(ckpt, args.ckpt).to(device)
     if story:
-        task = checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt)
-        return sample_story(args, task, model, device)
+        return sample_story(args, ckpt, model, device)
     if not prompts:
         raise UserError("give --prompt TEXT (or --prompt_file FILE) to continue")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L)
@@ -167,11 +166,12 @@ def why(model, toks, terminated, args):
     return ""
 
 
-def sample_story(args, task, model, device):
+def sample_story(args, ckpt, model, device):
     """A story checkpoint: L2R continues "title [storyline]"; an insertion model fills the
-    canvas, printed as given and after every insertion."""
-    from data.stories import BOS, EOS, PAD, SEP
-    synthetic = task.data.stories is None  # InsNet's benchmark: trained from <bos> alone
+    canvas, printed as given and after every insertion.  No data is read: the checkpoint
+    carries its vocabulary (synthetic: w0, w1, ...)."""
+    from data.stories import BOS, EOS, PAD, SEP, synthetic_vocab
+    synthetic = ckpt["args"]["dataset"] == "synthetic"  # InsNet's benchmark: from <bos> alone
     if synthetic and (args.title or args.keywords):
         raise UserError("a synthetic checkpoint generates from <bos> alone: drop --title / "
                         "--keywords")
@@ -179,12 +179,15 @@ def sample_story(args, task, model, device):
         raise UserError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
                        allowed=STORY_DECODERS)
-    vocab, l2r = task.data.vocab, task.kind not in INSERTION_MODELS
-    if l2r and bool(args.keywords) != (task.variant == "storyline"):  # its training prefix
+    vocab = synthetic_vocab() if synthetic else ckpt["data"].get("vocab") or \
+        checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt).data.vocab  # (older)
+    kind, variant = ckpt["config"]["model"], ckpt["args"]["task"]
+    l2r = kind not in INSERTION_MODELS
+    if l2r and bool(args.keywords) != (variant == "storyline"):  # its training prefix
         raise UserError("this L2R checkpoint continues a title and its storyline: give --keywords"
                         if not args.keywords else "this L2R checkpoint continues a title alone "
                         "(--task story): drop --keywords")
-    prefix, kws = ([BOS], []) if synthetic else story_prefix(vocab, args, task)
+    prefix, kws = ([BOS], []) if synthetic else story_prefix(vocab, args, variant, kind)
     if l2r:
         out = decode(model, [torch.tensor(prefix, device=device)], args.L, args.decoder, k=args.k,
                      temperature=args.temperature,
@@ -196,7 +199,7 @@ def sample_story(args, task, model, device):
     return insertion_trace(args, model, vocab, prefix, kws, (PAD, BOS, EOS, SEP), device)
 
 
-def story_prefix(vocab, args, task):
+def story_prefix(vocab, args, variant, kind):
     """--title and --keywords (lower-cased, like the data) -> the prefix the checkpoint was
     trained to continue, as data.stories.encode_story makes it, and the keywords' ids."""
     from data.stories import SPECIALS, encode_story
@@ -211,8 +214,7 @@ def story_prefix(vocab, args, task):
     if unknown and not args.allow_unk:
         raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
                         f"--allow_unk to read them as <unk>)")
-    enc = encode_story(dict(title=title, keywords=keywords, story=[]), stoi, task.variant,
-                       task.kind)
+    enc = encode_story(dict(title=title, keywords=keywords, story=[]), stoi, variant, kind)
     return enc["tokens"][:enc["n_given"]], enc["keywords"]
 
 

@@ -156,6 +156,10 @@ def synthetic(n_per_length, lengths=SYNTHETIC_LENGTHS, vocab_size=SYNTHETIC_VOCA
     return out
 
 
+def synthetic_vocab():
+    return [*SPECIALS, *(f"w{i}" for i in range(SYNTHETIC_VOCAB - len(SPECIALS)))]
+
+
 StoryData = collections.namedtuple("StoryData", "vocab splits stories note sources")
 
 
@@ -164,7 +168,7 @@ def load_sequences(dataset, task, model, data_dir=None, min_count=2, synthetic_c
     """-> StoryData(vocab list, {split: encoded sequences}, {split: parsed stories} or None,
     note, sources: what the data was made from, for checkpoints to record)."""
     if dataset == "synthetic":
-        words = vocab or [*SPECIALS, *(f"w{i}" for i in range(SYNTHETIC_VOCAB - len(SPECIALS)))]
+        words = vocab or synthetic_vocab()
         n_eval = max(1, synthetic_count // 10)
         splits = dict(train=synthetic(synthetic_count, seed=0), valid=synthetic(n_eval, seed=1),
                       test=synthetic(n_eval, seed=2))

@@ -83,6 +83,10 @@ def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
             (evaluate.main, ["--max_tokens", "100"], "stories are batched by --batch_size")):
         assert_one_line_error(*run_in_process(main, ["--ckpt", story_ckpt, *flags], capsys), msg)
     assert evaluate.main(["--ckpt", story_ckpt, "--batch_size", "3"]) == 0  # stories batch by sequences
+    capsys.readouterr()
+    assert sample.main(["--ckpt", story_ckpt, "--L", "3", "--seed", "1", "--decoder", "sample"]) == 0
+    canvases = [ln.split("=", 1)[1].split()[1:] for ln in capsys.readouterr().out.splitlines()[:-1]]
+    assert canvases[0] == [] and all(w[0] == "w" and int(w[1:]) for c in canvases for w in c)
 
 
 def test_a_set_of_figures_is_written_all_or_nothing(tmp_path):

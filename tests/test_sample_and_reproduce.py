@@ -116,10 +116,14 @@ def test_a_sample_without_seed_says_the_seed_that_repeats_it(ckpts, capsys):
     assert "seed" not in capsys.readouterr().err  # beam search draws nothing
 
 
-def test_sample_insnet_shows_the_canvas_after_each_insertion(ckpts, capsys):
-    assert sample.main(["--ckpt", ckpts["insnet"], "--title", "the big game", "--keywords",
-                        "team", "won", "--L", "6"]) == 0
+def test_sample_insnet_shows_the_canvas_after_each_insertion(ckpts, capsys, tmp_path, monkeypatch):
+    flags = ["--ckpt", ckpts["insnet"], "--title", "the big game", "--keywords", "team", "won", "--L", "6"]
+    assert sample.main(flags) == 0
     out = capsys.readouterr().out.splitlines()
+    for var in ("NANOGEN_DATA", "NANOGEN_CACHE"):  # no data anywhere: the checkpoint's vocabulary
+        monkeypatch.setenv(var, str(tmp_path / "empty"))
+    monkeypatch.setenv("NANOGEN_OFFLINE", "1")
+    assert sample.main(flags) == 0 and capsys.readouterr().out.splitlines() == out
     steps = [ln for ln in out if "p(terminate)=" in ln]
     assert 1 <= len(steps) <= 7 and out[-1].startswith("[") and steps[0].startswith("  0  ")
     assert len(steps) == int(out[-1].split(" after ")[1].split()[0]) + 1  # every canvas: the given
