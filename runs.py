@@ -236,8 +236,9 @@ class Run:
         st, args = self.state, self.args
         self.first_step = st.step
         if st.done and st.done.startswith("reached"):  # a step / epoch / time limit: may be raised
-            again = limit_reached(args, st) or st.epoch >= args.max_epochs
-            st.done = "reached the same limit again" if again else None
+            again = limit_reached(args, st) or (st.epoch >= args.max_epochs and
+                                                f"reached --max_epochs {args.max_epochs}")
+            st.done = again and f"{again}, at step {st.step}"
         if st.done and st.done.startswith("early stop") and st.bad_evals < args.patience:
             st.done = None  # a larger --patience: go on
         if st.done and self.master:
