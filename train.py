@@ -122,7 +122,6 @@ def train(args, task, model, optimizer, run, cfg):
             return run.stopped_message()
         if not st.done:
             next_epoch(args, run, evaluate, save)
-    save("ckpt_last.pt")
     return f"done ({st.done}) after {st.step} steps; best validation loss {st.best_val:.4f} " \
            f"(ppl {math.exp(min(st.best_val, 700)):.2f}); checkpoints in {args.out_dir}"
 

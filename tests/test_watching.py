@@ -3,6 +3,7 @@ redrawn at every evaluation (a figure that cannot be written is a warning), Tens
 same scalars, runs side by side are labelled by the flags that differ, and a resumed run leaves
 the logs of an uninterrupted one."""
 import json
+import os
 import sys
 import types
 
@@ -11,6 +12,7 @@ import pytest
 import cli
 import curves
 import evaluate
+import runs
 import train
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
@@ -42,14 +44,17 @@ def test_the_probe_is_evaluate_greedy(tmp_path, monkeypatch):
     assert set(bars) == {None, "perplexity (valid)"} and bars[-1] == "perplexity (valid)"
 
 
-def test_curves_are_redrawn_at_every_evaluation(tmp_path, monkeypatch, capsys):
-    drawn = []
-    draw = curves.draw_run
+def test_each_evaluation_redraws_the_curves_and_writes_ckpt_last_once(tmp_path, monkeypatch, capsys):
+    drawn, written = [], []
+    draw, write = curves.draw_run, runs.save_checkpoint
     monkeypatch.setattr(curves, "draw_run", lambda folder: drawn.append(draw(folder)))
+    monkeypatch.setattr(runs, "save_checkpoint", lambda obj, path: written.append(os.path.basename(path))
+                        or write(obj, path))
     out = tmp_path / "run"
     assert train.main(TINY + ["--head", "nmst", "--max_iters", "6", "--eval_interval", "2", "--out_dir",
                               str(out)]) == 0
     assert drawn == [str(out / "curves.png")] * 3 and (out / "curves.png").stat().st_size > 10_000
+    assert written.count("ckpt_last.pt") == 3  # steps 2, 4, 6: the end is not written twice
     assert "probe: r_nt(30)" in capsys.readouterr().out
 
 
