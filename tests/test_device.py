@@ -317,9 +317,11 @@ def test_sampling_generator_lives_with_the_probabilities():
 # ---------------------------------------------------------------------------------------------
 def test_peak_flops_of_h100_variants():
     args = types.SimpleNamespace(peak_flops=None, dtype="bfloat16")
-    peak = {name: cli.PEAK_FLOPS[next(k for k in cli.PEAK_FLOPS if k in name)]
-            for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3")}
-    assert peak == {"NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12, "NVIDIA H100 80GB HBM3": 989e12}
+    names = ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA L40S", "NVIDIA L40",
+             "NVIDIA L4")
+    assert [cli.peak_flops(args, "cuda:0", name) for name in names] == [756e12, 835e12, 989e12, 362e12, 181e12,
+                                                                        121e12]
+    assert cli.peak_flops(types.SimpleNamespace(peak_flops=None, dtype="float32"), "cuda:0", "NVIDIA L4") == 60.5e12
     assert cli.peak_flops(args, "cpu") is None
 
 
