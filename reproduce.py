@@ -81,8 +81,6 @@ def train_once(out_dir, flags):
     """Train into out_dir, or go on with a run stopped there, or reuse a finished one."""
     import train
     resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "steps.jsonl")) else []
-    redo = f"reproduce.py reuses and continues its runs by itself: delete {out_dir} to train " \
-           f"that run again"
     try:
         train.fit_or_stop([*flags, "--out_dir", out_dir, *resume])
     except train.Stopped as e:
@@ -91,12 +89,39 @@ def train_once(out_dir, flags):
     except UserError as e:  # (a new run's error, e.g. offline, is the error itself)
         if not resume:
             raise
-        raise UserError(f"the run in {out_dir} cannot be reused or continued ({e}); {redo}") \
-            from None
+        raise not_reusable(out_dir, e) from None
     best = os.path.join(out_dir, "ckpt_best.pt")
     if not os.path.exists(best):
-        raise UserError(f"{out_dir} holds no ckpt_best.pt (removed, or the run failed); {redo}")
+        raise UserError(f"{out_dir} holds no ckpt_best.pt (removed, or the run failed); "
+                        f"{REDO.format(out_dir)}")
     return best
+
+
+REDO = "reproduce.py reuses and continues its runs by itself: delete {} to train that run again"
+
+
+def not_reusable(out_dir, why):
+    return UserError(f"the run in {out_dir} cannot be reused or continued ({why}); "
+                     f"{REDO.format(out_dir)}")
+
+
+def check_reusable(runs_dir, plan):
+    """Before any training: each run of the plan (name, flags, ...) that is already there must
+    have been trained with these flags (else the command would stop at it, after training the
+    runs before it)."""
+    import recipes
+    from runs import read_run
+    for name, flags, *_ in plan:
+        out_dir = os.path.join(runs_dir, name)
+        saved = read_run(out_dir).get("args")
+        if saved and os.path.exists(os.path.join(out_dir, "ckpt_last.pt")):
+            argv = [*flags, "--out_dir", out_dir, "--resume"]
+            args = recipes.build_parser().parse_args(argv)
+            explicit = {k: getattr(args, k) for k in recipes.typed_flags(argv)}
+            try:
+                recipes.resume_args(args, explicit, dict(args=saved), None)
+            except UserError as e:
+                raise not_reusable(out_dir, e) from None
 
 
 def evaluate_once(ckpt, flags, path):
@@ -168,25 +193,23 @@ def nmst_runs(table, args):
     cfg = nmst_settings(args.scale, table)
     limit = ["--limit", str(cfg["contexts"])] if cfg["contexts"] else []
     curve = [str(x) for x in sorted({1, 3, 10, 30, 100, 300, 1000, cfg["L"]}) if x <= cfg["L"]]
-    runs, heads = {}, args.heads
-    progress = Progress(len(cfg["models"]) * len(heads) * cfg["seeds"] * 2)
-    for model in cfg["models"]:
-        for head in heads:
-            for seed in range(cfg["seeds"]):
-                name = f"{model}-{head}-s{seed}"
-                progress.step(f"training {name}")
-                ckpt = train_once(os.path.join(args.runs, name),
-                                  base_flags(cfg, model, head, seed, cfg["eps"]))
-                progress.step(f"evaluating {name} (perplexity, {len(cfg['decoders'])} decoders)")
-                ppl_flags = ["--split", "valid"] + (limit if args.scale == "tiny" else [])
-                r = dict(ppl=evaluate_once(ckpt, ppl_flags,
-                                           os.path.join(args.out, f"{name}-ppl.json"))["ppl"])
-                for dec in cfg["decoders"]:
-                    flags = ["--no_ppl", *decoder_flags(dec), "--L", *curve, *limit,
-                             "--seed", str(seed), "--traces", "3"]
-                    path = os.path.join(args.out, f"{name}-{dec}.json")
-                    r[dec] = evaluate_once(ckpt, flags, path)
-                runs.setdefault((model, head), []).append(r)
+    plan = [(f"{model}-{head}-s{seed}", base_flags(cfg, model, head, seed, cfg["eps"]),
+             (model, head), seed)
+            for model in cfg["models"] for head in args.heads for seed in range(cfg["seeds"])]
+    check_reusable(args.runs, plan)
+    runs, progress = {}, Progress(2 * len(plan))
+    for name, train_flags, key, seed in plan:
+        progress.step(f"training {name}")
+        ckpt = train_once(os.path.join(args.runs, name), train_flags)
+        progress.step(f"evaluating {name} (perplexity, {len(cfg['decoders'])} decoders)")
+        ppl_flags = ["--split", "valid"] + (limit if args.scale == "tiny" else [])
+        r = dict(ppl=evaluate_once(ckpt, ppl_flags,
+                                   os.path.join(args.out, f"{name}-ppl.json"))["ppl"])
+        for dec in cfg["decoders"]:
+            flags = ["--no_ppl", *decoder_flags(dec), "--L", *curve, *limit,
+                     "--seed", str(seed), "--traces", "3"]
+            r[dec] = evaluate_once(ckpt, flags, os.path.join(args.out, f"{name}-{dec}.json"))
+        runs.setdefault(key, []).append(r)
     return cfg, runs
 
 
@@ -366,18 +389,19 @@ def ct_settings(scale):
 
 def run_ct(args):
     cfg = ct_settings(args.scale)
-    runs, progress = {}, Progress(2 * len(CT_ROWS) * cfg["seeds"])
-    for label, head, extra in CT_ROWS:
-        for seed in range(cfg["seeds"]):
-            name = f"{head}{extra[1] if extra else ''}-s{seed}"
-            progress.step(f"training {name}")
-            ckpt = train_once(os.path.join(args.runs, name),
-                              [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)])
-            progress.step(f"evaluating {name} (valid, test)")
-            ppl = {split: evaluate_once(ckpt, ["--split", split, *cfg["limit"]],
-                                        os.path.join(args.out, f"{name}-{split}.json"))["ppl"]
-                   for split in ("valid", "test")}
-            runs.setdefault(label, []).append(ppl)
+    plan = [(f"{head}{extra[1] if extra else ''}-s{seed}",
+             [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)], label)
+            for label, head, extra in CT_ROWS for seed in range(cfg["seeds"])]
+    check_reusable(args.runs, plan)
+    runs, progress = {}, Progress(2 * len(plan))
+    for name, flags, label in plan:
+        progress.step(f"training {name}")
+        ckpt = train_once(os.path.join(args.runs, name), flags)
+        progress.step(f"evaluating {name} (valid, test)")
+        ppl = {split: evaluate_once(ckpt, ["--split", split, *cfg["limit"]],
+                                    os.path.join(args.out, f"{name}-{split}.json"))["ppl"]
+               for split in ("valid", "test")}
+        runs.setdefault(label, []).append(ppl)
     lines = [f"CT Table 3 (scale {args.scale}): PTB, continuous LM, perplexity valid / test, "
              f"mean ± std over {cfg['seeds']} seed(s).  Paper: AWD-LSTM-size models without "
              f"finetuning.", "", "| model | nanogen valid | nanogen test | paper valid / test |",
@@ -418,18 +442,18 @@ PAPER_INSNET = {"insnet": "52.86 / 36.86 / 26.39 / 19.35, 100%",
 def run_insnet(args):
     cfg = insnet_settings(args.scale)
     limit = ["--limit", str(cfg["stories"])] if cfg["stories"] else []
-    runs, progress = {}, Progress(2 * 2 * cfg["seeds"] + 1)
-    for model in ("insnet", "gpt"):
-        for seed in range(cfg["seeds"]):
-            name = f"{model}-s{seed}"
-            progress.step(f"training {name}")
-            ckpt = train_once(os.path.join(args.runs, name),
-                              ["--model", model, "--dataset", "rocstories", "--task", "storyline",
-                               "--seed", str(seed), *cfg["flags"]])
-            progress.step(f"generating {name}'s stories")
-            runs.setdefault(model, []).append(evaluate_once(
-                ckpt, ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
-                os.path.join(args.out, f"{name}-generation.json"))["generation"])
+    plan = [(f"{model}-s{seed}", ["--model", model, "--dataset", "rocstories", "--task",
+                                  "storyline", "--seed", str(seed), *cfg["flags"]], model)
+            for model in ("insnet", "gpt") for seed in range(cfg["seeds"])]
+    check_reusable(args.runs, plan)
+    runs, progress = {}, Progress(2 * len(plan) + 1)
+    for name, flags, model in plan:
+        progress.step(f"training {name}")
+        ckpt = train_once(os.path.join(args.runs, name), flags)
+        progress.step(f"generating {name}'s stories")
+        runs.setdefault(model, []).append(evaluate_once(
+            ckpt, ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
+            os.path.join(args.out, f"{name}-generation.json"))["generation"])
     lines = [f"InsNet Table 3 (scale {args.scale}): ROCStories, golden storylines, greedy "
              f"decoding of {cfg['stories'] or 'all'} test stories, mean ± std over "
              f"{cfg['seeds']} seed(s).", "",

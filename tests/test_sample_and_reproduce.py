@@ -132,7 +132,7 @@ def test_sample_insnet_shows_the_canvas_after_each_insertion(ckpts, capsys, tmp_
     assert len(steps[-1].split()) > len(steps[0].split()) or len(steps) == 1
 
 
-def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys):
+def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys, monkeypatch):
     """Each command end to end: the table with the paper's numbers, the raw JSON, the figures;
     a second run reuses the finished runs (no training step is repeated)."""
     out = tmp_path / "results"
@@ -159,6 +159,12 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys):
                            str(out / "nmst-table1-tiny")]) == 0
     again = capsys.readouterr().out
     assert "done (reached" not in again and "already finished" in again
+    monkeypatch.setattr(train, "fit", lambda argv: pytest.fail("trained a run"))  # checked before any training:
+    rc, err = run_in_process(reproduce.main, ["nmst-table1", "--scale", "cpu", "--runs",  # tiny's runs at cpu scale
+                                              str(out / "nmst-table1-tiny" / "runs"), "--out", str(tmp_path / "c")],
+                             capsys)
+    assert_one_line_error(rc, err, "the run in " + str(out / "nmst-table1-tiny" / "runs" / "lstm-softmax-s0") +
+                          " cannot be reused or continued (the checkpoint")
 
 
 @pytest.mark.parametrize("result, dataset", [("nmst-table1", "wikitext2"), ("nmst-table4", "wikitext103"),
