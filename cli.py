@@ -384,7 +384,7 @@ def save_figure(fig, path):
     try:
         fig.tight_layout()
         with atomic_file(path, "wb") as f:
-            fig.savefig(f, dpi=120, format="png")
+            fig.savefig(f, dpi=120, format="png", bbox_inches="tight")  # (legends outside)
     finally:
         plt.close(fig)
 

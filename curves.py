@@ -171,21 +171,21 @@ def overlay(folders, path):
                     + (f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
                        f"{probe[-1]['probe_eos_at_end']:.4f} |" if probe else "- | - |"))
         if axes is not None:
-            style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
+            style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4],
+                         marker="os^D"[i % 4], fillstyle="none")  # (a run of one evaluation)
             axes[0].plot([r["step"] for r in log], [ppl(r["val_loss"]) for r in log], label=name,
                          **style)
             if probe:
                 axes[1].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe],
-                             marker="os^D"[i % 4], fillstyle="none", label=name, **style)
+                             **style)
     if axes is None:
         return rows, None
     axes[0].set(yscale="log", xlabel="step", ylabel="validation perplexity (log axis)")
     L = next((r["probe_L"] for _, _, log in runs for r in log if has_numbers(r, PROBE)), "L")
     axes[1].set(xlabel="step", ylabel=f"r_nt({L}), greedy", ylim=(-0.02, 1.02),
                 title="termination probe")
-    for ax in axes:
-        if ax.lines:  # (no run has a probe: an empty panel, no legend)
-            ax.legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(0, 0),
+               fontsize=8)  # one legend for both panels, below them (labels may be long)
     return rows, save(fig, path)
 
 

@@ -88,7 +88,7 @@ def test_tensorboard_gets_the_logged_scalars(tmp_path, monkeypatch):
     assert {"val_ppl", "train_loss", "lr", "probe_r_nt"} <= {k for k, _ in scalars}
 
 
-def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys):
+def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys, monkeypatch):
     folders = []
     for head in ("softmax", "nmst"):
         folders.append(str(tmp_path / head))
@@ -113,6 +113,14 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys):
     damaged = capsys.readouterr().out
     assert damaged.count("\n") == out.count("\n") and (tmp_path / "cmp2.png").exists()
     assert curves.draw_run(folders[1], str(tmp_path / "one.png")) == str(tmp_path / "one.png")
+    (tmp_path / "nmst" / "log.jsonl").write_text(records[0] + "\n")  # one evaluation: a marker, not an empty line
+    drawn = []
+    monkeypatch.setattr(curves, "save", lambda fig, path: drawn.append(fig))
+    curves.overlay(folders, str(tmp_path / "cmp4.png"))
+    (ppl_panel, _), = [fig.axes for fig in drawn]
+    assert [len(line.get_xdata()) for line in ppl_panel.lines] == [2, 1]
+    assert all(line.get_marker() not in ("None", "", None) for line in ppl_panel.lines)
+    assert len(drawn[0].legends) == 1 and ppl_panel.get_legend() is None  # one legend, under both panels
 
 
 def test_a_label_names_every_flag_that_differs():
