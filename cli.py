@@ -186,8 +186,8 @@ def autocast_context(device, dtype):
 # --peak_flops).  Matched in this order (H100 PCIe / NVL before the SXM's "H100", L40S and L40
 # before L4).
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100": 989e12,
-              "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 125e12, "L4": 121e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+              "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 125e12, "L4": 121e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
 
 
 def peak_flops(args, device, name=None):
