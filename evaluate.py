@@ -283,8 +283,8 @@ def normalised_sentences(data, tau_next, eos_id):
                     rows.append(torch.cat([words[:5], words[mid:mid + 5], words[-5:]]))
                 start = j + 1
     if not rows:
-        raise UserError("no sentence of 16-24 words in this split: the temperature report "
-                        "needs some")
+        raise UserError("no sentence of 16-24 words in this split (or within --limit): the "
+                        "temperature report needs some")
     return torch.stack(rows)
 
 
