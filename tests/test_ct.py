@@ -182,3 +182,13 @@ def test_activation_regularisation_and_locked_dropout():
     zeros = lm.backbone._dropout(x) == 0  # (2, 7, 16)
     assert zeros.any() and (zeros == zeros[:, :1]).all()  # the same units dropped at every step
     assert not (lm.backbone.drop(x) == 0).eq((lm.backbone.drop(x) == 0)[:, :1]).all()  # plain dropout varies
+
+
+def test_tau_by_position_takes_first_middle_last_five_of_16_to_24_word_sentences():
+    from cli import UserError
+    data = torch.tensor([[5, 0, *range(1, 21), 0, 7, 8, 0, *range(1, 10)]])  # cut, 20 words, 2 words, cut
+    tau_next = torch.arange(data.size(1) - 1, dtype=torch.float64).unsqueeze(0)  # tau of target j: j
+    rows = evaluate.normalised_sentences(data, tau_next, eos_id=0)
+    assert rows.tolist() == [[1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 16, 17, 18, 19, 20]]
+    with pytest.raises(UserError, match="no sentence of 16-24 words"):
+        evaluate.normalised_sentences(data[:, 20:], tau_next[:, 20:], eos_id=0)
