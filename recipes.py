@@ -214,6 +214,8 @@ RULES = [
      "--init_from {init_from} loads GPT-2 weights: use it with --model gpt"),
     (lambda a: a.weights and a.init_from == "scratch",
      "--weights is for --init_from gpt2 / gpt2-medium / gpt2-large / gpt2-xl"),
+    (lambda a: a.weights and not os.path.exists(a.weights), "--weights {weights}: no such file or "
+     "folder"),  # (said before the data is prepared, not after)
     (lambda a: a.task == "stream" and a.model not in RECURRENT,
      "--task stream runs the recurrent models (CT paper): use --model rnn or lstm"),
     (lambda a: a.task == "stream" and a.head in TERMINATION_HEADS,

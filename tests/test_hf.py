@@ -128,3 +128,10 @@ def test_hub_download_path(tmp_path, monkeypatch):
         assert "NANOGEN_OFFLINE" in str(e) and "--weights" in str(e)
     else:
         raise AssertionError("offline without a cached copy must fail")
+
+
+def test_missing_weights_are_refused_before_the_data_is_read(tmp_path, monkeypatch):
+    import train
+    monkeypatch.setattr(train, "load_task", lambda *a, **k: pytest.fail("read the data"))
+    with pytest.raises(UserError, match="no such file or folder"):
+        train.main(["--init_from", "gpt2", "--weights", str(tmp_path / "gpt2"), "--out_dir", str(tmp_path / "run")])
