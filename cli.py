@@ -24,7 +24,15 @@ class UserError(Exception):
 
 
 class CLIParser(argparse.ArgumentParser):
-    """argparse whose errors are one line ('error: ... (see PROG --help)'), exit status 2."""
+    """argparse whose errors are one line ('error: ... (see PROG --help)'), exit status 2, and
+    whose help says each flag's default."""
+
+    def format_help(self):
+        for a in self._actions:  # unless the help says it, or there is none (None, off)
+            if a.option_strings and "default" not in (a.help or "") and \
+                    not any(a.default is d for d in (None, False, argparse.SUPPRESS)):
+                a.help = f"{a.help or ''} (default: %(default)s)".lstrip()
+        return super().format_help()
 
     def error(self, message):
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)

@@ -177,6 +177,8 @@ def build_parser():
             kw = dict(kw)
             if "range" in kw:  # the flag's own range, checked as it is parsed
                 kw["type"] = cli.in_range(kw["type"], flag, kw.pop("range"))
+            if flag[2:] in RECIPES["lstm"]:  # (None: filled from the recipe)
+                kw["help"] = f"{kw.get('help', '')} (default: the --model recipe)".lstrip()
             g.add_argument(flag, **kw)
     return p
 

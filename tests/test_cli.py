@@ -2,6 +2,7 @@
 one clear error line, non-zero exit, no traceback."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -132,6 +133,11 @@ def test_help_lists_the_flags():
                  "--dtype", "--compile", "--resume", "--lr", "--patience", "--max_epochs", "--max_iters",
                  "--batch_size", "--max_tokens", "--grad_clip", "--eval_interval"):
         assert flag in out
+    text = " ".join(out.split("options:")[1].split())  # each flag's help: up to the next "--flag METAVAR"
+    help_of = {part.split()[0]: part for part in re.split(r" (?=--\w+ (?:[A-Z0-9_]+ |\{))", text)}
+    assert help_of["--patience"].endswith("(default: 10)") and "(default: 0.99)" in help_of["--beta2"]
+    assert help_of["--lr"].endswith("(default: the --model recipe)")  # (recipes.RECIPES)
+    assert help_of["--model"].count("default") == 1  # said once, where its help says it
 
 
 @pytest.fixture(scope="module")
