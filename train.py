@@ -23,7 +23,7 @@ import torch
 
 import cli
 import runs
-from checkpoint import load_pretrained_gpt2
+from checkpoint import fetch_hf_weights, load_pretrained_gpt2
 from cli import UserError
 from recipes import STORY, model_config, parse_args
 from tasks import build_model, check_same_data, load_task, unwrap
@@ -44,6 +44,9 @@ def fit(argv=None):
     dist = cli.setup_distributed(args)
     cli.setup_device(dist.device)  # cuda:N current, TF32; before anything touches the device
     torch.manual_seed(args.seed + dist.rank)  # before the model is built: its initial weights
+    weights = None  # GPT-2's, found or downloaded (by rank 0) before the data is prepared
+    if args.init_from != "scratch" and ckpt is None:
+        weights = dist.rank0_first(lambda: args.weights or fetch_hf_weights(args.init_from))
     vocab = ckpt["data"].get("vocab") if ckpt else None
     task = dist.rank0_first(lambda: load_task(vars(args), args.data_dir, vocab=vocab,
                                               verbose=dist.rank == 0))  # one process prepares
@@ -52,8 +55,8 @@ def fit(argv=None):
     check_data_fits(args, task)
     cfg = model_config(args, task.vocab_size, task.eos_id)
     lm = build_model(cfg)
-    if args.init_from != "scratch" and ckpt is None:
-        dist.rank0_first(lambda: load_pretrained_gpt2(lm, args.init_from, args.weights))
+    if weights:
+        load_pretrained_gpt2(lm, args.init_from, weights)
     lm = lm.to(dist.device)  # the first CUDA kernel
     optimizer = configure_optimizer(lm, args, dist.device)
     fp16 = cli.autocast_dtype(dist.device, args.dtype) == torch.float16  # needs loss scaling

@@ -130,8 +130,14 @@ def test_hub_download_path(tmp_path, monkeypatch):
         raise AssertionError("offline without a cached copy must fail")
 
 
-def test_missing_weights_are_refused_before_the_data_is_read(tmp_path, monkeypatch):
+def test_missing_weights_are_said_before_the_data_is_read(tmp_path, monkeypatch):
+    """A --weights path that is not there, or GPT-2 weights that cannot be downloaded (offline, not
+    in the cache): said at once, not after the data is prepared and the model built."""
     import train
     monkeypatch.setattr(train, "load_task", lambda *a, **k: pytest.fail("read the data"))
     with pytest.raises(UserError, match="no such file or folder"):
         train.main(["--init_from", "gpt2", "--weights", str(tmp_path / "gpt2"), "--out_dir", str(tmp_path / "run")])
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("NANOGEN_OFFLINE", "1")
+    with pytest.raises(UserError, match="NANOGEN_OFFLINE is set: pass --weights PATH"):
+        train.main(["--init_from", "gpt2", "--out_dir", str(tmp_path / "run")])
