@@ -10,10 +10,10 @@ eos, [length cap L] when it was cut at --L tokens (the continuation did not term
 --show_eos every generated token is printed with p(eos) at that step, the quantity the NMST
 paper is about (VA, ST and NMST heads model it differently).  Insertion checkpoints (InsNet,
 IT-vanilla) take a title (and storyline keywords; synthetic ones nothing) and print the given
-canvas, then the canvas after every insertion, with p(terminate).  Word-level prompts must be
-in the model's vocabulary (PTB is lower-cased); --allow_unk reads unknown words as <unk>.  A
-char-level prompt is read as whole words and the space after them, as every training context
-ends.
+canvas, then the canvas after every insertion, with p(terminate).  No data is read: the
+checkpoint carries its vocabulary.  Word-level prompts must be in the model's vocabulary (PTB
+is lower-cased); --allow_unk reads unknown words as <unk>.  A char-level prompt is read as
+whole words and the space after them, as every training context ends.
 """
 import math
 import sys
@@ -45,7 +45,8 @@ def build_parser():
                    help="sampling seed (default: a fresh one, printed so the run can be repeated)")
     p.add_argument("--show_eos", action="store_true", help="print p(eos) at every step")
     p.add_argument("--allow_unk", action="store_true", help="read unknown words as <unk>")
-    p.add_argument("--data_dir", default=None, help="local dataset folder (for the vocabulary)")
+    p.add_argument("--data_dir", default=None, help="local dataset folder: the vocabulary of a "
+                   "checkpoint older than the ones that carry it")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda if any)")
     return p
 
