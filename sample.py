@@ -24,8 +24,8 @@ import cli
 from cli import UserError
 from checkpoint import check_run
 from checkpoint import load as load_checkpoint
-from decode import (DECODERS, SAMPLING, STORY_DECODERS, check_decoder_args, decode, eos_probs,
-                    sampling_generator)
+from decode import (DECODERS, SAMPLING, STORY_DECODERS, check_decoder_args, decode,
+                    decode_in_batches, eos_probs, sampling_generator)
 from data.prepare import tokenizer_from
 from tasks import INSERTION_MODELS, STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
@@ -66,9 +66,11 @@ def main(argv=None):
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L)
     tok = checkpoint_tokenizer(ckpt, args)
     ids = [encode_prompt(tok, text, args.allow_unk) for text in prompts]
-    out = decode(model, [torch.tensor(x, device=device) for x in ids], args.L, args.decoder,
-                 k=args.k, p=args.p, beam_size=args.beam_size, temperature=args.temperature,
-                 generator=sampling_generator(device, choose_seed(args)))
+    out = decode_in_batches(  # a --prompt_file of thousands: 64 prompts at a time
+        model, [torch.tensor(x, device=device) for x in ids], args.L, args.decoder, 64,
+        desc="sampling" if len(ids) > 64 else None, k=args.k, p=args.p,
+        beam_size=args.beam_size, temperature=args.temperature,
+        generator=sampling_generator(device, choose_seed(args)))
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
         show(model, tok, text, x, toks, done, args)
     return 0

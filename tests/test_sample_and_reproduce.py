@@ -104,6 +104,18 @@ def test_sample_a_left_to_right_story(ckpts, capsys):
     assert_one_line_error(rc, err, "give --keywords")  # it was trained on title + storyline
 
 
+def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time(ckpts, capsys, tmp_path, monkeypatch):
+    import decode
+    sizes, real = [], decode.decode
+    monkeypatch.setattr(decode, "decode", lambda lm, prompts, *a, **k: sizes.append(len(prompts)) or
+                        real(lm, prompts, *a, **k))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"the company said {i}\n" for i in range(70)))
+    assert sample.main(["--ckpt", ckpts["word"], "--prompt_file", str(prompts), "--L", "3", "--allow_unk"]) == 0
+    out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
+    assert sizes == [64, 6] and [ln.split(" >>>")[0] for ln in out] == [f"the company said {i}" for i in range(70)]
+
+
 def test_a_sample_without_seed_says_the_seed_that_repeats_it(ckpts, capsys):
     flags = ["--ckpt", ckpts["word"], "--prompt", "the company said it", "--L", "8"]
     assert sample.main(flags + ["--decoder", "sample"]) == 0
