@@ -251,6 +251,8 @@ def parse_args(argv=None):
     -> (args, the checkpoint to resume or None)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.data_dir:  # kept with the run: --resume and evaluate.py may run from another folder
+        args.data_dir = os.path.abspath(args.data_dir)
     explicit = {k: getattr(args, k) for k in typed_flags(argv)}
     out_dir = args.out_dir or os.path.join("out", default_run_name(args))
     path = os.path.join(out_dir, "ckpt_last.pt")
@@ -349,6 +351,9 @@ def resume_args(args, explicit, ckpt, path):
                                   f"--out_dir for a new run")
         if k in RESUMABLE:
             saved[k] = v
+    if saved.get("data_dir") and not os.path.isdir(saved["data_dir"]):
+        raise cli.UserError(f"the run's --data_dir {saved['data_dir']} is not there (moved?): "
+                            f"give --data_dir DIR where its data is now")
     saved["resume"], saved["out_dir"] = True, args.out_dir  # where the folder is now
     return type(args)(**saved)
 

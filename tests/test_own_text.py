@@ -3,6 +3,7 @@ evaluates, and samples with no data at all (the checkpoint carries its vocabular
 text, or text that is not UTF-8, is one line; and sample.py and evaluate.py agree to the token
 on a GPT's context window."""
 import os
+import shutil
 
 import pytest
 
@@ -34,7 +35,8 @@ def own_text(tmp_path_factory):
 def test_own_text_trains_evaluates_and_samples_without_data(vocab, model, own_text, tmp_path, monkeypatch,
                                                             capsys):
     out = tmp_path / "run"
-    flags = ["--dataset", "text", "--data_dir", str(own_text), "--vocab", vocab, "--model", model,
+    monkeypatch.chdir(own_text.parent)  # a relative --data_dir ...
+    flags = ["--dataset", "text", "--data_dir", own_text.name, "--vocab", vocab, "--model", model,
              "--head", "nmst", "--epsilon", "1e-3", "--d_model", "32", "--n_layer", "1", "--n_head", "2",
              "--block_size", "512", "--batch_size", "8", "--lr", "3e-3", "--max_iters", "4",
              "--eval_interval", "2", "--out_dir", str(out)]
@@ -43,6 +45,7 @@ def test_own_text_trains_evaluates_and_samples_without_data(vocab, model, own_te
     assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--data_dir", str(own_text)]) == 0
     with_dir = capsys.readouterr().out
     assert "ppl" in with_dir
+    monkeypatch.chdir(tmp_path)  # ... is the same folder seen from elsewhere
     assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt")]) == 0  # the run's own --data_dir
     assert capsys.readouterr().out == with_dir
     # sampling needs no data: no --data_dir, no NANOGEN_DATA, an empty cache
@@ -130,3 +133,15 @@ def test_a_byte_order_mark_is_not_text(tmp_path, monkeypatch):
     (tmp_path / "prompts.txt").write_text("\ufeffthe cat\n", encoding="utf-8")
     args = argparse.Namespace(prompt=[], prompt_file=str(tmp_path / "prompts.txt"))
     assert sample.read_prompts(args) == ["the cat"]
+
+
+def test_a_resumed_run_whose_data_moved_says_so(own_text, tmp_path, capsys):
+    text, out = tmp_path / "text", tmp_path / "run"
+    shutil.copytree(own_text, text)
+    flags = ["--dataset", "text", "--model", "lstm", "--d_model", "8", "--n_layer", "1", "--batch_size", "8",
+             "--eval_interval", "1", "--probe", "0", "--out_dir", str(out)]
+    assert train.main([*flags, "--data_dir", str(text), "--max_iters", "1"]) == 0
+    text.rename(tmp_path / "moved")
+    rc, err = run_in_process(train.main, [*flags, "--max_iters", "2", "--resume"], capsys)
+    assert_one_line_error(rc, err, f"the run's --data_dir {text} is not there (moved?): give --data_dir DIR")
+    assert train.main([*flags, "--max_iters", "2", "--resume", "--data_dir", str(tmp_path / "moved")]) == 0
