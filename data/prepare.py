@@ -665,10 +665,12 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word", counts=False):
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-{os.getpid()}-",
                                dir=os.path.dirname(out))
         _build(dataset, vocab, source, tmp)
-        if os.path.exists(out):  # a stale folder from an older protocol
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        VERIFIED.add(out)  # just written from its source
+        try:  # (a stale or damaged folder was removed above)
+            os.rename(tmp, out)
+            VERIFIED.add(out)  # just written from its source
+        except OSError:  # another process prepared it meanwhile, and may be reading it: kept
+            if not os.path.isdir(out):
+                raise
     except OSError as e:
         raise DataError(f"could not write the prepared data under {os.path.dirname(out)}: "
                         f"{e.strerror or e} (set NANOGEN_CACHE to a writable folder)") from None

@@ -233,3 +233,25 @@ def test_char_vocabulary_round_trip_and_protocol(dataset):
         assert tok.decode(va[i][:-1].tolist()) == " ".join(words) and va[i][-1] == 0
         assert tok.decode(va.context(i).tolist()) == " ".join(words[:10]) + " "
     assert meta["counts"]["valid"]["oov_to_unk"] == 0  # every valid character is seen in train
+
+
+def test_a_preparation_finished_meanwhile_by_another_process_is_kept(tmp_path, monkeypatch):
+    """Two commands preparing the same data at once: the first to finish wins; the second drops
+    its own copy rather than delete the folder the first may be reading."""
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "extracted"
+    (d / "wikitext-2").mkdir(parents=True)
+    for s in P.SPLITS:
+        (d / "wikitext-2" / f"wiki.{s}.tokens").write_text(LINE + "\n" + LINE)
+    build, theirs = P._build, {}
+
+    def build_while_another_finishes(*a):
+        meta = build(*a)
+        monkeypatch.setattr(P, "_build", build)
+        theirs["folder"] = P.prepare("wikitext2", str(d), verbose=False)  # the other process
+        theirs["inode"] = os.stat(os.path.join(theirs["folder"], "meta.json")).st_ino
+        return meta
+    monkeypatch.setattr(P, "_build", build_while_another_finishes)
+    folder = P.prepare("wikitext2", str(d), verbose=False)
+    assert folder == theirs["folder"] and os.stat(os.path.join(folder, "meta.json")).st_ino == theirs["inode"]
+    assert sorted(os.listdir(os.path.dirname(folder))) == [os.path.basename(folder)]  # no temporary left
