@@ -447,7 +447,7 @@ class StoryTask(Task):
         longest = max(len(s["tokens"]) for split in self.splits.values() for s in split)
         if longest > args.block_size:
             raise UserError(f"a sequence of {longest} tokens exceeds --block_size "
-                            f"{args.block_size}")
+                            f"{args.block_size}: use --block_size {longest} or more")
 
     @torch.no_grad()
     def evaluate(self, model, device, split="valid", limit=None, seed=None, desc=None, **_):

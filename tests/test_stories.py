@@ -187,7 +187,8 @@ def test_synthetic_runs_all_three_models(tmp_path, capsys):
     (["--model", "lstm", "--dataset", "wikitext2", "--order", "l2r"], "--order is the insertion order"),
     (["--model", "lstm", "--dataset", "wikitext2", "--task", "story"], "is for --dataset rocstories"),
     (["--model", "insnet", "--dataset", "rocstories", "--max_tokens", "1000"], "not --max_tokens"),
-    (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20"),
+    (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20: use "
+                                                                             "--block_size 112 or more"),
 ])
 @pytest.mark.slow
 def test_story_bad_input(args, pattern, tmp_path, capsys):
