@@ -224,8 +224,7 @@ def check_tau(ckpt):
 
 
 def tau_job(args, ckpt, task, lm, device):
-    data = task.columns(args.split)
-    data = data[:, :args.limit + 1] if args.limit else data  # --limit: as the stream perplexity
+    data = task.columns(args.split, args.limit)  # --limit: as the stream perplexity
     from recipes import build_parser
     bptt = ckpt["args"].get("bptt") or build_parser().get_default("bptt")
     rep = tau_report(lm, data, bptt, task.eos_id,

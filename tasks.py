@@ -129,9 +129,11 @@ class LanguageModelTask(Task):
     def tokenizer(self):
         return tokenizer_of(self.folder, self.meta)
 
-    def columns(self, split):
-        """A split's token stream (every line + eos) as the 10 evaluation columns (CT paper)."""
-        return long_enough(batchify(load_stream(self.folder, split), 10), split)
+    def columns(self, split, limit=None):
+        """A split's token stream (every line + eos) as the 10 evaluation columns (CT paper);
+        limit: the first N tokens of each column."""
+        data = long_enough(batchify(load_stream(self.folder, split), 10), split)
+        return data[:, :limit + 1] if limit else data
 
     def penalised(self, model, ce):
         """ce * LS (eq. 8's loss scaling, a constant) + AR / TAR on the last recurrent layer."""
@@ -310,9 +312,9 @@ class StreamTask(LanguageModelTask):
 
     def evaluate(self, lm, device, split="valid", limit=None, desc=None, **_):
         """Continuous-LM perplexity of a split; limit: the first N tokens of each column."""
-        data = long_enough(self.valid, split) if split == "valid" else self.columns(split)
-        return stream_perplexity(lm, data[:, :limit + 1] if limit else data, self.bptt, device,
-                                 desc)
+        data = long_enough(self.valid, split) if split == "valid" and not limit else \
+            self.columns(split, limit)
+        return stream_perplexity(lm, data, self.bptt, device, desc)
 
     def report(self, res, split):
         return (f"{split}: stream perplexity {res['ppl']:.2f} (nll {res['nll']:.4f} over "
