@@ -249,17 +249,13 @@ def parse_args(argv=None):
     with --resume, the run's own arguments (a typed flag is honoured where a resumed run may
     change it, refused where it differs from the run's) and its checkpoint.
     -> (args, the checkpoint to resume or None)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.data_dir:  # kept with the run: --resume and evaluate.py may run from another folder
-        args.data_dir = os.path.abspath(args.data_dir)
-    explicit = {k: getattr(args, k) for k in typed_flags(argv)}
+    args, explicit = typed_args(argv)
     out_dir = args.out_dir or os.path.join("out", default_run_name(args))
     path = os.path.join(out_dir, "ckpt_last.pt")
     if args.resume and os.path.exists(path):  # the run's own arguments, already resolved
         args.out_dir, ckpt = out_dir, load_checkpoint(path)
         check_own_checkpoint(ckpt, out_dir)  # not a checkpoint copied in from another run
-        return resume_args(args, explicit, ckpt, path), ckpt
+        return resume_args(args, explicit, ckpt["args"]), ckpt
     args = resolve(args, explicit)
     unused = [f"--{k}" for k, applies in APPLIES if k in explicit and not applies(args)]
     if unused:  # said, not silently dropped (not refused: scripts pass them to every model)
@@ -289,6 +285,14 @@ APPLIES = [  # (flag, does it apply to these arguments?)
     ("probe", lambda a: a.task == "completion"),  # (contexts to continue)
     ("probe_L", lambda a: a.task == "completion"),
 ]
+
+
+def typed_args(argv=None):
+    """-> (the arguments as parsed, recipes not yet applied; {flag: value} of those typed)."""
+    args = build_parser().parse_args(argv)
+    if args.data_dir:  # kept with the run: --resume and evaluate.py may run from another folder
+        args.data_dir = os.path.abspath(args.data_dir)
+    return args, {k: getattr(args, k) for k in typed_flags(argv)}
 
 
 def typed_flags(argv=None):
@@ -339,10 +343,11 @@ def default_run_name(a):
     return f"{a.dataset}{'' if a.vocab == 'word' else '-' + a.vocab}-{a.model}-{a.head}"
 
 
-def resume_args(args, explicit, ckpt, path):
-    """On --resume the run's own arguments come back; RESUMABLE flags may be changed, any other
-    flag that differs is an error (nothing is silently ignored)."""
-    saved = dict(vars(build_parser().parse_args([])), **ckpt["args"])
+def resume_args(args, explicit, run_args):
+    """On --resume the run's own arguments (run_args: its checkpoint's) come back; RESUMABLE
+    flags may be changed, any other flag that differs is an error (nothing is silently
+    ignored)."""
+    saved = dict(vars(build_parser().parse_args([])), **run_args)
     for k, v in explicit.items():
         if k not in RESUMABLE + ("resume", "out_dir") and saved.get(k) != v:
             what = "a flag a resumed run cannot change" if k not in ARCH_KEYS else "its model/data"

@@ -115,11 +115,8 @@ def check_reusable(runs_dir, plan):
         out_dir = os.path.join(runs_dir, name)
         saved = read_run(out_dir).get("args")
         if saved and os.path.exists(os.path.join(out_dir, "ckpt_last.pt")):
-            argv = [*flags, "--out_dir", out_dir, "--resume"]
-            args = recipes.build_parser().parse_args(argv)
-            explicit = {k: getattr(args, k) for k in recipes.typed_flags(argv)}
             try:
-                recipes.resume_args(args, explicit, dict(args=saved), None)
+                recipes.resume_args(*recipes.typed_args([*flags, "--out_dir", out_dir]), saved)
             except UserError as e:
                 raise not_reusable(out_dir, e) from None
 

@@ -142,6 +142,7 @@ def test_a_resumed_run_whose_data_moved_says_so(own_text, tmp_path, capsys):
              "--eval_interval", "1", "--probe", "0", "--out_dir", str(out)]
     assert train.main([*flags, "--data_dir", str(text), "--max_iters", "1"]) == 0
     text.rename(tmp_path / "moved")
+    capsys.readouterr()  # (the first run's notes and counts)
     rc, err = run_in_process(train.main, [*flags, "--max_iters", "2", "--resume"], capsys)
     assert_one_line_error(rc, err, f"the run's --data_dir {text} is not there (moved?): give --data_dir DIR")
     assert train.main([*flags, "--max_iters", "2", "--resume", "--data_dir", str(tmp_path / "moved")]) == 0
