@@ -35,8 +35,8 @@ def build_parser():
     p.add_argument("--ckpt", default=None, help="checkpoint written by train.py (ckpt_best.pt / "
                                                 "ckpt_last.pt); required unless --compare")
     p.add_argument("--split", default="valid", choices=["train", "valid", "test"])
-    p.add_argument("--data_dir", default=None, help="local dataset folder (default: "
-                                                    "$NANOGEN_DATA, else download)")
+    p.add_argument("--data_dir", default=None, help="local dataset folder (default: the "
+                   "run's --data_dir while it is there, else $NANOGEN_DATA, else download)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto)")
     p.add_argument("--batch_size", type=cli.in_range(int, "--batch_size", ">=1"), default=None,
                    help="sequences per batch")

@@ -28,6 +28,7 @@ refuse other data), `note`, what the user should know about the data, vocab_size
 import contextlib
 import hashlib
 import math
+import os
 
 import numpy as np
 import torch
@@ -523,8 +524,8 @@ def _story_task(a, data_dir, vocab, verbose):
 
 def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpoint", sizes=None):
     """The task of a checkpoint's run, on all of its data (no --train_seqs / --eval_seqs
-    limits), checked to be the data it was made from (for the splits to be read); your own text
-    is read from the run's --data_dir unless another is given.  sizes: evaluate.py's
+    limits), checked to be the data it was made from (for the splits to be read), read from the
+    run's --data_dir (while it is there) unless another is given.  sizes: evaluate.py's
     --batch_size / --max_tokens, replacing the run's batching."""
     from recipes import build_parser  # (recipes imports this module)
     a = {**vars(build_parser().parse_args([])), "model": ckpt["config"]["model"], **ckpt["args"],
@@ -536,8 +537,9 @@ def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpo
         raise UserError("--max_tokens does not apply to a story checkpoint: stories are batched "
                         "by --batch_size sequences")
     a.update({"batch_size": None, "max_tokens": None, **sizes} if sizes else {})
-    if data_dir is None and a["dataset"] == "text":  # your own text: where it was trained on
-        data_dir = a.get("data_dir")
+    saved_dir = a.get("data_dir")  # where the run read it: your own text, or a local copy
+    if data_dir is None and saved_dir and (a["dataset"] == "text" or os.path.isdir(saved_dir)):
+        data_dir = saved_dir
     task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
     check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task

@@ -89,6 +89,23 @@ def test_silent_wrong_numbers_are_refused(tmp_path, capsys):
     assert_one_line_error(rc, err, "holds non-finite weights")
 
 
+def test_evaluate_reads_the_runs_own_data_folder(tmp_path, capsys, monkeypatch):
+    """A run trained on a local copy (--data_dir) is evaluated from it, offline and without
+    NANOGEN_DATA (it tried to download its data); once that folder is gone, from NANOGEN_DATA."""
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.join(SHARED, "ptb"), copy)
+    ckpt = str(tiny_run(tmp_path / "run", 1, 1, ["--data_dir", str(copy)]) / "ckpt_last.pt")
+    capsys.readouterr()
+    monkeypatch.setenv("NANOGEN_OFFLINE", "1")
+    monkeypatch.delenv("NANOGEN_DATA", raising=False)
+    assert evaluate.main(["--ckpt", ckpt, "--limit", "4"]) == 0
+    from_copy = capsys.readouterr().out
+    shutil.rmtree(copy)
+    monkeypatch.setenv("NANOGEN_DATA", SHARED)
+    assert evaluate.main(["--ckpt", ckpt, "--limit", "4"]) == 0
+    assert "ppl" in from_copy and capsys.readouterr().out == from_copy
+
+
 def test_lost_work_is_prevented(tmp_path, capsys):
     """A trained model is never replaced, two runs never share a folder, a torn log line never
     blocks a resume, and evaluate.py refuses an output path before it computes anything."""
