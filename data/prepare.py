@@ -209,8 +209,14 @@ def _locate_ptb(spec, data_dir):
             paths[split] = found[0]
         else:
             paths[split] = _fetch([_PTB_MIRROR + name], name, sha)
-    return {"kind": "files", "paths": paths, "official": True,
-            "sha256": {s: spec["files"][s][1] for s in SPLITS}}
+    return dict(official_source(spec), paths=paths)
+
+
+def official_source(spec):
+    """The source dict of a dataset's official files, from their published sha256 alone (which
+    names their prepared folder: prepared_dir)."""
+    sha = spec["sha256"] if spec["archive"] else {s: spec["files"][s][1] for s in SPLITS}
+    return {"kind": "zip" if spec["archive"] else "files", "official": True, "sha256": sha}
 
 
 def _locate_in_folder(dataset, spec, data_dir):
@@ -220,8 +226,7 @@ def _locate_in_folder(dataset, spec, data_dir):
     official = os.path.join(data_dir, spec["archive"])
     if os.path.isfile(official):
         check_sha256(official, spec["sha256"])
-        return {"kind": "zip", "path": _refuse_unsafe_zip(official), "official": True,
-                "sha256": spec["sha256"]}
+        return dict(official_source(spec), path=_refuse_unsafe_zip(official))
     for name in sorted(os.listdir(data_dir)):  # another zip with the official member layout
         path = os.path.join(data_dir, name)
         if name.endswith(".zip") and os.path.isfile(path) and _zip_has_members(path, members):
@@ -262,7 +267,7 @@ def locate(dataset, data_dir=None):
         return _locate_ptb(spec, data_dir)
     if not data_dir:
         path = _refuse_unsafe_zip(_fetch(spec["urls"], spec["archive"], spec["sha256"]))
-        return {"kind": "zip", "path": path, "official": True, "sha256": spec["sha256"]}
+        return dict(official_source(spec), path=path)
     if not os.path.isdir(data_dir):
         raise DataError(f"--data_dir {data_dir} is not a folder")
     return _locate_in_folder(dataset, spec, data_dir)
@@ -645,6 +650,7 @@ def _build(dataset, vocab, source, tmp):
 
 def prepare(dataset, data_dir=None, verbose=True, vocab="word", counts=False):
     """Make sure the prepared memmaps exist and match their meta.json; return their folder.
+    Without a data folder, the official files prepared before are not needed (not downloaded).
     verbose: notes, and the counts when it prepares; counts: the counts when already prepared."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset '{dataset}' (choose from {', '.join(DATASETS)})")
@@ -652,7 +658,10 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word", counts=False):
             (vocab == "bpe" and not DATASETS[dataset].get("own")):
         raise DataError(f"--vocab {vocab}: not for {dataset} (wikitext103 is GPT-2 BPE; --vocab "
                         f"char is for wikitext2, ptb and text; --vocab bpe for text)")
-    source = locate(dataset, data_dir)
+    spec = DATASETS[dataset]
+    source = None if spec.get("own") or default_data_dir(data_dir) else official_source(spec)
+    if source is None or not _usable(prepared_dir(dataset, source, vocab), verbose):
+        source = locate(dataset, data_dir)
     out = prepared_dir(dataset, source, vocab)
     if _usable(out, verbose):
         if counts:

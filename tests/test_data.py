@@ -57,13 +57,18 @@ def test_stream_counts_are_the_usual_corpus_sizes(wikitext2):
         assert tuple(meta["counts"][s]["stream_tokens"] for s in ("train", "valid", "test")) == expected
 
 
-def test_ptb_counts(capsys):
+def test_ptb_counts(capsys, monkeypatch):
     meta, splits = load("ptb", verbose=False)
     assert meta["vocab_size"] == 10_000
     for s, (n_seq, n_tok) in PTB.items():
         assert (len(splits[s]), int(splits[s].lengths.sum())) == (n_seq, n_tok)
     assert P.main(["--dataset", "ptb"]) == 0  # prepared already: the counts are printed anyway
     assert f"{PTB['train'][0]:,}" in capsys.readouterr().err
+    # prepared once, the official files are not read again without a data folder (offline, or
+    # trained from a local copy): no download (it fetched them, or failed offline)
+    monkeypatch.delenv("NANOGEN_DATA", raising=False)
+    monkeypatch.setattr(P, "_fetch", lambda *a: pytest.fail("the raw files were fetched again"))
+    assert P.prepare("ptb", verbose=False) == splits["train"].folder
 
 
 @pytest.mark.slow
