@@ -17,7 +17,6 @@ import sys
 import types
 
 import cli
-from heads import TERMINATION_HEADS
 from runs import read_run
 
 LABEL_FLAGS = ("model", "head", "epsilon", "dataset", "vocab", "d_model", "n_layer", "lr",
@@ -134,10 +133,10 @@ def label(args, keys, folder):
 
 def not_applying(args):
     """The flags a run ignored, which do not label it: recipes.APPLIES (--probe on a stream
-    run, --n_head on an LSTM, ...) and eps outside the ST / NMST heads (eq. 9, 10)."""
+    run, --n_head on an LSTM, eps outside the ST / NMST heads, ...)."""
     from recipes import APPLIES
     a = types.SimpleNamespace(**args)
-    out = set() if args.get("head") in TERMINATION_HEADS else {"epsilon"}
+    out = set()
     for k, applies in APPLIES:
         try:
             out |= set() if applies(a) else {k}

@@ -267,6 +267,8 @@ def parse_args(argv=None):
 
 
 APPLIES = [  # (flag, does it apply to these arguments?)
+    ("epsilon", lambda a: a.head in TERMINATION_HEADS),  # eq. 9, 10
+    ("temperature", lambda a: a.model not in INSERTION_MODELS),  # (softmax / mos: RULES)
     ("n_head", lambda a: a.model in ("gpt", *INSERTION_MODELS)),
     ("block_size", lambda a: a.model in (*WINDOWED, *INSERTION_MODELS)),
     ("warmup", lambda a: a.lr_schedule == "linear"),

@@ -177,7 +177,8 @@ def base_flags(cfg, model, head, seed, eps):
         every = cfg["steps"] if cfg["steps"] < 20 else cfg["steps"] // 4
         steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(every), "--eval_seqs",
                  str(EVAL_SEQS)]
-    return ["--model", model, "--head", head, "--epsilon", str(eps), "--dataset", cfg["dataset"],
+    eps = ["--epsilon", str(eps)] if head in TERMINATION_HEADS else []  # (eq. 9, 10)
+    return ["--model", model, "--head", head, *eps, "--dataset", cfg["dataset"],
             "--seed", str(seed), *cfg["models"][model], *steps]
 
 

@@ -306,6 +306,15 @@ def test_flags_that_do_not_apply_are_said(tmp_path, capsys):
         "stream" in capsys.readouterr().out
     recipes.parse_args(["--model", "insnet", "--dataset", "rocstories", "--no_tie"])
     assert "note: --no_tie does not apply to --model insnet" in capsys.readouterr().out
+    # eps is read by the ST / NMST heads alone (eq. 9, 10); the insertion models take no
+    # temperature (both were ignored without a word)
+    recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--epsilon", "1e-3"])
+    assert "note: --epsilon does not apply to --model lstm --head softmax" in \
+        capsys.readouterr().out
+    recipes.parse_args(["--model", "insnet", "--dataset", "rocstories", "--temperature", "2"])
+    assert "note: --temperature does not apply to --model insnet" in capsys.readouterr().out
+    recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--head", "st", "--epsilon", "1e-3"])
+    assert "note" not in capsys.readouterr().out
 
 
 def test_batching_flags_on_a_stream_checkpoint_are_refused(tmp_path, capsys):
