@@ -261,8 +261,8 @@ def parse_args(argv=None):
     unused = [f"--{k}" for k, applies in APPLIES if k in explicit and not applies(args)]
     if unused:  # said, not silently dropped (not refused: scripts pass them to every model)
         print(f"note: {', '.join(unused)} do{'es' if len(unused) == 1 else ''} not apply to "
-              f"--model {args.model} --head {args.head} --task {args.task} and "
-              f"{'is' if len(unused) == 1 else 'are'} ignored")
+              f"--model {args.model} --head {args.head} --task {args.task} --dataset "
+              f"{args.dataset} and {'is' if len(unused) == 1 else 'are'} ignored")
     return args, None
 
 
@@ -282,6 +282,7 @@ APPLIES = [  # (flag, does it apply to these arguments?)
     ("max_offset", lambda a: a.model == "insnet"),
     ("min_count", lambda a: a.dataset == "rocstories"),
     ("synthetic_count", lambda a: a.dataset == "synthetic"),
+    ("data_dir", lambda a: a.dataset != "synthetic"),  # (generated)
     ("no_bias", lambda a: a.model == "gpt"),
     ("no_tie", lambda a: a.model not in INSERTION_MODELS),  # (always tied: insnet.py)
     ("train_seqs", lambda a: a.task != "stream"),  # (a stream trains on the whole corpus)

@@ -311,8 +311,10 @@ def test_flags_that_do_not_apply_are_said(tmp_path, capsys):
     recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--epsilon", "1e-3"])
     assert "note: --epsilon does not apply to --model lstm --head softmax" in \
         capsys.readouterr().out
-    recipes.parse_args(["--model", "insnet", "--dataset", "rocstories", "--temperature", "2"])
-    assert "note: --temperature does not apply to --model insnet" in capsys.readouterr().out
+    recipes.parse_args(["--model", "insnet", "--dataset", "synthetic", "--temperature", "2",
+                        "--data_dir", str(tmp_path)])  # (its data is generated)
+    assert "note: --temperature, --data_dir do not apply to --model insnet" in \
+        capsys.readouterr().out
     recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--head", "st", "--epsilon", "1e-3"])
     assert "note" not in capsys.readouterr().out
 
