@@ -447,10 +447,13 @@ class StoryTask(Task):
         return sum(len(s["tokens"]) for s in self.splits["train"])
 
     def check_fits(self, args):
+        """Every canvas within --block_size (insertion models: the whole sequence; L2R: its
+        inputs, all tokens but the last)."""
         longest = max(len(s["tokens"]) for split in self.splits.values() for s in split)
-        if longest > args.block_size:
+        need = longest if self.kind in INSERTION_MODELS else longest - 1
+        if need > args.block_size:
             raise UserError(f"a sequence of {longest} tokens exceeds --block_size "
-                            f"{args.block_size}: use --block_size {longest} or more")
+                            f"{args.block_size}: use --block_size {need} or more")
 
     @torch.no_grad()
     def evaluate(self, model, device, split="valid", limit=None, seed=None, desc=None, **_):

@@ -189,6 +189,7 @@ def test_synthetic_runs_all_three_models(tmp_path, capsys):
     (["--model", "insnet", "--dataset", "rocstories", "--max_tokens", "1000"], "not --max_tokens"),
     (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20: use "
                                                                              "--block_size 112 or more"),
+    (["--model", "gpt", "--dataset", "rocstories", "--block_size", "20"], "use --block_size 111 or more"),
 ])
 @pytest.mark.slow
 def test_story_bad_input(args, pattern, tmp_path, capsys):
