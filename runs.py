@@ -86,13 +86,8 @@ class Run:
         for name in ("log.jsonl", "steps.jsonl"):
             keep_log_until(self.path(name), self.state.step)
         if self.args.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise UserError("--tensorboard needs the tensorboard package: pip install "
-                                "tensorboard (then: tensorboard --logdir OUT_DIR)") from None
-            self.tensorboard = SummaryWriter(self.path("tensorboard"), purge_step=self.state.step
-                                             + 1)
+            self.tensorboard = summary_writer()(self.path("tensorboard"),
+                                                purge_step=self.state.step + 1)
 
     def draw(self, record):
         """After an evaluation: RUN/curves.png redrawn from the logs (curves.py; one warning,
@@ -297,7 +292,7 @@ def limit_reached(args, st):
 def check_folder(args):
     """Before anything else (on every process, so that none is left waiting for a collective
     when one refuses): the folder must not be in use, a fresh run must not find a run there,
-    --resume must find something to resume, and a checkpoint there must be this folder's."""
+    --resume must find something to resume, and --tensorboard must find its package."""
     if os.path.islink(args.out_dir) and not os.path.exists(args.out_dir):
         raise UserError(f"--out_dir {args.out_dir} is a symbolic link to a missing folder "
                         f"({os.readlink(args.out_dir)}): create that folder, or choose another "
@@ -315,6 +310,18 @@ def check_folder(args):
     if args.resume and not os.path.exists(last) and \
             ("ckpt_best.pt" in held or not {"steps.jsonl", "log.jsonl"} & set(held)):
         raise CheckpointError(f"--resume: no checkpoint {last}; start without --resume")
+    if args.tensorboard:  # (refused now, not once the data is prepared)
+        summary_writer()
+
+
+def summary_writer():
+    """--tensorboard: torch's SummaryWriter class, or a one-line error naming the package."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                        "(then: tensorboard --logdir OUT_DIR)") from None
+    return SummaryWriter
 
 
 def take_lock(lock, out_dir, kind):

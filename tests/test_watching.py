@@ -14,6 +14,7 @@ import curves
 import evaluate
 import runs
 import train
+from conftest import assert_one_line_error, run_in_process
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 TINY = ["--model", "lstm", "--epsilon", "1e-3", "--dataset", "ptb", "--d_model", "16", "--dropout", "0.1",
@@ -86,6 +87,14 @@ def test_tensorboard_gets_the_logged_scalars(tmp_path, monkeypatch):
     assert train.main(TINY + ["--head", "nmst", "--max_iters", "2", "--eval_interval", "2", "--tensorboard",
                               "--out_dir", str(tmp_path / "run")]) == 0
     assert {"val_ppl", "train_loss", "lr", "probe_r_nt"} <= {k for k, _ in scalars}
+
+
+def test_tensorboard_missing_is_refused_before_anything_is_read(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # (not installed)
+    rc, err = run_in_process(train.main, TINY + ["--tensorboard", "--out_dir", str(tmp_path / "run")],
+                             capsys)
+    assert_one_line_error(rc, err, "--tensorboard needs the tensorboard package: pip install")
+    assert not (tmp_path / "run").exists()  # (it came once the data and the folder were made)
 
 
 def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys, monkeypatch):
