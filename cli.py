@@ -276,7 +276,7 @@ def setup_distributed(args):
 def check_output(path, flag, folder=False, inputs=(), png=False):
     """Fail now, not after minutes of work, when `path` (a file, or with folder=True a folder of
     files) cannot be written, or would replace one of the command's `inputs` or a checkpoint;
-    png=True: a figure, which save_figure writes as PNG.  Nothing is created."""
+    png=True: a figure, which save_figure writes as PNG.  Nothing is left behind."""
     if path is None:
         return
     if png and not path.lower().endswith(".png"):
@@ -297,8 +297,17 @@ def check_output(path, flag, folder=False, inputs=(), png=False):
     existing = target if folder and os.path.isdir(target) else os.path.dirname(target)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    if not os.path.isdir(existing) or not can_make_a_file(existing):
         raise UserError(f"{flag} {path} cannot be written ({existing} is not a writable folder)")
+
+
+def can_make_a_file(folder):
+    """Tried (and removed at once): access() lets root pass anywhere, /proc included."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def is_checkpoint(path):

@@ -519,7 +519,7 @@ def main(argv=None):
         args.runs = base_runs or os.path.join(args.out, "runs")
         for flag, folder in (("--out", args.out), ("--runs", args.runs)):
             cli.check_output(folder, flag, folder=True)
-            try:  # now, not after the training (and access(), which it asks, lets root pass)
+            try:  # now, not after the training
                 os.makedirs(folder, exist_ok=True)
             except OSError as e:
                 raise UserError(f"{flag} {folder} cannot be made: {e.strerror or e}") from None

@@ -146,13 +146,17 @@ def test_existing_run_is_not_overwritten(tmp_path, wikitext2, capsys):
 
 
 def test_unwritable_out_dir(tmp_path, capsys, monkeypatch):
-    """A file as --out_dir, or a folder under a file: one line, before any data is read."""
+    """A file as --out_dir, a folder under a file, or one in /proc: one line, before any data is
+    read."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
     monkeypatch.setattr(train, "load_task", lambda *a, **k: pytest.fail("the data was read"))
     for out, msg in ((blocker, "is a file; give a folder path"), (blocker / "sub", "cannot be written")):
         assert run_cli(train.main, ARGS + ["--out_dir", str(out)]) == 2
         assert msg in capsys.readouterr().err
+    monkeypatch.setattr(os, "access", lambda *a, **k: True)  # as for root: writing is tried
+    assert run_cli(train.main, ARGS + ["--out_dir", "/proc/nanogen-run"]) == 2
+    assert "cannot be written (/proc is not a writable folder)" in capsys.readouterr().err
 
 
 def test_same_seed_same_losses_and_decodes(reference, tmp_path, wikitext2):
