@@ -517,12 +517,12 @@ def main(argv=None):
         args.out = base_out if base_out and len(todo) == 1 else os.path.join(
             base_out or "results", f"{name}-{args.scale}")
         args.runs = base_runs or os.path.join(args.out, "runs")
-        for flag, folder in (("--out", args.out), ("--runs", args.runs)):
-            cli.check_output(folder, flag, folder=True)
-            try:  # now, not after the training
-                os.makedirs(folder, exist_ok=True)
-            except OSError as e:
-                raise UserError(f"{flag} {folder} cannot be made: {e.strerror or e}") from None
+        cli.check_output(args.out, "--out", folder=True)
+        cli.check_output(args.runs, "--runs", folder=True)
+        try:
+            os.makedirs(args.runs, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--runs {args.runs} cannot be made: {e.strerror or e}") from None
         t0 = time.time()
         job = {"nmst-table1": lambda: run_nmst(1, args), "nmst-table4": lambda: run_nmst(4, args),
                "ct-table3": lambda: run_ct(args), "insnet-storyline": lambda: run_insnet(args)}

@@ -231,13 +231,13 @@ def test_a_new_runs_error_is_not_called_a_reuse_problem(tmp_path, monkeypatch, c
 
 
 def test_a_results_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
-    """The folders are made before any training, and a failure is one line (a traceback)."""
+    """The runs' folder is made before any training, and a failure is one line (a traceback)."""
     def full_disk(path, exist_ok=False):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(os, "makedirs", full_disk)
     rc, err = run_in_process(reproduce.main, ["nmst-table1", "--scale", "tiny", "--out",
                                               str(tmp_path / "r")], capsys)
-    assert_one_line_error(rc, err, f"--out {tmp_path / 'r'} cannot be made: No space left")
+    assert_one_line_error(rc, err, f"--runs {tmp_path / 'r' / 'runs'} cannot be made: No space")
 
 
 def test_a_cpu_run_says_how_long_an_epoch_takes(tmp_path, capsys):
