@@ -79,7 +79,7 @@ DEFAULTS = vars(build_parser().parse_args([]))
 STUDY_OPTIONS = ("L", "consistent", "length_penalty", "decode_batch", "examples", "traces")
 RULES = [  # (broken(args), message): the rules between flags (each flag checks its own range)
     (lambda a: not a.compare and not a.ckpt, "the following arguments are required: --ckpt (or "
-     "--compare JSON ...)"),
+     "--compare JSON ...) (see evaluate.py --help)"),  # (as argparse says it)
     (lambda a: a.compare and any(given(a, k) for k in DEFAULTS if k not in ("compare", "plot")),
      "--compare overlays studies already written (--out files) and evaluates nothing: it takes "
      "only --plot"),

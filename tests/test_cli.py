@@ -371,7 +371,7 @@ def test_epochs_evaluate_at_each_end_and_stop_at_max_epochs(tmp_path, wikitext2)
 
 def test_evaluate_needs_a_checkpoint():
     rc, _, err = run_cli("evaluate.py")
-    assert_one_line_error(rc, err, "--ckpt")
+    assert_one_line_error(rc, err, "required: --ckpt (or --compare JSON ...) (see evaluate.py --help)")
 
 
 def test_gcnn_and_char_vocabulary_end_to_end(tmp_path):
