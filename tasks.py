@@ -540,9 +540,8 @@ def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpo
         raise UserError("--max_tokens does not apply to a story checkpoint: stories are batched "
                         "by --batch_size sequences")
     a.update({"batch_size": None, "max_tokens": None, **sizes} if sizes else {})
-    saved_dir = a.get("data_dir")  # where the run read it: your own text, or a local copy
-    if data_dir is None and saved_dir and (a["dataset"] == "text" or os.path.isdir(saved_dir)):
-        data_dir = saved_dir
+    if data_dir is None and a.get("data_dir") and os.path.isdir(a["data_dir"]):
+        data_dir = a["data_dir"]  # where the run read it: your own text, or a local copy
     task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
     check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task

@@ -654,16 +654,17 @@ def prepare(dataset, data_dir=None, verbose=True, vocab="word", counts=False):
     verbose: notes, and the counts when it prepares; counts: the counts when already prepared."""
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset '{dataset}' (choose from {', '.join(DATASETS)})")
-    if vocab not in VOCABS or (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word") or \
-            (vocab == "bpe" and not DATASETS[dataset].get("own")):
+    spec = DATASETS[dataset]
+    if vocab not in VOCABS or (vocab == "char" and spec["tokenizer"] != "word") or \
+            (vocab == "bpe" and not spec.get("own")):
         raise DataError(f"--vocab {vocab}: not for {dataset} (wikitext103 is GPT-2 BPE; --vocab "
                         f"char is for wikitext2, ptb and text; --vocab bpe for text)")
-    spec = DATASETS[dataset]
     source = None if spec.get("own") or default_data_dir(data_dir) else official_source(spec)
-    if source is None or not _usable(prepared_dir(dataset, source, vocab), verbose):
+    ready = source is not None and _usable(out := prepared_dir(dataset, source, vocab), verbose)
+    if not ready:  # (no folder named: the official files are needed only until prepared)
         source = locate(dataset, data_dir)
-    out = prepared_dir(dataset, source, vocab)
-    if _usable(out, verbose):
+        ready = _usable(out := prepared_dir(dataset, source, vocab), verbose)
+    if ready:
         if counts:
             print_counts(out)
         return out
