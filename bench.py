@@ -600,8 +600,10 @@ def build_parser():
     p.add_argument("--parts", action="store_true", help="train_hf: the body / output layer alone")
     p.add_argument("--models", nargs="+", default=["lstm", "gpt"], choices=["lstm", "gpt"],
                    help="train: which models")
-    p.add_argument("--batch", type=pos(int, "--batch"), default=8, help="sequences per batch")
-    p.add_argument("--seq", type=pos(int, "--seq"), default=128, help="tokens per sequence")
+    p.add_argument("--batch", type=pos(int, "--batch"), default=8,
+                   help="sequences per batch (train: the lstm row; its gpt row is one sequence)")
+    p.add_argument("--seq", type=pos(int, "--seq"), default=128,
+                   help="tokens per sequence (train: the lstm row; its gpt row's is 1024)")
     p.add_argument("--gpt_layers", type=pos(int, "--gpt_layers"), default=4)
     p.add_argument("--gpt_dim", type=pos(int, "--gpt_dim"), default=256)
     p.add_argument("--gpt_heads", type=pos(int, "--gpt_heads"), default=4)
@@ -641,11 +643,17 @@ READS = dict(  # the flags each benchmark reads: another one given is refused, n
 
 def check_reads(args):
     defaults = vars(build_parser().parse_args([args.what]))
+    reads = READS[args.what].split()
+    if args.what == "train" and "lstm" not in args.models:  # the gpt row: one 1024-token sequence
+        reads = [k for k in reads if k not in ("batch", "seq")]
     unread = [k for k, v in vars(args).items() if k != "what" and v != defaults[k]
-              and k not in READS[args.what].split()]
+              and k not in reads]
     if unread:
         raise cli.UserError(f"bench.py {args.what} does not read --{unread[0]} (it reads "
-                            f"{', '.join('--' + k for k in READS[args.what].split())})")
+                            f"{', '.join('--' + k for k in reads)})")
+    if args.gpt_dim % args.gpt_heads:
+        raise cli.UserError(f"--gpt_dim {args.gpt_dim} must be divisible by --gpt_heads "
+                            f"{args.gpt_heads}")
 
 
 def main(argv=None):

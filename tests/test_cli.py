@@ -259,6 +259,8 @@ def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):
     (["fast", "--device", "cuda"], "bench.py fast does not read --device"),  # CPU fast paths
     (["gpu", "--gpt_layers", "2"], "bench.py gpu does not read --gpt_layers"),  # GPT-2 124M
     (["train", "--plot", "x.png"], "bench.py train does not read --plot"),
+    (["train", "--models", "gpt", "--seq", "256"], "bench.py train does not read --seq"),
+    (["decode", "--gpt_dim", "10", "--gpt_heads", "3"], "--gpt_dim 10 must be divisible by"),
     (["insnet", "--plot", "fig12.pdf"], "--plot fig12.pdf: figures are written as PNG"),  # not a PNG named .pdf
 ])
 def test_bench_flag_ranges(args, pattern, capsys):
