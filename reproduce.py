@@ -66,6 +66,7 @@ PAPER_TABLE4 = {  # r_nt(1000) in the paper's Table 4, in the order of TABLE4
     "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02",
              "0.01 ± 0.01")}
 HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
+PAPER_NAMES = dict(softmax="VA+", st="ST+", nmst="NMST+", mos="MoS", ct="CT", ctmos="CT-MoS")
 
 
 def decoder_flags(name):
@@ -216,7 +217,7 @@ def r_nt(results, dec, L):
 
 
 def report_table1(cfg, runs, args):
-    """Perplexity by head (a row; the paper's "+" names, VA for softmax) and model (a column),
+    """Perplexity by head (a row; the papers' names: VA+, ST+, NMST+, MoS, ...) and model (a column),
     the paper's value beside nanogen's; eps only for the heads that read it."""
     models = list(cfg["models"])
     lines = [f"NMST Table 1 (scale {args.scale}): validation perplexity, mean ± std over "
@@ -228,8 +229,7 @@ def report_table1(cfg, runs, args):
         eps = f"{cfg['eps']:g}" if h in TERMINATION_HEADS else "-"
         cells = [f"{mean_std([r['ppl'] for r in runs[m, h]])} ({PAPER_TABLE1.get((m, h), '-')})"
                  for m in models]
-        name = "VA" if h == "softmax" else h.upper()
-        lines.append(f"| {name}+ | {eps} | " + " | ".join(cells) + " |")
+        lines.append(f"| {PAPER_NAMES[h]} | {eps} | " + " | ".join(cells) + " |")
     return lines + rnt_rows(cfg, runs, args)
 
 
@@ -261,10 +261,10 @@ def verdict_table1(cfg, runs, args):
         looping = sum(v > 0 for v in va)
         shows = looping and not any(any(rates[h]) for h in others)
         out.append(f"- {m.upper()}, greedy: " + ", ".join(
-            f"{h.upper()} r_nt({L}) = {statistics.mean(rates[h]):.3f}" for h in args.heads)
+            f"{PAPER_NAMES[h]} r_nt({L}) = {statistics.mean(rates[h]):.3f}" for h in args.heads)
             + (f" (VA > 0 in {looping} of {len(va)} seeds): " if va else ": ") +
             ("the paper's effect shows (VA continuations that never end; none for "
-             f"{' and '.join(h.upper() for h in others)})." if shows else
+             f"{' and '.join(PAPER_NAMES[h] for h in others)})." if shows else
              "the paper's effect does NOT show at this scale" +
              (" (no VA continuation loops here: a small, briefly trained VA model need not)"
               if va and not looping else "") + "."))
@@ -321,7 +321,7 @@ def plot_nmst(cfg, runs, args):
                 mean = [statistics.mean(y) for y in ys]
                 sd = [statistics.pstdev(y) for y in ys]
                 ax.plot(Ls, mean, ls, color=color, marker=marker, markersize=max(5 - k, 2),
-                        fillstyle="none", label=h.upper())
+                        fillstyle="none", label=PAPER_NAMES[h])
                 ax.fill_between(Ls, [max(a - b, 1e-3) for a, b in zip(mean, sd)],
                                 [a + b for a, b in zip(mean, sd)], color=color, alpha=0.15)
             ax.set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}",

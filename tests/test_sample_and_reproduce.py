@@ -326,4 +326,4 @@ def test_table1_puts_every_value_under_its_model():
     assert all(len(row) == 4 for row in table)
     assert cols["VA+"]["LSTM"].startswith("200.0") and cols["VA+"]["eps"] == "-"
     assert cols["NMST+"]["RNN"].startswith("101.0") and cols["NMST+"]["eps"] == "0.001"
-    assert cols["MOS+"]["LSTM"] == "202.0 (-)" and cols["MOS+"]["eps"] == "-"
+    assert cols["MoS"]["LSTM"] == "202.0 (-)" and cols["MoS"]["eps"] == "-"  # ("+": NMST's)
