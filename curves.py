@@ -162,8 +162,10 @@ def overlay(folders, path):
             f"at end |", "|---|---|---|---|---|"]
     plt = cli.pyplot(quiet=True)
     fig, axes = (None, None) if plt is None else plt.subplots(1, 2, figsize=(10, 3.6))
-    for i, (folder, args, log) in enumerate(runs):
-        name = label(args, keys, folder)
+    names = [label(args, keys, folder) for folder, args, _ in runs]
+    if len(set(names)) < len(names):  # runs alike in every flag: told apart by their folders
+        names = [f"{n} ({os.path.normpath(f)})" for n, f in zip(names, folders)]
+    for i, ((folder, args, log), name) in enumerate(zip(runs, names)):
         best = min(log, key=lambda r: r["val_loss"])
         probe = [r for r in log if has_numbers(r, PROBE)]
         rows.append(f"| {name} | {best['val_ppl']:.2f} | {best['step']} | "

@@ -4,6 +4,7 @@ same scalars, runs side by side are labelled by the flags that differ, and a res
 the logs of an uninterrupted one."""
 import json
 import os
+import shutil
 import sys
 import types
 
@@ -130,6 +131,10 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys, monkey
     assert [len(line.get_xdata()) for line in ppl_panel.lines] == [2, 1]
     assert all(line.get_marker() not in ("None", "", None) for line in ppl_panel.lines)
     assert len(drawn[0].legends) == 1 and ppl_panel.get_legend() is None  # one legend, under both panels
+    again = str(tmp_path / "again")  # the same flags, another folder: labelled by the folders
+    shutil.copytree(folders[1], again)
+    rows, _ = curves.overlay([folders[1], again], str(tmp_path / "cmp5.png"))
+    assert [r.split(" |")[0] for r in rows[2:]] == [f"| lstm ({folders[1]})", f"| lstm ({again})"]
 
 
 def test_a_label_names_every_flag_that_differs():
