@@ -49,25 +49,26 @@ def parse_story(line):
 
 
 def rocstories_folder(data_dir=None):
-    """The folder with the Plan-and-Write files: DATA_DIR/rocstories/plan-and-write, DATA_DIR
-    itself, or the download cache (dev and test are downloaded when missing).  dev and test,
-    under their official names, must match their sha256 wherever they are."""
+    """The folder with the Plan-and-Write files: DATA_DIR/rocstories/plan-and-write or DATA_DIR
+    itself (a local copy), else the download cache (dev and test are downloaded when missing).
+    dev and test, under their official names, must match their sha256 wherever they are."""
     data_dir = default_data_dir(data_dir)
     candidates = [os.path.join(data_dir, "rocstories", "plan-and-write"), data_dir] \
-        if data_dir else []
-    for folder in candidates:
-        if os.path.exists(os.path.join(folder, ROC_FILE.format(split="test"))):
-            break
-    else:
-        folder = os.path.join(cache_dir(), "downloads", "rocstories")
+        if data_dir else [os.path.join(cache_dir(), "downloads", "rocstories")]
+    folder = next((f for f in candidates if os.path.exists(
+        os.path.join(f, ROC_FILE.format(split="test")))), candidates[0])
     for split, sha in ROC_SHA256.items():
         path = os.path.join(folder, ROC_FILE.format(split=split))
         if os.path.exists(path):
             check_sha256(path, sha)
-        elif os.environ.get("NANOGEN_OFFLINE") or folder in candidates:
-            raise DataError(f"ROCStories {split} is not in {folder} (and NANOGEN_OFFLINE is set or "
-                            f"--data_dir names that folder): pass --data_dir DIR (or set "
-                            f"NANOGEN_DATA) to a folder with rocstories/plan-and-write/")
+        elif data_dir:
+            raise DataError(f"ROCStories {split} is not in {folder}: the data folder {data_dir} "
+                            f"(--data_dir / NANOGEN_DATA) must hold rocstories/plan-and-write/ "
+                            f"or the Plan-and-Write files themselves")
+        elif os.environ.get("NANOGEN_OFFLINE"):
+            raise DataError(f"ROCStories {split} is not in the cache ({folder}) and "
+                            f"NANOGEN_OFFLINE is set: pass --data_dir DIR (or set NANOGEN_DATA) "
+                            f"to a folder with rocstories/plan-and-write/")
         else:
             download(ROC_URL.format(split=split), path, sha)
     return folder

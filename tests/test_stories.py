@@ -90,13 +90,20 @@ def test_rocstories_splits(rocstories):
     assert all(len(s["keywords"]) == 5 for s in rocstories["test"])
 
 
-def test_prepare_reports_rocstories(capsys):
+def test_prepare_reports_rocstories(capsys, tmp_path, monkeypatch):
     """python -m data.prepare --dataset rocstories: its files found (or downloaded) and counted."""
     from data import prepare
     assert prepare.main(["--dataset", "rocstories"]) == 0
     assert "9316 / 500 / 9816 stories" in capsys.readouterr().out
     with pytest.raises(prepare.DataError, match="its own word vocabulary"):
         prepare.main(["--dataset", "rocstories", "--vocab", "char"])
+    with pytest.raises(prepare.DataError, match="ROCStories dev is not in .*must hold rocstories/"):
+        prepare.main(["--dataset", "rocstories", "--data_dir", str(tmp_path)])  # a local copy, not a download
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path))
+    monkeypatch.setenv("NANOGEN_OFFLINE", "1")
+    monkeypatch.delenv("NANOGEN_DATA", raising=False)
+    with pytest.raises(prepare.DataError, match="not in the cache .* NANOGEN_OFFLINE is set"):
+        prepare.main(["--dataset", "rocstories"])
 
 
 TINY = ["--n_layer", "1", "--d_model", "32", "--n_head", "2", "--batch_size", "16", "--lr", "3e-3", "--warmup", "0",
