@@ -69,6 +69,11 @@ HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.H
 PAPER_NAMES = dict(softmax="VA+", st="ST+", nmst="NMST+", mos="MoS", ct="CT", ctmos="CT-MoS")
 
 
+def paper_name(head):
+    """The papers' name of a head (a head of your own: its name in capitals)."""
+    return PAPER_NAMES.get(head, head.upper())
+
+
 def decoder_flags(name):
     kind, _, value = name.partition("-")
     flag = {"topk": "--k", "nucleus": "--p", "beam": "--beam_size"}.get(kind)
@@ -229,7 +234,7 @@ def report_table1(cfg, runs, args):
         eps = f"{cfg['eps']:g}" if h in TERMINATION_HEADS else "-"
         cells = [f"{mean_std([r['ppl'] for r in runs[m, h]])} ({PAPER_TABLE1.get((m, h), '-')})"
                  for m in models]
-        lines.append(f"| {PAPER_NAMES[h]} | {eps} | " + " | ".join(cells) + " |")
+        lines.append(f"| {paper_name(h)} | {eps} | " + " | ".join(cells) + " |")
     return lines + rnt_rows(cfg, runs, args)
 
 
@@ -261,10 +266,10 @@ def verdict_table1(cfg, runs, args):
         looping = sum(v > 0 for v in va)
         shows = looping and not any(any(rates[h]) for h in others)
         out.append(f"- {m.upper()}, greedy: " + ", ".join(
-            f"{PAPER_NAMES[h]} r_nt({L}) = {statistics.mean(rates[h]):.3f}" for h in args.heads)
+            f"{paper_name(h)} r_nt({L}) = {statistics.mean(rates[h]):.3f}" for h in args.heads)
             + (f" (VA > 0 in {looping} of {len(va)} seeds): " if va else ": ") +
             ("the paper's effect shows (VA continuations that never end; none for "
-             f"{' and '.join(PAPER_NAMES[h] for h in others)})." if shows else
+             f"{' and '.join(paper_name(h) for h in others)})." if shows else
              "the paper's effect does NOT show at this scale" +
              (" (no VA continuation loops here: a small, briefly trained VA model need not)"
               if va and not looping else "") + "."))
@@ -321,7 +326,7 @@ def plot_nmst(cfg, runs, args):
                 mean = [statistics.mean(y) for y in ys]
                 sd = [statistics.pstdev(y) for y in ys]
                 ax.plot(Ls, mean, ls, color=color, marker=marker, markersize=max(5 - k, 2),
-                        fillstyle="none", label=PAPER_NAMES[h])
+                        fillstyle="none", label=paper_name(h))
                 ax.fill_between(Ls, [max(a - b, 1e-3) for a, b in zip(mean, sd)],
                                 [a + b for a, b in zip(mean, sd)], color=color, alpha=0.15)
             ax.set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}",

@@ -12,7 +12,7 @@ GPT = ["--gpt_layers", "1", "--gpt_dim", "32", "--gpt_heads", "2"]
 
 
 @pytest.mark.parametrize("argv, last_row", [
-    (["train", "--models", "gpt", "--iters", "1", "--rounds", "1", "--batch", "2", "--seq", "8", *GPT],
+    (["train", "--models", "gpt", "--iters", "1", "--rounds", "1", *GPT],  # (one 1024-token sequence)
      "(st/sm, nmst/sm: time of a step relative to the softmax head's"),
     (["train_hf", "--iters", "1", "--rounds", "1", "--batch", "1", "--seq", "8", "--parts", *GPT],
      "  its 3 matrix products"),
