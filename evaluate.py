@@ -563,10 +563,11 @@ def plot_lengths(plt, results, labels, styles, out_dir):
     ax.hist([min(n, Lmax) for n in results[0]["decoding"]["ground_truth_lengths"]], bins=bins,
             alpha=0.4, color="gray", label="ground truth")
     for r, label, (color, _) in zip(results, labels, styles):
-        gl = [Lmax if n is None else n for n in r["decoding"]["generated_lengths"]]
+        L = max(int(L) for L in r["decoding"]["r_nt"])  # where its decodes were cut
+        gl = [L if n is None else n for n in r["decoding"]["generated_lengths"]]
         cut = sum(n is None for n in r["decoding"]["generated_lengths"])
         ax.hist(gl, bins=bins, histtype="step", color=color,
-                label=f"{label} ({cut} non-terminated, drawn at L={Lmax})" if cut else label)
+                label=f"{label} ({cut} non-terminated, drawn at L={L})" if cut else label)
     ax.set(xlabel="continuation length", ylabel="count", yscale="log",
            title="length distribution")
     return finish(fig, ax, os.path.join(out_dir, "lengths.png"))

@@ -221,6 +221,23 @@ def test_epsilon_is_shown_for_the_heads_that_read_it(capsys):
         "MOS", "NMST eps=1e-05"]
 
 
+def test_compared_lengths_draw_each_cut_continuation_at_its_own_L(tmp_path, monkeypatch):
+    """Fig. 8 of studies decoded to different L: a continuation cut at L = 20 is drawn (and
+    labelled) at 20, not at the other study's 100."""
+    import matplotlib.axes
+    import cli
+    drawn = []
+    real_hist = matplotlib.axes.Axes.hist
+    monkeypatch.setattr(matplotlib.axes.Axes, "hist", lambda ax, x, **kw: drawn.append(
+        (list(x), kw["label"])) or real_hist(ax, x, **kw))
+    study = lambda L, lengths: dict(decoding=dict(  # noqa: E731
+        r_nt={"5": 0.5, str(L): 0.5}, generated_lengths=lengths, ground_truth_lengths=[3, 4]))
+    results = [study(20, [3, None]), study(100, [None, 7])]
+    evaluate.plot_lengths(cli.pyplot(), results, ["a", "b"], [("C0", "-"), ("C1", "--")], str(tmp_path))
+    assert drawn[1:] == [([3, 20], "a (1 non-terminated, drawn at L=20)"),
+                         ([100, 7], "b (1 non-terminated, drawn at L=100)")]
+
+
 def test_evaluate_plots_and_compare(tiny_ckpt, tmp_path, monkeypatch, capsys):
     a = tmp_path / "a.json"
     assert evaluate.main(["--ckpt", str(tiny_ckpt), "--no_ppl", "--decoder", "greedy", "--L", "5", "20",
