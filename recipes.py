@@ -137,7 +137,8 @@ FLAGS = {  # group: [(flag, argparse keywords)]; None defaults come from RECIPES
                               help="padded tokens per batch")),
         ("--bptt", dict(range=">=1", type=int, default=70, help="stream: BPTT window length")),
         ("--loss_scaling", dict(action="store_true", help="ct / ctmos: CT eq. 8's LS")),
-        ("--ar", dict(range=">=0", type=float, default=0.0, help="activation regularisation")),
+        ("--ar", dict(range=">=0", type=float, default=0.0,
+                      help="activation regularisation (rnn/lstm)")),
         ("--tar", dict(range=">=0", type=float, default=0.0, help="temporal AR (rnn/lstm)")),
         ("--grad_accum", dict(range=">=1", type=int, default=None,
                               help="batches per optimizer step, over all processes (default: one "
@@ -151,8 +152,10 @@ FLAGS = {  # group: [(flag, argparse keywords)]; None defaults come from RECIPES
                                  help="evaluate every N steps (0: every epoch)")),
         ("--log_interval", dict(range=">=1", type=int, default=10,
                                 help="steps.jsonl: losses read from the device every N steps")),
-        ("--eval_seqs", dict(range=">=0", type=int, default=0, help="validate on the first N")),
-        ("--train_seqs", dict(range=">=0", type=int, default=0, help="train on the first N")),
+        ("--eval_seqs", dict(range=">=0", type=int, default=0,
+                             help="validate on the first N (0: all)")),
+        ("--train_seqs", dict(range=">=0", type=int, default=0,
+                              help="train on the first N (0: all)")),
     ],
     "watching": [
         ("--probe", dict(range=">=0", type=int, default=64,

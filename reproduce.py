@@ -222,8 +222,8 @@ def r_nt(results, dec, L):
 
 
 def report_table1(cfg, runs, args):
-    """Perplexity by head (a row; the papers' names: VA+, ST+, NMST+, MoS, ...) and model (a column),
-    the paper's value beside nanogen's; eps only for the heads that read it."""
+    """Perplexity by head (a row, by the papers' names: VA+, ST+, NMST+, MoS, ...) and model (a
+    column), the paper's value beside nanogen's; eps only for the heads that read it."""
     models = list(cfg["models"])
     lines = [f"NMST Table 1 (scale {args.scale}): validation perplexity, mean ± std over "
              f"{cfg['seeds']} seed(s); {cfg['dataset']}.  In () the paper's (WikiText-2, "
