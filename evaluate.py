@@ -329,7 +329,7 @@ def evaluate_stories(args, ckpt, device):
 STORY_RULES = [(lambda a, flag=flag: given(a, flag),
                  f"--{flag} is for left-to-right text checkpoints; a story checkpoint reports its "
                  f"NLL and, with --decoder, the BLEU of stories generated one by one up to twice "
-                 f"their reference's length + 10 tokens (within the model's window)")
+                 f"their reference story's length + 10 words (within the model's window)")
                for flag in ("tau_report", "plot", "consistent", "L", "traces", "decode_batch")]
 
 
@@ -357,7 +357,7 @@ def bleu(hypotheses, references, max_n=4):
 
 
 @torch.no_grad()
-def story_generation(model, task, args, device, max_len=None):
+def story_generation(model, task, args, device):
     """Generate a story for each (title[, storyline]) of the split and score it against the
     reference story: BLEU-1..4 and, for --task storyline, the share of storyline keywords found
     in the story in order (InsNet: 100% by construction, the keywords are given canvas tokens).
@@ -368,7 +368,7 @@ def story_generation(model, task, args, device, max_len=None):
     hyps, refs, included, total, shown = [], [], 0, 0, []
     storyline = task.variant == "storyline"
     for story, seq in zip(stories, seqs):
-        words = generate_story(model, task, story, seq, args, g, device, max_len)
+        words = generate_story(model, task, story, seq, args, g, device)
         hyps.append(words)
         refs.append(story["story"])
         if storyline:
@@ -383,22 +383,24 @@ def story_generation(model, task, args, device, max_len=None):
                 examples=shown)
 
 
-def generate_story(model, task, story, seq, args, g, device, max_len=None):
+def generate_story(model, task, story, seq, args, g, device):
     """One story's words: L2R continues the given prefix; an insertion model fills the canvas
-    BOS title SEP [keywords] EOS (a given keyword keeps its word even when it is <unk>).  At most
-    twice the reference's length + 10 tokens, within the window of a model that has one."""
+    BOS title SEP [keywords] EOS (a given keyword keeps its word even when it is <unk>).  Either
+    writes at most twice the reference story's words + 10, within the window of a model that
+    has one."""
     from data.stories import BOS, EOS, PAD, SEP
     from insnet import generate
     vocab, banned = task.data.vocab, (PAD, BOS, EOS, SEP)
     prefix = seq["tokens"][:seq["n_given"]]
-    cap = max_len or 2 * len(seq["tokens"]) + 10
+    cap = 2 * len(story["story"]) + 10  # story words, the same for every model
     if task.kind == "gpt":
         cap = min(cap, longest_continuation(model, len(prefix)))
         out = decode(model, [torch.tensor(prefix, device=device)], cap, decoder=args.decoder,
                      k=args.k, temperature=args.temperature, generator=g)["tokens"][0]
         return [vocab[t] for t in out if t not in banned]
     kw = seq["keywords"] if task.variant == "storyline" else []  # constrained: given tokens
-    out = generate(model, [*prefix, *kw, EOS], min(cap, model.max_canvas() or cap),
+    canvas = len(prefix) + cap + 1  # the prefix, at most cap story words, EOS
+    out = generate(model, [*prefix, *kw, EOS], min(canvas, model.max_canvas() or canvas),
                    decoder=args.decoder, k=args.k, temperature=args.temperature,
                    slot_start=len(prefix) - 1, banned=banned, generator=g)
     kw_words = iter(story["keywords"])

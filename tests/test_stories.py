@@ -7,6 +7,7 @@ import re
 import pytest
 
 import evaluate
+import insnet
 import sample
 import train
 from data.stories import (BOS, EOS, SEP, UNK, build_vocab, encode_story, keyword_positions, parse_story,
@@ -113,7 +114,7 @@ TINY = ["--n_layer", "1", "--d_model", "32", "--n_head", "2", "--batch_size", "1
 @pytest.mark.slow
 @pytest.mark.parametrize("model,task,order", [("insnet", "storyline", "random"), ("insertion_transformer", "story", "l2r"),
                                               ("gpt", "storyline", "random")])
-def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys):
+def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys, monkeypatch, rocstories):
     out = tmp_path / "run"
     args = TINY + ["--model", model, "--dataset", "rocstories", "--task", task, "--out_dir", str(out)]
     if order != "random":
@@ -123,9 +124,14 @@ def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys):
     assert [r["step"] for r in log] == [4, 8] and log[1]["val_loss"] < log[0]["val_loss"]
     ckpt = load_checkpoint(str(out / "ckpt_last.pt"))
     assert ckpt["config"]["model"] == model and ckpt["data"]["vocab"][:5] == ["<pad>", "<bos>", "<eos>", "<sep>", "<unk>"]
-    res = tmp_path / "res.json"
+    res, room = tmp_path / "res.json", []  # the story words each generation may write
+    real_decode, real_generate = evaluate.decode, insnet.generate
+    monkeypatch.setattr(evaluate, "decode", lambda m, x, L, **kw: room.append(L) or real_decode(m, x, L, **kw))
+    monkeypatch.setattr(insnet, "generate", lambda m, given, n, **kw: room.append(
+        n - (kw["slot_start"] + 1) - 1) or real_generate(m, given, n, **kw))  # (canvas: prefix, story, EOS)
     assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--split", "test", "--limit", "3", "--decoder",
                           "greedy", "--out", str(res)]) == 0
+    assert room == [2 * len(s["story"]) + 10 for s in rocstories["test"][:3]]  # the same for L2R and insertion
     r = json.load(open(res))
     assert r["stories"] == 3 and r["nll_per_story"] > 0 and set(r["generation"]["bleu"]) == {"1", "2", "3", "4"}
     assert (r["nll_bound_per_story"] < r["nll_per_story"]) == (model != "gpt" and order == "random")
