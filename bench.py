@@ -641,7 +641,9 @@ READS = dict(  # the flags each benchmark reads: another one given is refused, n
     gpu="device iters rounds parts batch seq new_tokens")  # GPT-2 124M, 32 prompts
 
 
-def check_reads(args):
+def check_args(args):
+    """Refused before any timing: a flag the benchmark does not read (it would be ignored), a
+    GPT shape or a size its models cannot hold."""
     defaults = vars(build_parser().parse_args([args.what]))
     reads = READS[args.what].split()
     if args.what == "train" and "lstm" not in args.models:  # the gpt row: one 1024-token sequence
@@ -654,11 +656,23 @@ def check_reads(args):
     if args.gpt_dim % args.gpt_heads:
         raise cli.UserError(f"--gpt_dim {args.gpt_dim} must be divisible by --gpt_heads "
                             f"{args.gpt_heads}")
+    for flag, most in LIMITS.get(args.what, ()):  # said before any timing, not a traceback in it
+        value = max(args.lengths) if flag == "lengths" else getattr(args, flag)
+        if value > most:
+            raise cli.UserError(f"--{flag} {value} does not fit the models of bench.py "
+                                f"{args.what}: use --{flag} {most} or less")
+
+
+WINDOW = 1024  # the GPTs bench.py builds have GPT-2's positions; bench.py insnet's models 256
+LIMITS = dict(  # what the windows allow: 10 prompt tokens + new_tokens - 1, BOS + length + EOS
+    train_hf=[("seq", WINDOW)], decode=[("new_tokens", WINDOW - 9)],
+    fast=[("seq", WINDOW), ("new_tokens", WINDOW - 9)],
+    gpu=[("seq", WINDOW), ("new_tokens", WINDOW - 9)], insnet=[("lengths", 256 - 2)])
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    check_reads(args)
+    check_args(args)
     cli.check_output(args.plot, "--plot", png=True)
     if cli.resolve_device(args.device) == "cpu" and fast.KEEP_FREED_MEMORY:
         fast.tune_cpu_allocator()  # as train.py and evaluate.py do, for every model compared

@@ -278,6 +278,9 @@ def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):
     (["train", "--plot", "x.png"], "bench.py train does not read --plot"),
     (["train", "--models", "gpt", "--seq", "256"], "bench.py train does not read --seq"),
     (["decode", "--gpt_dim", "10", "--gpt_heads", "3"], "--gpt_dim 10 must be divisible by"),
+    (["train_hf", "--seq", "1025"], "--seq 1025 does not fit the models of bench.py train_hf: use --seq 1024 or"),
+    (["decode", "--new_tokens", "1016"], "use --new_tokens 1015 or less"),  # after 10 prompt tokens
+    (["insnet", "--lengths", "20", "255"], "--lengths 255 does not fit the models of bench.py insnet: use --lengths 254"),
     (["insnet", "--plot", "fig12.pdf"], "--plot fig12.pdf: figures are written as PNG"),  # not a PNG named .pdf
 ])
 def test_bench_flag_ranges(args, pattern, capsys):
