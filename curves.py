@@ -113,10 +113,12 @@ def save(fig, path):
 
 
 def differing(args_list):
-    """The flags whose values differ between runs (what labels them)."""
-    known = [a for a in args_list if a]  # (a run without a readable run.json: its folder name)
-    rest = sorted({k for a in known for k in a} - {*LABEL_FLAGS, *NOT_LABELS})
-    keys = [k for k in (*LABEL_FLAGS, *rest) if len({repr(a.get(k)) for a in known}) > 1]
+    """The flags whose values differ between the runs that read them (what labels them: eps of
+    ST / NMST runs, not the default a softmax run ignored)."""
+    known = [(a, not_applying(a)) for a in args_list if a]  # (no readable run.json: its folder)
+    rest = sorted({k for a, _ in known for k in a} - {*LABEL_FLAGS, *NOT_LABELS})
+    keys = [k for k in (*LABEL_FLAGS, *rest)
+            if len({repr(a.get(k)) for a, unused in known if k not in unused}) > 1]
     return keys or ["model"]
 
 

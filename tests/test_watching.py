@@ -151,10 +151,14 @@ def test_a_label_names_every_flag_that_differs():
     assert curves.label({"seed": None}, ["seed"], "out/run") == "run"
     assert [curves.label(dict(head=h, epsilon=e), ["head", "epsilon"], "run") for h, e in
             (("softmax", 1e-5), ("nmst", 1e-3))] == ["softmax", "nmst epsilon=0.001"]
-    stream, completion = (dict(model="lstm", head="ct", task=t, probe=p, lr_schedule="plateau", dataset="ptb")
-                          for t, p in (("stream", 64), ("completion", 4)))  # a stream run is never probed
-    keys = curves.differing([stream, completion])
-    assert [curves.label(r, keys, "run") for r in (stream, completion)] == ["stream", "completion probe=4"]
+    stream, *completion = (dict(model="lstm", head="ct", task=t, probe=p, lr_schedule="plateau", dataset="ptb")
+                           for t, p in (("stream", 64), ("completion", 4), ("completion", 8)))  # a stream run is never probed
+    keys = curves.differing([stream, *completion])
+    assert [curves.label(r, keys, "run") for r in (stream, *completion)] == [
+        "stream", "completion probe=4", "completion probe=8"]
+    heads = [dict(head="softmax", epsilon=1e-5)] + [dict(head=h, epsilon=1e-3) for h in ("st", "nmst")]
+    assert curves.differing(heads) == ["head"]  # eps alike where it is read (softmax ignores its default)
+    assert curves.differing([*heads, dict(head="nmst", epsilon=1e-4)]) == ["head", "epsilon"]
 
 
 def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
