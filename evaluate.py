@@ -560,12 +560,12 @@ def plot_r_nt(plt, results, labels, styles, shared, out_dir):
 
 def plot_lengths(plt, results, labels, styles, out_dir):
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    Lmax = max(max(int(L) for L in r["decoding"]["r_nt"]) for r in results)
+    cut_at = [max(int(L) for L in r["decoding"]["r_nt"]) for r in results]  # each study's max L
+    Lmax = max(cut_at)
     bins = torch.linspace(0, Lmax + 1, 41).tolist()
     ax.hist([min(n, Lmax) for n in results[0]["decoding"]["ground_truth_lengths"]], bins=bins,
             alpha=0.4, color="gray", label="ground truth")
-    for r, label, (color, _) in zip(results, labels, styles):
-        L = max(int(L) for L in r["decoding"]["r_nt"])  # where its decodes were cut
+    for r, label, (color, _), L in zip(results, labels, styles, cut_at):
         gl = [L if n is None else n for n in r["decoding"]["generated_lengths"]]
         cut = sum(n is None for n in r["decoding"]["generated_lengths"])
         ax.hist(gl, bins=bins, histtype="step", color=color,
