@@ -175,7 +175,9 @@ HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp
 def gpt_state_from_hf(hf_state, lm):
     """Map a HuggingFace GPT2LMHeadModel state_dict onto lm (a LanguageModel with a GPT
     backbone).  HF stores the four projections as Conv1D (in, out): they are transposed to
-    nn.Linear (out, in).  Shapes are checked key by key; the causal-mask buffers are skipped."""
+    nn.Linear (out, in).  Shapes are checked key by key; the causal-mask buffers are skipped.
+    A head's own parameters (MoS's prior and latent, CT's temperature) are not GPT-2's: they
+    keep their initialisation."""
     own = lm.state_dict()
     out = {}
     for k, v in hf_state.items():
@@ -196,6 +198,7 @@ def gpt_state_from_hf(hf_state, lm):
     if missing:
         raise UserError(f"the GPT-2 checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
     out["head.proj.weight"] = out["backbone.wte.weight"]
+    out.update({k: v for k, v in own.items() if k not in out})  # MoS / CT: kept as initialised
     return out
 
 

@@ -51,6 +51,21 @@ def test_greedy_tokens_match_hf_generate():
         assert len(toks) == 20 or toks[-1] == 100
 
 
+@pytest.mark.parametrize("head", ["mos", "ct", "ctmos"])
+def test_heads_of_their_own_keep_their_initialisation(head):
+    """--init_from gpt2 --head mos / ct / ctmos: GPT-2's weights loaded, the head's own
+    parameters (not GPT-2's) as initialised."""
+    hf, ref = pair()
+    lm = LanguageModel(dict(ref.cfg, head=head, n_experts=3, ct_alpha=1.0, ct_beta=0.5))
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
+    for k, v in lm.state_dict().items():
+        if k.startswith("backbone.") or k == "head.proj.weight":
+            assert torch.equal(v, ref.state_dict()[k]), k
+        else:
+            assert torch.equal(v, before[k]), k
+
+
 def test_shape_mismatch_is_refused():
     hf, _ = pair(n_embd=64)
     _, lm = pair(n_embd=32)
