@@ -59,8 +59,8 @@ def run_cli(main, argv=None):
     except UserError as e:  # anything else is a bug: its traceback is shown
         error_line(e)
     except KeyboardInterrupt:
-        done = f"written before it: {', '.join(dict.fromkeys(WRITTEN))}" if WRITTEN else \
-            "no result was written"
+        kept = [p for p in dict.fromkeys(WRITTEN) if os.path.exists(p)]  # (not temporary ones)
+        done = f"written before it: {', '.join(kept)}" if kept else "no result was written"
         error_line(f"interrupted (Ctrl-C); {done}")
         return 130
     except (RuntimeError, MemoryError) as e:

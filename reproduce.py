@@ -90,8 +90,10 @@ def train_once(out_dir, flags):
     try:
         train.fit_or_stop([*flags, "--out_dir", out_dir, *resume])
     except train.Stopped as e:
-        raise UserError(f"{e}; the run's checkpoint is written in {out_dir}: the same command "
-                        f"goes on from there") from None
+        raise UserError(f"{e}; {GO_ON.format(out_dir)}") from None
+    except KeyboardInterrupt:
+        print(f"note: Ctrl-C; {GO_ON.format(out_dir)}", file=sys.stderr)
+        raise
     except UserError as e:  # (a new run's error, e.g. offline, is the error itself)
         if not resume:
             raise
@@ -103,6 +105,7 @@ def train_once(out_dir, flags):
     return best
 
 
+GO_ON = "the run's checkpoint is written in {}: the same command goes on from there"
 REDO = "reproduce.py reuses and continues its runs by itself: delete {} to train that run again"
 
 

@@ -36,9 +36,10 @@ def main(argv=None):
     return 0
 
 
-def fit(argv=None):
+def fit(argv=None, advise=True):
     """The run: flags -> data -> model -> run folder -> the loop.  -> None when the run finished
-    (or had), else the signal that stopped it ("Ctrl-C", "SIGTERM", ...)."""
+    (or had), else the signal that stopped it ("Ctrl-C", "SIGTERM", ...).  advise=False: a
+    command that trains several runs says how to go on after a signal, not train.py."""
     args, ckpt = parse_args(argv)  # flags, recipes, rules; --resume: the run's own arguments
     runs.check_folder(args)  # on every process, before torchrun's process group exists
     dist = cli.setup_distributed(args)
@@ -75,7 +76,7 @@ def fit(argv=None):
         if dist.rank == 0:
             announce(args, task, lm, dist, ckpt)
         message = train(args, task, model, optimizer, run, cfg)
-    if dist.rank == 0:
+    if dist.rank == 0 and (advise or not run.stop_requested):
         print(message)
     if dist.world > 1:
         torch.distributed.destroy_process_group()
@@ -291,7 +292,7 @@ class Stopped(UserError):
 def fit_or_stop(argv):
     """fit, for a command that trains several runs: a signal that stopped this one stops the
     command too (Ctrl-C as a KeyboardInterrupt), rather than going on to the next."""
-    stopped = fit(argv)
+    stopped = fit(argv, advise=False)
     if stopped == "Ctrl-C":
         raise KeyboardInterrupt
     if stopped:

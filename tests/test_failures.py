@@ -387,6 +387,28 @@ def test_ctrl_c_names_each_output_written_once(tmp_path, capsys):
                    f"{tmp_path / 'ckpt_last.pt'}")
 
 
+def test_a_longer_command_says_how_to_go_on_itself(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C in a run that reproduce.py or bench.py arch trains (train.fit_or_stop): train.py's
+    own advice (--resume, a checkpoint bench.py arch deletes) is not printed, and the outputs of
+    a temporary folder removed since are not named as written."""
+    import tempfile
+    import cli
+    accumulate = train.accumulate
+
+    def interrupted(task, model, keys, run, autocast):
+        os.kill(os.getpid(), signal.SIGINT)  # the run's own handler: stop after this step
+        return accumulate(task, model, keys, run, autocast)
+    monkeypatch.setattr(train, "accumulate", interrupted)
+
+    def main(argv):
+        with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+            train.fit_or_stop(TINY + ["--out_dir", os.path.join(tmp, "run"), "--max_iters", "4"])
+    assert cli.run_cli(main, []) == 130
+    out, err = capsys.readouterr()
+    assert "stopped by Ctrl-C" not in out and "--resume" not in out + err
+    assert err.strip().endswith("error: interrupted (Ctrl-C); no result was written")
+
+
 @pytest.mark.parametrize("flag,value,msg", [
     ("--lr", "-1", "--lr must be a positive number"), ("--lr", "nan", "--lr must be a positive"),
     ("--patience", "0", "--patience must be >= 1"), ("--grad_clip", "-1", "--grad_clip must be"),

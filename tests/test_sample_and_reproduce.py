@@ -206,12 +206,14 @@ def test_a_signal_that_stops_a_run_stops_reproduce(signal_name, tmp_path, monkey
     there, with its checkpoint; it does not go on to evaluate a half-trained run and train the
     next one.  The same command then goes on."""
     calls = []
-    monkeypatch.setattr(train, "fit", lambda argv: calls.append(argv) or signal_name)
+    monkeypatch.setattr(train, "fit", lambda argv, advise=True: calls.append(argv) or signal_name)
     out = ["nmst-table1", "--scale", "tiny", "--out", str(tmp_path / "r")]
     rc, err = run_in_process(reproduce.main, out, capsys)
     assert len(calls) == 1 and not (tmp_path / "r" / "lstm-softmax-s0-ppl.json").exists()
     if signal_name == "Ctrl-C":
         assert rc == 130 and "interrupted (Ctrl-C)" in err
+        assert "note: Ctrl-C; the run's checkpoint is written in " in err
+        assert "the same command goes on from there" in err
     else:
         assert_one_line_error(rc, err, "stopped by SIGTERM; the run's checkpoint is written in ")
         assert err.rstrip().endswith("the same command goes on from there")
