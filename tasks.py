@@ -221,9 +221,10 @@ class CompletionTask(LanguageModelTask):
             if not len(self.splits[name]):
                 own = "; without valid.txt / test.txt, train.txt's last lines are held out " \
                     "for them" if args.dataset == "text" else ""
+                unit = "GPT-2 BPE tokens" if self.meta.get("tokenizer") == "gpt2" else "words"
                 raise UserError(f"the {name} split of {args.dataset} holds no sequence: "
                                 f"sequence completion needs lines of more than {CONTEXT_LEN} "
-                                f"words (the first {CONTEXT_LEN} are the context){own}")
+                                f"{unit} (the first {CONTEXT_LEN} are the context){own}")
         if not len(batches(self.splits["valid"].lengths, limit=self.eval_seqs or None,
                            **self.eval_sizes())):
             raise UserError(f"no validation sequence fits (--eval_seqs {args.eval_seqs}, "

@@ -89,6 +89,9 @@ def test_too_little_text_is_one_line(tmp_path, capsys):
         assert_one_line_error(rc, err, msg)
         assert train.main([*tiny, "--data_dir", str(text), "--task", task, "--out_dir",
                            str(tmp_path / f"run-{task}")]) == 0
+    prepare("text", str(small), verbose=False, vocab="bpe")
+    rc, err = run_in_process(train.main, [*tiny, "--data_dir", str(small), "--vocab", "bpe"], capsys)
+    assert_one_line_error(rc, err, "needs lines of more than 10 GPT-2 BPE tokens (the first 10")
     ckpt = ["--data_dir", str(text), "--split", "test", "--ckpt"]
     for run, flags, msg in (("completion", [], "the test split holds no sequence"),
                             ("completion", ["--no_ppl", "--decoder", "greedy"], "no context to decode"),
