@@ -10,6 +10,7 @@ import torch
 import evaluate
 import train
 from cli import run_cli
+from conftest import assert_one_line_error, run_in_process
 from data.loader import batchify, bptt_windows
 from heads import Head, contextual_temperature, ct_log_probs, loss_scale, mos_log_probs, softmax_log_probs
 from model import LanguageModel
@@ -151,6 +152,18 @@ def test_stream_training_on_real_ptb(head, tmp_path, capsys):
         assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--limit", "400",
                               "--out", str(rep_path)]) == 0  # --limit: the first 400 tokens of each column
         assert 0 < json.loads(rep_path.read_text())["tau_report"]["sentences"] < rep["sentences"] / 10
+
+
+@pytest.mark.slow
+def test_the_temperature_report_is_word_level(tmp_path, capsys):
+    """CT paper Fig. 1 / Tables 5-6 count words: a char-level checkpoint is refused (it printed
+    16-24 characters as '16-24 words')."""
+    out = tmp_path / "char"
+    assert train.main(["--model", "lstm", "--head", "ct", "--task", "stream", "--dataset", "ptb", "--vocab",
+                       "char", "--d_model", "8", "--max_iters", "1", "--bptt", "10", "--out_dir", str(out)]) == 0
+    capsys.readouterr()
+    rc, err = run_in_process(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--tau_report"], capsys)
+    assert_one_line_error(rc, err, "word-level analysis (sentences of 16-24 words): this checkpoint reads char")
 
 
 @pytest.mark.parametrize("args,msg", [
