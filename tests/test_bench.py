@@ -42,7 +42,7 @@ def test_the_survey_comparison_trains_each_architecture(capsys, monkeypatch):
                                         "gcnn": dict(n_layer=1, d_model=16, kernel_size=4),
                                         "gpt": dict(n_layer=1, d_model=16, n_head=2)})
     argvs, real_fit = [], train.fit
-    monkeypatch.setattr(train, "fit", lambda argv: argvs.append(argv) or real_fit(argv))
+    monkeypatch.setattr(train, "fit", lambda argv, advise=True: argvs.append(argv) or real_fit(argv, advise))
     assert bench.main(["arch", "--budget", "0.5", "--eval_every", "2", "--limit", "8"]) == 0
     rows = capsys.readouterr().out.strip().splitlines()[-4:]
     assert [r.split()[0] for r in rows] == ["rnn", "lstm", "gcnn", "gpt"]

@@ -221,12 +221,12 @@ def test_reproduce_over_a_damaged_results_folder(tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
     (out / "steps.jsonl").write_text("")
-    monkeypatch.setattr(train, "fit", lambda argv: None)  # "already finished"
+    monkeypatch.setattr(train, "fit", lambda argv, advise=True: None)  # "already finished"
     with pytest.raises(cli.UserError, match="delete") as e:
         reproduce.train_once(str(out), ["--model", "lstm"])
     assert "--resume" not in str(e.value)
 
-    def refused(argv):
+    def refused(argv, advise=True):
         raise cli.UserError("x already holds a run: continue it with --resume")
     monkeypatch.setattr(train, "fit", refused)
     with pytest.raises(cli.UserError, match="delete"):

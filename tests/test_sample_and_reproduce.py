@@ -171,7 +171,7 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys, monkeypatch)
                            str(out / "nmst-table1-tiny")]) == 0
     again = capsys.readouterr().out
     assert "done (reached" not in again and "already finished" in again
-    monkeypatch.setattr(train, "fit", lambda argv: pytest.fail("trained a run"))  # checked before any training:
+    monkeypatch.setattr(train, "fit", lambda argv, advise=True: pytest.fail("trained a run"))  # checked before any training:
     rc, err = run_in_process(reproduce.main, ["nmst-table1", "--scale", "cpu", "--runs",  # tiny's runs at cpu scale
                                               str(out / "nmst-table1-tiny" / "runs"), "--out", str(tmp_path / "c")],
                              capsys)
@@ -189,7 +189,7 @@ def test_the_paper_scale_starts_its_first_run(result, dataset, tmp_path, monkeyp
     class Started(Exception):
         pass
 
-    def fit(argv):
+    def fit(argv, advise=True):
         fit.args, fit.typed = recipes.parse_args(argv)[0], recipes.typed_flags(argv)  # + rules
         raise Started
     monkeypatch.setattr(train, "fit", fit)
@@ -224,7 +224,7 @@ def test_a_new_runs_error_is_not_called_a_reuse_problem(tmp_path, monkeypatch, c
     run it continues can be one it 'cannot reuse or continue'."""
     from cli import UserError
 
-    def offline(argv):
+    def offline(argv, advise=True):
         raise UserError("could not download gpt2 (offline?); pass --weights PATH")
     monkeypatch.setattr(train, "fit", offline)
     rc, err = run_in_process(reproduce.main, ["nmst-table4", "--scale", "tiny", "--out",
