@@ -141,7 +141,8 @@ def not_applying(args):
     out = set()
     for k, applies in APPLIES:
         try:
-            out |= set() if applies(a) else {k}
+            if not applies(a):
+                out.add(k)
         except AttributeError:  # a run.json without that argument
             pass
     return out

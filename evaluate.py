@@ -221,9 +221,10 @@ def check_tau(ckpt):
                         f"{ckpt['config'].get('head')}")
     if ckpt["config"]["model"] not in ("rnn", "lstm"):
         raise UserError("--tau_report reads the text as a stream: use an rnn / lstm checkpoint")
-    if ckpt["data"].get("tokenizer", "word") != "word":
+    tokens = ckpt.get("data", {}).get("tokenizer", "word")
+    if tokens != "word":
         raise UserError(f"--tau_report is the CT paper's word-level analysis (sentences of 16-24 "
-                        f"words): this checkpoint reads {ckpt['data']['tokenizer']} tokens")
+                        f"words): this checkpoint reads {tokens} tokens")
 
 
 def tau_job(args, ckpt, task, lm, device):
