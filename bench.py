@@ -344,7 +344,8 @@ peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 if {writer!r} != "torch.save":
     checkpoint.load({path!r})
-print(dt, (peak - base) / 1024, os.path.getsize({path!r}) / 2 ** 20, time.perf_counter() - t0)
+mb = 2 ** 20 if sys.platform == "darwin" else 2 ** 10  # ru_maxrss: bytes on macOS, KiB on Linux
+print(dt, (peak - base) / mb, os.path.getsize({path!r}) / 2 ** 20, time.perf_counter() - t0)
 """
 
 
@@ -353,6 +354,9 @@ def bench_checkpoint(args):
     checkpoint.save (format 2), each in a fresh process: seconds, peak resident memory above
     the state's, file size, and the time to load it back with the integrity check."""
     import tempfile
+    if sys.platform == "win32":
+        raise cli.UserError("bench.py checkpoint reads the peak memory with the resource module "
+                            "(Linux, macOS), which Windows lacks")
     numel = int(args.mb * 2 ** 20 / 4 / 10)
     root = os.path.dirname(os.path.abspath(__file__))
     print(f"checkpoint of a {args.mb} MB state (10 float32 tensors), {tempfile.gettempdir()}, "

@@ -51,6 +51,9 @@ def run_cli(main, argv=None):
     2, Ctrl-C (outside training, which handles it itself) one line and status 130, running out
     of memory one line; every other exception is a bug and keeps its traceback."""
     WRITTEN.clear()
+    for stream in (sys.stdout, sys.stderr):  # text a console cannot show (Windows' cp1252, a
+        if hasattr(stream, "reconfigure"):  # latin-1 LANG): \u.. escapes, not a traceback
+            stream.reconfigure(errors="backslashreplace")
     try:
         return main(argv) or 0
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
@@ -329,7 +332,7 @@ def atomic_file(path, mode="w"):
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
                                    dir=folder)
-        with os.fdopen(fd, mode) as f:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -10,7 +10,6 @@ finish the step, write ckpt_last.pt and exit 0; under torchrun the stop decision
 --max_minutes) are taken together, so every process stops on the same step.
 """
 import dataclasses
-import fcntl
 import json
 import math
 import os
@@ -21,13 +20,21 @@ import uuid
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: msvcrt's lock, exclusive only
+    fcntl = None
+    import msvcrt
+
 import cli
 from checkpoint import CheckpointError
 from checkpoint import save as save_checkpoint
 from cli import UserError
 
 OWN = ("ckpt_last.pt", "ckpt_best.pt", "log.jsonl", "steps.jsonl")  # what makes a folder a run's
-SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+if hasattr(signal, "SIGHUP"):  # (not on Windows)
+    SIGNAL_NAMES[signal.SIGHUP] = "SIGHUP"
 
 
 @dataclasses.dataclass
@@ -73,7 +80,7 @@ class Run:
         except OSError as e:
             raise UserError(f"cannot write to --out_dir {self.out_dir}: {e.strerror or e}") \
                 from None
-        take_lock(self.lock, self.out_dir, fcntl.LOCK_EX)
+        take_lock(self.lock, self.out_dir)
         held = refuse_a_run_there(self.out_dir, resuming)  # unless one appeared since
         if resuming and "ckpt_last.pt" not in held:
             print(f"note: {self.out_dir} holds no checkpoint yet (the run stopped before its "
@@ -304,7 +311,8 @@ def check_folder(args):
         lock = None
     if lock is not None:
         with lock:
-            take_lock(lock, args.out_dir, fcntl.LOCK_SH)
+            if fcntl:  # (Windows has no shared lock: Run.open's exclusive one refuses the folder)
+                take_lock(lock, args.out_dir, shared=True)
     held = refuse_a_run_there(args.out_dir, args.resume)
     last = os.path.join(args.out_dir, "ckpt_last.pt")
     if args.resume and not os.path.exists(last) and \
@@ -324,10 +332,15 @@ def summary_writer():
     return SummaryWriter
 
 
-def take_lock(lock, out_dir, kind):
-    """flock without waiting; held by another run: a user error."""
+def take_lock(lock, out_dir, shared=False):
+    """flock without waiting (Windows: msvcrt.locking of the first byte); held by another run:
+    a user error."""
     try:
-        fcntl.flock(lock, kind | fcntl.LOCK_NB)
+        if fcntl:
+            fcntl.flock(lock, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        else:
+            lock.seek(0)
+            msvcrt.locking(lock.fileno(), msvcrt.LK_NBLCK, 1)
     except OSError:
         raise UserError(f"{out_dir} is in use by another training run: wait for it, or choose "
                         f"another --out_dir") from None

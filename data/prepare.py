@@ -592,6 +592,8 @@ def remove_stale_temporaries(out):
 
 
 def _alive(pid):
+    if sys.platform == "win32":  # os.kill(pid, 0) would send it Ctrl-C: the folder is kept
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
