@@ -11,11 +11,13 @@ eos, [length cap L] when it was cut at --L tokens (the continuation did not term
 paper is about (VA, ST and NMST heads model it differently).  Insertion checkpoints (InsNet,
 IT-vanilla) take a title (and storyline keywords; synthetic ones nothing) and print the given
 canvas, then the canvas after every insertion, with p(terminate).  No data is read: the
-checkpoint carries its vocabulary.  Word-level prompts must be in the model's vocabulary (PTB
-is lower-cased); --allow_unk reads unknown words as <unk>.  A char-level prompt is read as
+checkpoint carries its vocabulary.  Word-level prompts must be in the model's vocabulary, written
+as the data is (PTB is lower-cased; punctuation stands apart: "rose ," and "company 's");
+--allow_unk reads unknown words as <unk>.  A char-level prompt is read as
 whole words and the space after them, as every training context ends.
 """
 import math
+import re
 import sys
 
 import torch
@@ -134,13 +136,23 @@ def encode_prompt(tok, text, allow_unk):
                         f"it out (the model decides where the text ends)")
     unknown = sorted({w for w in pieces if w not in tok.stoi})
     if unknown and (not allow_unk or tok.unk is None):
-        hint = "; the data is lower-cased" if any(w.lower() in tok.stoi for w in unknown) else ""
         fix = " (or --allow_unk to read them as <unk>)" if tok.unk is not None else ""
         raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown[:12]))}"
-                        f"{hint}{fix}")
+                        f"{vocabulary_hint(unknown, tok.stoi)}{fix}")
     if unknown:
         print(f"note: read as <unk>: {', '.join(unknown)}", file=sys.stderr)
     return [tok.stoi.get(w, tok.unk) for w in pieces]
+
+
+def vocabulary_hint(unknown, stoi):
+    """What unknown words miss of the data's writing: its lower case, and punctuation and 's
+    standing apart ('rose ,' and "company 's" in WikiText, 'dog !' in ROCStories)."""
+    hint = "; the data is lower-cased" if any(w.lower() in stoi for w in unknown) else ""
+    for w in unknown:
+        pieces = re.findall(r"'\w+|\w+|[^\w\s]", w)
+        if len(pieces) > 1 and all(p in stoi or p.lower() in stoi for p in pieces):
+            return hint + f"; its punctuation stands apart, as in {' '.join(pieces)!r} for {w!r}"
+    return hint
 
 
 def show(model, tok, text, prompt_ids, toks, terminated, args):
@@ -215,8 +227,8 @@ def story_prefix(vocab, args, variant, kind):
                         f"--title / --keywords")
     unknown = [w for w in words if w not in stoi]
     if unknown and not args.allow_unk:
-        raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))} (or "
-                        f"--allow_unk to read them as <unk>)")
+        raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))}"
+                        f"{vocabulary_hint(unknown, stoi)} (or --allow_unk to read them as <unk>)")
     enc = encode_story(dict(title=title, keywords=keywords, story=[]), stoi, variant, kind)
     return enc["tokens"][:enc["n_given"]], enc["keywords"]
 

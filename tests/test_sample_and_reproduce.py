@@ -50,7 +50,12 @@ def test_sample_word_level_prompt_with_p_eos(ckpts, capsys):
                                          for ln in steps)
     rc, err = run_in_process(sample.main, ["--ckpt", ckpts["word"], "--prompt", "Stocks zyzzyva"],
                              capsys)
-    assert_one_line_error(rc, err, "not in the model's vocabulary: 'Stocks', 'zyzzyva'")
+    assert_one_line_error(rc, err, "not in the model's vocabulary: 'Stocks', 'zyzzyva'; the data "
+                                   "is lower-cased (or --allow_unk")
+    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["word"], "--prompt", "the company's"],
+                             capsys)  # PTB writes "company 's"
+    assert_one_line_error(rc, err, "\"company's\"; its punctuation stands apart, as in \"company "
+                                   "'s\" for \"company's\" (or --allow_unk")
     assert sample.main(["--ckpt", ckpts["word"], "--prompt", "zyzzyva fell", "--allow_unk",
                         "--L", "3"]) == 0
     assert "read as <unk>: zyzzyva" in capsys.readouterr().err
@@ -102,6 +107,9 @@ def test_sample_a_left_to_right_story(ckpts, capsys):
     assert len(out[0].split(">>> ")[1].split()) <= 6 + 3  # at most L words, then "[length cap 6]"
     rc, err = run_in_process(sample.main, ["--ckpt", ckpts["l2r_story"], "--title", "a game"], capsys)
     assert_one_line_error(rc, err, "give --keywords")  # it was trained on title + storyline
+    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["l2r_story"], "--title", "The Game!",
+                                           "--keywords", "won"], capsys)  # the data: "game !"
+    assert_one_line_error(rc, err, "'game!'; its punctuation stands apart, as in 'game !' for")
 
 
 def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time(ckpts, capsys, tmp_path, monkeypatch):
