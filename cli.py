@@ -52,7 +52,7 @@ def run_cli(main, argv=None):
     of memory one line; every other exception is a bug and keeps its traceback."""
     WRITTEN.clear()
     for stream in (sys.stdout, sys.stderr):  # text a console cannot show (Windows' cp1252, a
-        if hasattr(stream, "reconfigure"):  # latin-1 LANG): \u.. escapes, not a traceback
+        if hasattr(stream, "reconfigure"):  # latin-1 LANG): caf\xe9, not a traceback
             stream.reconfigure(errors="backslashreplace")
     try:
         return main(argv) or 0
