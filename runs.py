@@ -305,14 +305,13 @@ def check_folder(args):
                         f"({os.readlink(args.out_dir)}): create that folder, or choose another "
                         f"--out_dir")
     cli.check_output(args.out_dir, "--out_dir", folder=True)  # a file there, or no way to write
-    try:
-        lock = open(os.path.join(args.out_dir, ".lock"))  # only looked at, not held
+    try:  # only looked at, not held (Windows has no shared lock: there Run.open's refuses)
+        lock = open(os.path.join(args.out_dir, ".lock")) if fcntl else None
     except OSError:  # no lock file, or no folder (Run.open says when it cannot be written)
         lock = None
     if lock is not None:
         with lock:
-            if fcntl:  # (Windows has no shared lock: Run.open's exclusive one refuses the folder)
-                take_lock(lock, args.out_dir, shared=True)
+            take_lock(lock, args.out_dir, shared=True)
     held = refuse_a_run_there(args.out_dir, args.resume)
     last = os.path.join(args.out_dir, "ckpt_last.pt")
     if args.resume and not os.path.exists(last) and \
