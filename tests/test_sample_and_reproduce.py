@@ -320,6 +320,37 @@ def test_compare_tells_every_study_apart(tmp_path, ckpts, monkeypatch):
         "sample/T0.5 (t05.json)", "sample (t1.json)", "sample (again.json)"]
 
 
+def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
+    """At the cpu scale a table ends with the paper's claim checked on its numbers: NMST Table 1
+    sets VA+ against the termination heads (ST+ / NMST+) only, and draws no conclusion without
+    both; CT Table 3 sets CT-MoS against the constant-temperature MoS rows (not against CT)."""
+    import argparse
+    cfg = reproduce.nmst_settings("cpu", 1)
+
+    def verdict(rates):  # {head: r_nt(L) of greedy per seed} -> the RNN's line
+        runs = {(m, h): [{"greedy": {"decoding": {"r_nt": {str(cfg["L"]): r}}}} for r in v]
+                for m in cfg["models"] for h, v in rates.items()}
+        args = argparse.Namespace(scale="cpu", heads=list(rates))
+        return reproduce.verdict_table1(cfg, runs, args)[1]
+    assert verdict(dict(softmax=[0.2, 0.0], st=[0.0, 0.0], nmst=[0.0, 0.0])).endswith(
+        "the paper's effect shows (VA continuations that never end; none for ST+ and NMST+).")
+    assert "effect shows" in verdict(dict(softmax=[0.2], nmst=[0.0], mos=[0.3]))
+    assert "does NOT show" in verdict(dict(softmax=[0.2], nmst=[0.1]))
+    for rates in (dict(softmax=[0.2]), dict(softmax=[0.2], mos=[0.0]), dict(nmst=[0.0])):
+        assert verdict(rates).endswith("no conclusion (the paper's claim compares VA+ with ST+ / "
+                                       "NMST+: --heads softmax and st or nmst).")
+    ppl = {"softmax": 70, "mos0.5": 65, "mos": 64, "mos4": 63, "ct": 55, "ctmos": 60}
+    monkeypatch.setattr(reproduce, "train_once", lambda out_dir, flags: "ckpt")
+    monkeypatch.setattr(reproduce, "evaluate_once", lambda ckpt, flags, path: dict(
+        ppl=ppl[os.path.basename(path).split("-s")[0]]))
+    args = argparse.Namespace(scale="cpu", runs=str(tmp_path), out=str(tmp_path))
+    assert reproduce.run_ct(args)[0][-1] == (
+        "- Lowest mean validation perplexity here: CT.  The paper's claim (CT-MoS beats every "
+        "constant-temperature MoS) holds at this scale.")
+    ppl["mos4"] = 59
+    assert "does NOT hold" in reproduce.run_ct(args)[0][-1]
+
+
 def test_table1_puts_every_value_under_its_model():
     """A row per head and a column per model: VA's LSTM perplexity sits under LSTM (it once
     fell under RNN NMST+), and eps is shown only for the heads that read it."""
