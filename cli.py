@@ -226,11 +226,6 @@ class Dist:
         dist.all_reduce(t)
         return t.tolist()
 
-    def barrier(self):
-        if self.world > 1:
-            import torch.distributed as dist
-            dist.barrier()
-
     def rank0_first(self, fn):
         """fn() on rank 0 alone, then (when it worked) on the others: what rank 0 downloads or
         prepares, they read.  A UserError on rank 0 becomes a one-line UserError on every rank

@@ -1,10 +1,12 @@
 """train.py under torchrun with 2 CPU processes (gloo): the same numbers as 1 process with the
 same global batch; story models; stop decisions taken together (time limit on disagreeing
-clocks, a storm of SIGTERMs); every process's own RNG after a resume; one process prepares the
-data; a user error on rank 0 stops every process with one line."""
+clocks, a storm of SIGTERMs); every process's own RNG after a resume (fresh ones on another
+number of processes); one process prepares the data; a user error on rank 0 stops every process
+with one line."""
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,6 +107,7 @@ def test_every_process_resumes_its_own_rng(tmp_path):
     part = [*args]
     part[part.index("--max_iters") + 1] = "4"
     run(TORCHRUN + ["train.py"], tmp_path / "parts", part)
+    shutil.copytree(tmp_path / "parts", tmp_path / "alone")
     run(TORCHRUN + ["train.py"], tmp_path / "parts", args + ["--resume"])
     whole, parts = log(tmp_path / "whole"), log(tmp_path / "parts")
     assert [(r["step"], r["train_loss"], r["val_loss"]) for r in whole] == \
@@ -112,6 +115,10 @@ def test_every_process_resumes_its_own_rng(tmp_path):
     from checkpoint import load
     ranks = load(str(tmp_path / "parts" / "ckpt_last.pt"))["rng"]["ranks"]
     assert len(ranks) == 2 and not (ranks[0]["torch"] == ranks[1]["torch"]).all()
+    run([sys.executable, "train.py"], tmp_path / "alone", args + ["--resume"])  # 2 -> 1 process:
+    alone = log(tmp_path / "alone")  # the same batches, fresh generators from (seed, rank, step)
+    assert [r["step"] for r in alone] == [4, 8] and alone[0] == parts[0]
+    assert len(load(str(tmp_path / "alone" / "ckpt_last.pt"))["rng"]["ranks"]) == 1
 
 
 def test_one_process_prepares_the_data(tmp_path):
