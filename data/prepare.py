@@ -721,7 +721,8 @@ def print_counts(folder):
 
 
 def main(argv=None):
-    p = CLIParser(description="Download / verify / tokenize a dataset for nanogen.")
+    p = CLIParser(prog="python -m data.prepare",
+                  description="Download / verify / tokenize a dataset for nanogen.")
     p.add_argument("--dataset", required=True, choices=sorted(DATASETS) + ["rocstories"])
     p.add_argument("--vocab", default="word", choices=VOCABS,
                    help="wikitext2 / ptb: word (default) or char level; text: also bpe")

@@ -391,9 +391,12 @@ def test_epochs_evaluate_at_each_end_and_stop_at_max_epochs(tmp_path, wikitext2)
     assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["done"] == "reached --max_epochs 2"
 
 
-def test_evaluate_needs_a_checkpoint():
+def test_a_missing_argument_names_the_command_that_explains_it(capsys):
     rc, _, err = run_cli("evaluate.py")
     assert_one_line_error(rc, err, "required: --ckpt (or --compare JSON ...) (see evaluate.py --help)")
+    from data import prepare  # a module run with -m: its --help is asked for the same way
+    rc, err = run_in_process(prepare.main, [], capsys)
+    assert_one_line_error(rc, err, "required: --dataset (see python -m data.prepare --help)")
 
 
 def test_gcnn_and_char_vocabulary_end_to_end(tmp_path):
