@@ -348,6 +348,9 @@ class Vocabulary:
     def encode(self, lines, split=None):
         for line in lines:
             pieces = self.split(line)
+            if self.dataset == "text" and "<eos>" in pieces:  # (WikiText and PTB hold none)
+                raise DataError(f"your {split} text holds the word <eos>: nanogen ends every line "
+                                f"with eos itself (one sequence a line); remove it")
             ids = [self.stoi.get(w, -1) for w in pieces]
             if -1 in ids:
                 if self.unk is None:

@@ -66,7 +66,8 @@ def test_own_text_needs_a_train_file(tmp_path, capsys):
 
 def test_too_little_text_is_one_line(tmp_path, capsys):
     """A train.txt whose lines are all held out or too short, and an empty test.txt: one line
-    each (an empty prepared split was numpy's 'cannot mmap an empty file')."""
+    each (an empty prepared split was numpy's 'cannot mmap an empty file'); so is text that is
+    not UTF-8, or that marks its lines' ends with the word <eos> (it would be read as eos)."""
     small, text = tmp_path / "small", tmp_path / "text"
     small.mkdir(), text.mkdir()
     (small / "train.txt").write_text("a b c\n" + " ".join(f"w{i}" for i in range(30)) + "\n")
@@ -79,6 +80,11 @@ def test_too_little_text_is_one_line(tmp_path, capsys):
     (latin1 / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 20)
     rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(latin1)], capsys)
     assert_one_line_error(rc, err, "your text must be UTF-8")
+    marked = tmp_path / "marked"  # a corpus exported with its own end markers (in any split)
+    shutil.copytree(text, marked)
+    (marked / "valid.txt").write_text(line(1).replace("\n", " <eos>\n"))
+    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(marked)], capsys)
+    assert_one_line_error(rc, err, "your valid text holds the word <eos>: nanogen ends every line")
     tiny = ["--dataset", "text", "--model", "lstm", "--d_model", "8", "--batch_size", "4", "--max_iters", "2"]
     for folder in (small, text):  # prepared quietly first: the errors are then the only output
         prepare("text", str(folder), verbose=False)
