@@ -78,12 +78,14 @@ def test_too_little_text_is_one_line(tmp_path, capsys):
     latin1 = tmp_path / "latin1"
     latin1.mkdir()
     (latin1 / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 20)
-    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(latin1)], capsys)
+    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(latin1), "--out_dir",
+                                          str(tmp_path / "never")], capsys)
     assert_one_line_error(rc, err, "your text must be UTF-8")
     marked = tmp_path / "marked"  # a corpus exported with its own end markers (in any split)
     shutil.copytree(text, marked)
     (marked / "valid.txt").write_text(line(1).replace("\n", " <eos>\n"))
-    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(marked)], capsys)
+    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(marked), "--out_dir",
+                                          str(tmp_path / "never")], capsys)
     assert_one_line_error(rc, err, "your valid text holds the word <eos>: nanogen ends every line")
     tiny = ["--dataset", "text", "--model", "lstm", "--d_model", "8", "--batch_size", "4", "--max_iters", "2"]
     for folder in (small, text):  # prepared quietly first: the errors are then the only output
