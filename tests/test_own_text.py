@@ -59,8 +59,8 @@ def test_own_text_trains_evaluates_and_samples_without_data(vocab, model, own_te
 
 
 def test_own_text_needs_a_train_file(tmp_path, capsys):
-    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(tmp_path), "--model", "lstm"],
-                             capsys)
+    rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(tmp_path), "--model", "lstm",
+                                          "--out_dir", str(tmp_path / "run")], capsys)
     assert_one_line_error(rc, err, "DIR/train.txt")
 
 
@@ -87,7 +87,8 @@ def test_too_little_text_is_one_line(tmp_path, capsys):
     rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(marked), "--out_dir",
                                           str(tmp_path / "never")], capsys)
     assert_one_line_error(rc, err, "your valid text holds the word <eos>: nanogen ends every line")
-    tiny = ["--dataset", "text", "--model", "lstm", "--d_model", "8", "--batch_size", "4", "--max_iters", "2"]
+    tiny = ["--dataset", "text", "--model", "lstm", "--d_model", "8", "--batch_size", "4", "--max_iters", "2",
+            "--out_dir", str(tmp_path / "never")]  # (a later --out_dir wins)
     for folder in (small, text):  # prepared quietly first: the errors are then the only output
         prepare("text", str(folder), verbose=False)
     for task, msg in (("completion", "the train split of text holds no sequence"),
