@@ -424,7 +424,7 @@ def run_ct(args):
             runs
     valid = {label: statistics.mean(r["valid"] for r in runs[label]) for label in runs}
     best = min(valid, key=valid.get)
-    holds = all(valid["CT-MoS"] < v for label, v in valid.items() if label.startswith("MoS"))
+    holds = all(valid["CT-MoS"] < valid[label] for label, head, _ in CT_ROWS if head == "mos")
     verdict = "holds" if holds else "does NOT hold"
     lines += ["", f"- Lowest mean validation perplexity here: {best}.  The paper's claim (CT-MoS "
                   f"beats every constant-temperature MoS) {verdict} at this scale."]
