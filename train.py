@@ -44,6 +44,8 @@ def fit(argv=None, advise=True):
     runs.check_folder(args)  # on every process, before torchrun's process group exists
     dist = cli.setup_distributed(args)
     cli.setup_device(dist.device)  # cuda:N current, TF32; before anything touches the device
+    if args.compile:
+        check_compiler(dist.device)  # refused now, not at the first step after the data
     torch.manual_seed(args.seed + dist.rank)  # before the model is built: its initial weights
     weights = None  # GPT-2's, found or downloaded (by rank 0) before the data is prepared
     if args.init_from != "scratch" and ckpt is None:
@@ -303,6 +305,19 @@ def compile_model(lm, backend="inductor"):
     """torch.compile in place (state_dict keys stay unchanged), with dynamic shapes: batches
     come in ever new (B, T), which would otherwise recompile until torch gives up."""
     lm.compile(dynamic=True, backend=backend)
+
+
+def check_compiler(device):
+    """--compile on the CPU: inductor builds C++ kernels at the first step, so a machine without
+    a C++ compiler is a one-line error before anything is read (CUDA kernels are Triton's)."""
+    if device != "cpu":
+        return
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    try:
+        get_cpp_compiler()
+    except RuntimeError:  # inductor's InvalidCxxCompiler (Windows: no cl)
+        raise UserError("--compile on the CPU needs a C++ compiler (torch's inductor found none: "
+                        "install g++ or clang++, or set CXX), or train without --compile") from None
 
 
 def announce(args, task, lm, dist, ckpt):

@@ -221,6 +221,21 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
 # ---------------------------------------------------------------------------------------------
 # torch.compile: no recompiles after warm-up
 # ---------------------------------------------------------------------------------------------
+def test_compile_without_a_cpp_compiler_is_refused_before_the_data(monkeypatch, tmp_path):
+    """--compile on a CPU machine without a C++ compiler: one line before anything is read (the
+    data folder here does not exist), not inductor's traceback at the first step."""
+    from torch._inductor import config
+    monkeypatch.setattr(config.cpp, "cxx", (None, str(tmp_path / "no-g++")))
+    args = [*TINY, "--device", "cpu", "--compile", "--data_dir", str(tmp_path / "no-data"),
+            "--out_dir", str(tmp_path / "run")]
+    with pytest.raises(cli.UserError, match=r"--compile on the CPU needs a C\+\+ compiler"):
+        train.fit(args)
+    assert not (tmp_path / "run").exists()
+    monkeypatch.undo()
+    with pytest.raises(cli.UserError, match="ptb.train.txt not found"):  # a compiler: on to the data
+        train.fit(args)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "gcnn", "lstm"])
 def test_compiled_models_stop_recompiling(model, wikitext2):
