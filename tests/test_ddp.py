@@ -1,6 +1,6 @@
 """train.py under torchrun with 2 CPU processes (gloo): the same numbers as 1 process with the
 same global batch; story models; stop decisions taken together (time limit on disagreeing
-clocks, a storm of SIGTERMs); every process's own RNG after a resume (fresh ones on another
+clocks, a storm of SIGTERMs, a signal to one process); every process's own RNG after a resume (fresh ones on another
 number of processes); one process prepares the data; a user error on rank 0 stops every process
 with one line."""
 import fcntl
@@ -96,6 +96,17 @@ def test_a_storm_of_sigterms_still_checkpoints(tmp_path):
     from checkpoint import load
     step = load(str(out / "ckpt_last.pt"))["train_state"]["step"]
     assert f"after step {step};" in stdout and log(out, "steps.jsonl")[-1]["step"] == step
+
+
+def test_a_signal_to_one_process_stops_them_all(tmp_path):
+    """SIGTERM to rank 1 alone (its step 3): rank 0 learns it from the step's shared stop
+    decision; both stop after the same step, write the checkpoint and exit 0."""
+    out = tmp_path / "one_signal"
+    args = [a for a in ARGS if a not in ("--max_iters", "8")] + ["--max_iters", "100"]
+    p = run(TORCHRUN + [WORKER], out, args, env=dict(NANOGEN_TEST_WORKER="sigterm=3"))
+    assert "stopped by a signal to another process after step 3;" in p.stdout, p.stdout[-2000:]
+    from checkpoint import load
+    assert load(str(out / "ckpt_last.pt"))["train_state"]["step"] == 3 == log(out, "steps.jsonl")[-1]["step"]
 
 
 def test_every_process_resumes_its_own_rng(tmp_path):

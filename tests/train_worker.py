@@ -6,6 +6,7 @@ a subprocess or under torchrun; the production code carries no hook for any of t
     kill=evaluation:N    SIGKILL as the N-th evaluation starts
     kill=checkpoint:N    SIGKILL inside the N-th checkpoint write: the temporary file is
                          complete, the rename not done
+    sigterm=N            rank 1 alone sends itself SIGTERM during its N-th training step
 """
 import os
 import signal
@@ -20,15 +21,15 @@ import train  # noqa: E402
 mode, rank = os.environ.get("NANOGEN_TEST_WORKER", ""), int(os.environ.get("RANK", "0"))
 
 
-def kill_on(n, fn, when=lambda *a, **k: True):
-    """fn, except that its n-th call (among those `when` accepts) SIGKILLs this process."""
+def kill_on(n, fn, when=lambda *a, **k: True, sig=signal.SIGKILL):
+    """fn, except that its n-th call (among those `when` accepts) sends this process `sig`."""
     calls = [0]
 
     def wrapped(*a, **k):
         if when(*a, **k):
             calls[0] += 1
             if calls[0] == n:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
         return fn(*a, **k)
     return wrapped
 
@@ -44,6 +45,8 @@ elif mode == "count_build":
         print(f"BUILD rank {rank}", flush=True)
         return build(*a, **k)
     prepare._build = counted
+elif mode.startswith("sigterm=") and rank == 1:
+    train.accumulate = kill_on(int(mode[len("sigterm="):]), train.accumulate, sig=signal.SIGTERM)
 elif mode.startswith("kill="):
     where, n = mode[len("kill="):].split(":")
     if where == "step":
