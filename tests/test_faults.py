@@ -105,8 +105,16 @@ def test_damaged_and_truncated_checkpoints_are_named(tmp_path):
     truncated.write_bytes(path.read_bytes()[: len(raw) // 3])
     comment = tmp_path / "comment.pt"  # the digest in the zip comment damaged (not even text)
     comment.write_bytes(path.read_bytes()[:-1] + b"\xff")
-    for bad in (damaged, truncated, comment):
+    outer = torch.load(os.path.join(ROOT, "tests", "data", "ckpt_v1_ptb_lstm_nmst.pt"), weights_only=True)
+    payload = bytearray(outer["payload"])
+    payload[len(payload) // 2] ^= 0xFF
+    legacy = tmp_path / "legacy.pt"  # format 1: the payload's own sha256 catches the flip
+    torch.save(dict(outer, payload=bytes(payload)), legacy)
+    for bad in (damaged, truncated, comment, legacy):
         with pytest.raises(CheckpointError, match=str(bad.name)):
+            load_checkpoint(str(bad))
+    for bad in (damaged, legacy):
+        with pytest.raises(CheckpointError, match="is damaged: its content does not match its sha256"):
             load_checkpoint(str(bad))
     assert load_checkpoint(str(path))["model"]["w"].shape == (1000,)
 
