@@ -295,13 +295,13 @@ def report_table4(cfg, runs, args):
         paper = dict(zip(TABLE4, PAPER_TABLE4.get(h, ())))
         cells = [f"{mean_std(r_nt(runs[model, h], d, cfg['L']), 3)} ({paper.get(d, '-')})"
                  for d in decs]
-        lines.append(f"| {h} | " + " | ".join(cells) + " |")
+        lines.append(f"| {paper_name(h)} | " + " | ".join(cells) + " |")
     lines.append("")
     if args.scale == "tiny":
         return lines + ["- smoke test (tiny scale: a few steps, one seed): no conclusion."]
     for h in args.heads:
         worst = max(statistics.mean(r_nt(runs[model, h], d, cfg["L"])) for d in decs)
-        lines.append(f"- {h}: the largest r_nt({cfg['L']}) over these decoders is {worst:.3f}"
+        lines.append(f"- {paper_name(h)}: the largest r_nt({cfg['L']}) over these decoders is {worst:.3f}"
                      + (" (Theorem 3: NMST terminates under all of them)" if h == "nmst" else ""))
     return lines
 

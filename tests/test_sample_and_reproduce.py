@@ -171,6 +171,8 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys, monkeypatch)
         assert json.loads((folder / "results.json").read_text())["result"] == name
         if figure:
             assert (folder / figure).stat().st_size > 1000
+    for name in ("nmst-table1", "nmst-table4"):  # heads by the paper's names, as in the figures
+        assert "| VA+ |" in (out / f"{name}-tiny" / "table.md").read_text()
     assert first.count("done (reached") > 0
     run = json.loads((out / "nmst-table1-tiny" / "runs" / "lstm-nmst-s0" / "run.json").read_text())
     table1 = (out / "nmst-table1-tiny" / "table.md").read_text()  # the over-training table says
