@@ -24,7 +24,7 @@ from checkpoint import load as load_checkpoint
 from data.loader import bptt_windows
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
                     decode_stats, eos_probs, longest_continuation, sampling_generator)
-from heads import TERMINATION_HEADS
+from heads import TERMINATION_HEADS, paper_name
 from model import eval_mode
 from tasks import STORY_DATASETS, checkpoint_task, model_from_checkpoint
 
@@ -482,7 +482,7 @@ def study_problem(r):
 def run_label(r, varying):
     """What tells run r apart from the others: the fields that vary among them."""
     d = r["decoding"]
-    parts = {"head": r["head"].upper() if r["head"] else r["model"],
+    parts = {"head": paper_name(r["head"]) if r["head"] else r["model"],
              "epsilon": f"eps={r['epsilon']:g}" if r["head"] in TERMINATION_HEADS else "",
              "model": r["model"], "decoder": decoder_name(d), "dataset": r["dataset"]}
     return " ".join(parts[k] for k in ("head", "epsilon", "model", "decoder", "dataset")

@@ -41,6 +41,13 @@ import fast
 
 HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos")
 TERMINATION_HEADS = ("st", "nmst")  # the heads that model the end of a sequence: they read t
+PAPER_NAMES = dict(softmax="VA+", st="ST+", nmst="NMST+", mos="MoS", ct="CT", ctmos="CT-MoS")
+
+
+def paper_name(head):
+    """The papers' name of a head (NMST paper section 4, CT paper; a head of your own: its name
+    in capitals)."""
+    return PAPER_NAMES.get(head, head.upper())
 
 
 # ---------------------------------------------------------------------------------------------

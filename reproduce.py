@@ -24,7 +24,7 @@ import time
 import cli
 from cli import UserError
 from heads import HEADS as HEADS_AVAILABLE
-from heads import TERMINATION_HEADS
+from heads import TERMINATION_HEADS, paper_name
 
 RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
 
@@ -66,12 +66,6 @@ PAPER_TABLE4 = {  # r_nt(1000) in the paper's Table 4, in the order of TABLE4
     "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02",
              "0.01 ± 0.01")}
 HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
-PAPER_NAMES = dict(softmax="VA+", st="ST+", nmst="NMST+", mos="MoS", ct="CT", ctmos="CT-MoS")
-
-
-def paper_name(head):
-    """The papers' name of a head (a head of your own: its name in capitals)."""
-    return PAPER_NAMES.get(head, head.upper())
 
 
 def decoder_flags(name):
@@ -301,8 +295,9 @@ def report_table4(cfg, runs, args):
         return lines + ["- smoke test (tiny scale: a few steps, one seed): no conclusion."]
     for h in args.heads:
         worst = max(statistics.mean(r_nt(runs[model, h], d, cfg["L"])) for d in decs)
-        lines.append(f"- {paper_name(h)}: the largest r_nt({cfg['L']}) over these decoders is {worst:.3f}"
-                     + (" (Theorem 3: NMST terminates under all of them)" if h == "nmst" else ""))
+        lines.append(f"- {paper_name(h)}: the largest r_nt({cfg['L']}) over these decoders is "
+                     f"{worst:.3f}" + (" (Theorem 3: NMST terminates under all of them)"
+                                       if h == "nmst" else ""))
     return lines
 
 

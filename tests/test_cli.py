@@ -218,7 +218,7 @@ def test_epsilon_is_shown_for_the_heads_that_read_it(capsys):
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [row.split()[:3] for row in rows] == [["lstm", "mos", "-"], ["lstm", "nmst", "1e-05"]]
     assert [evaluate.run_label(study(h), {"head", "epsilon"}) for h in ("mos", "nmst")] == [
-        "MOS", "NMST eps=1e-05"]
+        "MoS", "NMST+ eps=1e-05"]
 
 
 def test_compared_lengths_draw_each_cut_continuation_at_its_own_L(tmp_path, monkeypatch):
