@@ -378,10 +378,12 @@ def model_config(args, vocab_size, eos_id):
         cfg.update(n_head=args.n_head, block_size=args.block_size)
         return dict(cfg, max_offset=args.max_offset) if args.model == "insnet" else cfg
     cfg.update(head=args.head, epsilon=args.epsilon, eos_id=eos_id, tie=not args.no_tie)
+    if args.model in WINDOWED:  # learned positions: a window of block_size tokens
+        cfg.update(block_size=args.block_size)
     if args.model == "gpt":
-        cfg.update(n_head=args.n_head, block_size=args.block_size, bias=not args.no_bias)
-    if args.model == "gcnn":
-        cfg.update(block_size=args.block_size, kernel_size=args.kernel_size)
+        cfg.update(n_head=args.n_head, bias=not args.no_bias)
+    if args.model == "gcnn":  # (a convolutional model of your own: its kernel_size too)
+        cfg.update(kernel_size=args.kernel_size)
     if args.model in RECURRENT and args.locked_dropout:
         cfg.update(locked_dropout=True)
     if args.head in ("mos", "ctmos"):

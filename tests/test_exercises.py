@@ -1,8 +1,9 @@
-"""Coursework exercises 1 and 2 (README), done by following their own text on a copy of the
-code: a new termination head, alpha_t = sigmoid(z_eos + w log t), goes through training,
-evaluation and `reproduce.py nmst-table1 --scale tiny --heads ... logt`; a head name without its
-branch is an error, never a silent ST; a new decoder (typical sampling) samples in sample.py and
-evaluate.py like the others."""
+"""The coursework exercises (README), done by following their own text on a copy of the code: a
+new termination head, alpha_t = sigmoid(z_eos + w log t), goes through training, evaluation and
+`reproduce.py nmst-table1 --scale tiny --heads ... logt`; a head name without its branch is an
+error, never a silent ST; a new decoder (typical sampling) samples in sample.py and evaluate.py
+like the others; a new backbone (a dilated gated CNN) passes the contract and cached-decoding
+tests, trains and decodes."""
 import os
 import subprocess
 import sys
@@ -59,6 +60,50 @@ def filter_log_probs("""),
      '        mask = typical_mask(lp, p)'),
     ("decode.py", '("--p", p is not None, ("nucleus",))', '("--p", p is not None, ("nucleus", "typical"))'),
     ("decode.py", 'if decoder == "nucleus" and (p is None', 'if decoder in ("nucleus", "typical") and (p is None'),
+]
+
+
+EXERCISE_3 = [  # a dilated gated CNN: layer l looks 2^l positions apart; it takes --kernel_size
+    ("model.py", 'MODELS = ("rnn", "lstm", "gcnn", "gpt")', 'MODELS = ("rnn", "lstm", "gcnn", "gpt", "dgcnn")'),
+    ("model.py", 'WINDOWED = ("gcnn", "gpt")', 'WINDOWED = ("gcnn", "gpt", "dgcnn")'),
+    ("model.py", "class LanguageModel(nn.Module):", """class DilatedGCNN(GCNN):
+    \"\"\"GCNN whose layer l convolves inputs d = 2^l apart; its state keeps (k-1) d inputs.\"\"\"
+
+    def __init__(self, vocab_size, block_size, n_layer, d_model, kernel_size, dropout):
+        super().__init__(vocab_size, block_size, n_layer, d_model, kernel_size, dropout)
+        self.spans = [(kernel_size - 1) * 2 ** i for i in range(n_layer)]
+        for conv, span in zip(self.convs, self.spans):
+            conv.conv.dilation = (span // (kernel_size - 1),)
+
+    def forward(self, idx, state=None, lengths=None):
+        B, T = idx.shape
+        dev = idx.device
+        if state is None:
+            past = [torch.zeros(B, s, self.d_model, device=dev) for s in self.spans]
+            state = (past, torch.zeros(B, dtype=torch.long, device=dev), 0)
+        past, pos0, end = state
+        if end + T > self.block_size:
+            raise ValueError("longer than the window")
+        n_real = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
+        x = self.drop(self.wte(idx) + self.wpe(pos0.unsqueeze(1) + torch.arange(T, device=dev)))
+        new_past = []
+        for ln, conv, p, span in zip(self.ln, self.convs, past, self.spans):
+            h, padded = conv(ln(x), p)
+            keep = n_real.view(B, 1, 1) + torch.arange(span, device=dev).view(1, -1, 1)
+            new_past.append(padded.gather(1, keep.expand(-1, -1, self.d_model)))
+            x = x + self.drop(h)
+        return self.ln_f(x), (new_past, pos0 + n_real, end + T)
+
+
+class LanguageModel(nn.Module):"""),
+    ("model.py", '    if cfg["model"] in ("rnn", "lstm"):\n        return Recurrent(',
+     '    if cfg["model"] == "dgcnn":\n        return DilatedGCNN(V, cfg["block_size"], cfg["n_layer"], D, '
+     'cfg["kernel_size"], cfg["dropout"])\n    if cfg["model"] in ("rnn", "lstm"):\n        return Recurrent('),
+    ("recipes.py", '    "gcnn": dict(RECURRENT_RECIPE, n_layer=8, dropout=0.1),',
+     '    "gcnn": dict(RECURRENT_RECIPE, n_layer=8, dropout=0.1),\n'
+     '    "dgcnn": dict(RECURRENT_RECIPE, n_layer=6, dropout=0.1),'),
+    ("recipes.py", '    if args.model == "gcnn":', '    if args.model in ("gcnn", "dgcnn"):'),
+    ("recipes.py", 'a.kernel_size != 4 and a.model != "gcnn"', 'a.kernel_size != 4 and a.model not in ("gcnn", "dgcnn")'),
 ]
 
 
@@ -128,3 +173,24 @@ def test_exercise_2_a_new_decoder_samples_like_the_others(tmp_path):
     p = run("evaluate.py", "--ckpt", ckpt, "--no_ppl", "--decoder", "typical", "--p", "0.9", "--L", "5", "--limit",
             "4")
     assert "typical" in p.stdout
+
+
+def test_exercise_3_a_new_backbone_passes_the_contract_trains_and_decodes(tmp_path):
+    code = tmp_path / "code"
+    copy_of_the_code(str(code))  # (the tests too)
+    apply(str(code), EXERCISE_3)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def run(*args):
+        p = subprocess.run([sys.executable, *args], cwd=code, capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p
+    p = run("-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_model.py", "tests/test_decode.py",
+            "-k", "dgcnn and not without_its_branch")  # (that test's half-done backbone is named dgcnn too)
+    assert "test_cached_equals_uncached[greedy-kw0-nmst-dgcnn]" in p.stdout and "failed" not in p.stdout
+    run("train.py", "--model", "dgcnn", "--kernel_size", "3", "--n_layer", "3", "--dataset", "ptb", "--d_model", "16",
+        "--block_size", "64", "--batch_size", "8", "--max_iters", "2", "--eval_interval", "2", "--eval_seqs", "8",
+        "--probe", "0", "--out_dir", "run")
+    p = run("evaluate.py", "--ckpt", os.path.join("run", "ckpt_best.pt"), "--decoder", "greedy", "--L", "5",
+            "--limit", "4")
+    assert "ppl" in p.stdout and "greedy" in p.stdout
