@@ -14,7 +14,7 @@ from collections import ChainMap
 import cli
 from checkpoint import GPT2_SIZES, CheckpointError
 from checkpoint import load as load_checkpoint
-from runs import check_own_checkpoint
+from runs import check_own_checkpoint, resume_from
 from data.prepare import DATASETS, VOCABS
 from heads import HEADS, TERMINATION_HEADS
 from model import MODELS, WINDOWED
@@ -84,7 +84,8 @@ FLAGS = {  # group: [(flag, argparse keywords)]; None defaults come from RECIPES
         ("--compile", dict(action="store_true", help="torch.compile the model")),
         ("--peak_flops", dict(range=">0", type=float, default=None,
                               help="peak FLOP/s for the MFU column")),
-        ("--resume", dict(action="store_true", help="continue from out_dir/ckpt_last.pt")),
+        ("--resume", dict(action="store_true", help="continue from out_dir/ckpt_last.pt (else "
+                                                    "ckpt_best.pt)")),
     ],
     "architecture": [
         ("--n_layer", dict(range=">=1", type=int, default=None)),
@@ -255,8 +256,8 @@ def parse_args(argv=None):
     -> (args, the checkpoint to resume or None)."""
     args, explicit = typed_args(argv)
     out_dir = args.out_dir or os.path.join("out", default_run_name(args))
-    path = os.path.join(out_dir, "ckpt_last.pt")
-    if args.resume and os.path.exists(path):  # the run's own arguments, already resolved
+    path = resume_from(out_dir)
+    if args.resume and path:  # the run's own arguments, already resolved
         args.out_dir, ckpt = out_dir, load_checkpoint(path)
         check_own_checkpoint(ckpt, out_dir)  # not a checkpoint copied in from another run
         return resume_args(args, explicit, ckpt["args"]), ckpt

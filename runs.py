@@ -82,9 +82,12 @@ class Run:
                 from None
         take_lock(self.lock, self.out_dir)
         held = refuse_a_run_there(self.out_dir, resuming)  # unless one appeared since
-        if resuming and "ckpt_last.pt" not in held:
-            print(f"note: {self.out_dir} holds no checkpoint yet (the run stopped before its "
-                  f"first one): starting again from step 0", file=sys.stderr)
+        if resuming and "ckpt_last.pt" not in held:  # killed before its first checkpoint, or
+            # between writing ckpt_best.pt and ckpt_last.pt: the newest there is, the same state
+            print(f"note: {self.out_dir} holds no ckpt_last.pt: " + (
+                f"going on from ckpt_best.pt (step {self.state.step})" if "ckpt_best.pt" in held
+                else "the run stopped before its first checkpoint; starting again from step 0"),
+                file=sys.stderr)
         self.run_id = self.run_id or folder_run_id(self.out_dir) or uuid.uuid4().hex
         cli.write_json(self.path("run.json"), dict(run_id=self.run_id, args=vars(self.args)))
         for name in os.listdir(self.out_dir):  # an interrupted atomic write's temporary file
@@ -312,11 +315,8 @@ def check_folder(args):
     if lock is not None:
         with lock:
             take_lock(lock, args.out_dir, shared=True)
-    held = refuse_a_run_there(args.out_dir, args.resume)
-    last = os.path.join(args.out_dir, "ckpt_last.pt")
-    if args.resume and not os.path.exists(last) and \
-            ("ckpt_best.pt" in held or not {"steps.jsonl", "log.jsonl"} & set(held)):
-        raise CheckpointError(f"--resume: no checkpoint {last}; start without --resume")
+    if not refuse_a_run_there(args.out_dir, args.resume) and args.resume:  # (logs alone: Run.open)
+        raise CheckpointError(f"--resume: no checkpoint in {args.out_dir}; start without --resume")
     if args.tensorboard:  # (refused now, not once the data is prepared)
         summary_writer()
 
@@ -352,6 +352,13 @@ def refuse_a_run_there(out_dir, resuming):
         raise UserError(f"{out_dir} already holds a run ({', '.join(held)}): continue it with "
                         f"--resume, or choose another --out_dir")
     return held
+
+
+def resume_from(out_dir):
+    """The checkpoint --resume goes on from: ckpt_last.pt, else ckpt_best.pt (written at the same
+    evaluation, just before it), else None."""
+    paths = [os.path.join(out_dir, n) for n in ("ckpt_last.pt", "ckpt_best.pt")]
+    return next((p for p in paths if os.path.exists(p)), None)
 
 
 def check_own_checkpoint(ckpt, out_dir):

@@ -73,6 +73,28 @@ def test_resume_continues_and_reproduces(tmp_path, wikitext2, capsys):
     assert "already finished (reached --max_iters 20, at step 30); nothing to do" in capsys.readouterr().out
 
 
+def test_resume_goes_on_from_ckpt_best_or_from_step_0(tmp_path, wikitext2, capsys):
+    """Killed between writing ckpt_best.pt and ckpt_last.pt (one evaluation writes both): --resume
+    goes on from ckpt_best.pt and equals one run; killed before any checkpoint (the logs alone):
+    it starts again from step 0, the logs cut back."""
+    straight, split, early = tmp_path / "straight", tmp_path / "split", tmp_path / "early"
+    assert train.main(tiny_args("lstm", "st", straight, iters=12, every=6)) == 0
+    for folder in (split, early):
+        assert train.main(tiny_args("lstm", "st", folder, iters=6, every=6)) == 0
+        os.remove(folder / "ckpt_last.pt")
+    os.remove(early / "ckpt_best.pt")
+    capsys.readouterr()
+    for folder, said in ((split, "going on from ckpt_best.pt (step 6)"),
+                         (early, "stopped before its first checkpoint; starting again from step 0")):
+        assert train.main(tiny_args("lstm", "st", folder, iters=12, every=6) + ["--resume"]) == 0
+        assert said in capsys.readouterr().err
+        a, b = read_log(straight), read_log(folder)
+        assert [r["step"] for r in b] == [6, 12]
+        assert [(r["train_loss"], r["val_loss"]) for r in a] == [(r["train_loss"], r["val_loss"]) for r in b]
+        wa, wb = (load_checkpoint(str(f / "ckpt_last.pt"))["model"] for f in (straight, folder))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def run_cli(script, *args, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
     p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
