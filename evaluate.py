@@ -143,6 +143,8 @@ def evaluate_completion(args, ckpt, device):
     split = task.decodable_split(args.split) if args.decoder else None  # refused before any pass
     if args.tau_report:
         check_tau(ckpt)
+        data = task.columns(args.split, args.limit)  # --limit: as the stream perplexity
+        spans = sentence_spans(data, task.eos_id)  # none: refused before any pass
     if not args.no_ppl:
         res.update(task.evaluate(lm, device, split=args.split, limit=args.limit,
                                  desc=f"perplexity ({args.split})"))
@@ -161,7 +163,7 @@ def evaluate_completion(args, ckpt, device):
         if args.plot:
             plot_study([res], args.plot)
     if args.tau_report:
-        res["tau_report"] = tau_job(args, ckpt, task, lm, device)
+        res["tau_report"] = tau_job(args, ckpt, task, lm, device, data, spans)
     return res
 
 
@@ -227,12 +229,10 @@ def check_tau(ckpt):
                         f"words): this checkpoint reads {tokens} tokens")
 
 
-def tau_job(args, ckpt, task, lm, device):
-    data = task.columns(args.split, args.limit)  # --limit: as the stream perplexity
+def tau_job(args, ckpt, task, lm, device, data, spans):
     from recipes import build_parser
     bptt = ckpt["args"].get("bptt") or build_parser().get_default("bptt")
-    rep = tau_report(lm, data, bptt, task.eos_id,
-                     task.tokenizer().decode, device)
+    rep = tau_report(lm, data, bptt, spans, task.tokenizer().decode, device)
     print(f"temperature of the next word by position ({rep['sentences']} sentences of 16-24 "
           f"words):")
     for name, m_, c in zip(rep["positions"], rep["position_mean"], rep["position_ci95"]):
@@ -245,7 +245,7 @@ def tau_job(args, ckpt, task, lm, device):
 
 
 @torch.no_grad()
-def tau_report(lm, data, bptt, eos_id, detok, device="cpu", top=10):
+def tau_report(lm, data, bptt, spans, detok, device="cpu", top=10):
     """The contextual temperature along the text (CT paper Fig. 1, Tables 5-6).  The model reads
     the batchified stream (bsz, N) as in evaluation; at every position we keep tau of the word
     that actually comes next, and the mean tau of every vocabulary entry.  Sentences (lines)
@@ -262,7 +262,7 @@ def tau_report(lm, data, bptt, eos_id, detok, device="cpu", top=10):
             tau_next[:, i:i + L] = tau.gather(-1, y.unsqueeze(-1)).squeeze(-1).cpu()
             tau_sum += tau.sum((0, 1)).cpu()
             n_pos += y.numel()
-    table = normalised_sentences(data, tau_next, eos_id)  # (sentences, 15)
+    table = normalised_sentences(spans, tau_next)  # (sentences, 15)
     mean, half = table.mean(0), 1.96 * table.std(0) / math.sqrt(len(table))
     tau_mean = tau_sum / n_pos
     order = torch.argsort(tau_mean, descending=True)
@@ -273,21 +273,31 @@ def tau_report(lm, data, bptt, eos_id, detok, device="cpu", top=10):
                 lowest=[(detok([int(v)]), tau_mean[v].item()) for v in order[-top:].flip(0)])
 
 
-def normalised_sentences(data, tau_next, eos_id):
-    """tau of the first 5, middle 5 and last 5 words of every 16-24-word sentence."""
-    rows = []
+def sentence_spans(data, eos_id):
+    """(column, start, end) of every 16-24-word sentence of the batchified stream data (bsz, N),
+    as positions of next words: a sentence starts after an eos (each column's first, cut one is
+    skipped)."""
+    spans = []
     for b in range(data.size(0)):
-        start = None  # a sentence starts after an eos (the first, cut one is skipped)
+        start = None
         for j, tok in enumerate(data[b, 1:].tolist()):
             if tok == eos_id:
                 if start is not None and 15 < j - start < 25:
-                    words = tau_next[b, start:j]
-                    mid = (len(words) - 5) // 2
-                    rows.append(torch.cat([words[:5], words[mid:mid + 5], words[-5:]]))
+                    spans.append((b, start, j))
                 start = j + 1
-    if not rows:
+    if not spans:
         raise UserError("no sentence of 16-24 words in this split (or within --limit): the "
                         "temperature report needs some")
+    return spans
+
+
+def normalised_sentences(spans, tau_next):
+    """tau of the first 5, middle 5 and last 5 words of every sentence span."""
+    rows = []
+    for b, start, end in spans:
+        words = tau_next[b, start:end]
+        mid = (len(words) - 5) // 2
+        rows.append(torch.cat([words[:5], words[mid:mid + 5], words[-5:]]))
     return torch.stack(rows)
 
 

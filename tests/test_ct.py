@@ -152,6 +152,10 @@ def test_stream_training_on_real_ptb(head, tmp_path, capsys):
         assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--limit", "400",
                               "--out", str(rep_path)]) == 0  # --limit: the first 400 tokens of each column
         assert 0 < json.loads(rep_path.read_text())["tau_report"]["sentences"] < rep["sentences"] / 10
+        capsys.readouterr()
+        assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_best.pt"), "--tau_report", "--limit", "15"]) == 2
+        std = capsys.readouterr()  # 15 words a column hold no 16-24-word sentence
+        assert std.out == "" and "no sentence of 16-24 words" in std.err  # refused before the perplexity
 
 
 @pytest.mark.slow
@@ -201,7 +205,7 @@ def test_tau_by_position_takes_first_middle_last_five_of_16_to_24_word_sentences
     from cli import UserError
     data = torch.tensor([[5, 0, *range(1, 21), 0, 7, 8, 0, *range(1, 10)]])  # cut, 20 words, 2 words, cut
     tau_next = torch.arange(data.size(1) - 1, dtype=torch.float64).unsqueeze(0)  # tau of target j: j
-    rows = evaluate.normalised_sentences(data, tau_next, eos_id=0)
+    rows = evaluate.normalised_sentences(evaluate.sentence_spans(data, eos_id=0), tau_next)
     assert rows.tolist() == [[1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 16, 17, 18, 19, 20]]
     with pytest.raises(UserError, match="no sentence of 16-24 words"):
-        evaluate.normalised_sentences(data[:, 20:], tau_next[:, 20:], eos_id=0)
+        evaluate.sentence_spans(data[:, 20:], eos_id=0)
