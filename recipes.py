@@ -259,7 +259,7 @@ def parse_args(argv=None):
     path = resume_from(out_dir)
     if args.resume and path:  # the run's own arguments, already resolved
         args.out_dir, ckpt = out_dir, load_checkpoint(path)
-        check_own_checkpoint(ckpt, out_dir)  # not a checkpoint copied in from another run
+        check_own_checkpoint(ckpt, path)  # not a checkpoint copied in from another run
         return resume_args(args, explicit, ckpt["args"]), ckpt
     args = resolve(args, explicit)
     unused = [f"--{k}" for k, applies in APPLIES if k in explicit and not applies(args)]

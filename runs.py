@@ -223,11 +223,11 @@ class Run:
                         self.path(name))
 
     def restore(self, ckpt, lm, optimizer, task, cfg):
-        """Model, optimizer, counters, RNG, scaler and task state from ckpt_last.pt.  -> False
+        """Model, optimizer, counters, RNG, scaler and task state from the checkpoint.  -> False
         when the run had already finished (nothing to do)."""
         if ckpt["config"] != cfg:
-            raise CheckpointError(f"{self.path('ckpt_last.pt')} does not match this model / "
-                                  f"vocabulary")
+            raise CheckpointError(f"the checkpoint in {self.out_dir} does not match this model "
+                                  f"/ vocabulary")
         self.run_id = ckpt.get("run_id")
         lm.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -361,12 +361,13 @@ def resume_from(out_dir):
     return next((p for p in paths if os.path.exists(p)), None)
 
 
-def check_own_checkpoint(ckpt, out_dir):
-    """A ckpt_last.pt copied in from another run would be resumed in place and mix two runs'
-    logs and best checkpoints: the folder's run id must be the checkpoint's."""
+def check_own_checkpoint(ckpt, path):
+    """A checkpoint copied in from another run would be resumed in place and mix two runs' logs
+    and best checkpoints: the run id of the folder (of path) must be the checkpoint's."""
+    out_dir = os.path.dirname(path)
     own, theirs = folder_run_id(out_dir), ckpt.get("run_id")
     if own and theirs and own != theirs:
-        raise CheckpointError(f"{out_dir}/ckpt_last.pt belongs to another run than {out_dir} "
+        raise CheckpointError(f"{path} belongs to another run than {out_dir} "
                               f"(run id {theirs[:8]}, the folder's {own[:8]}): resume it in its "
                               f"own folder, or start a new run elsewhere")
 
