@@ -227,8 +227,11 @@ class CompletionTask(LanguageModelTask):
                                 f"{unit} (the first {CONTEXT_LEN} are the context){own}")
         if not len(batches(self.splits["valid"].lengths, limit=self.eval_seqs or None,
                            **self.eval_sizes())):
-            raise UserError(f"no validation sequence fits (--eval_seqs {args.eval_seqs}, "
-                            f"--block_size {args.block_size})")
+            which = f"each of the first {self.eval_seqs} (--eval_seqs)" if self.eval_seqs else \
+                "every one"
+            raise UserError(f"no validation sequence fits the --block_size {args.block_size} "
+                            f"window: {which} is longer; raise --block_size"
+                            + (" or --eval_seqs" if self.eval_seqs else ""))
 
     def report(self, res, split):
         if res["sequences"] == 0 and not res["skipped"]:

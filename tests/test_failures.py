@@ -252,7 +252,8 @@ def test_runs_that_would_do_nothing_are_errors(tmp_path, capsys):
     cases = [
         (["--grad_accum", "20"], "fewer than --grad_accum 20: no optimizer step would run"),
         (["--model", "gpt", "--n_head", "2", "--block_size", "8", "--batch_size", "8"],
-         "no validation sequence fits (--eval_seqs 16, --block_size 8)"),
+         "no validation sequence fits the --block_size 8 window: each of the first 16 (--eval_seqs) is longer; "
+         "raise --block_size or --eval_seqs"),
         (["--lr_decay", "-0.5"], "--lr_decay must lie in (0, 1]"),
         (["--warmup", "-3", "--lr_schedule", "linear"], "--warmup must be >= 0"),
         (["--decay_steps", "0", "--lr_schedule", "linear"], "--decay_steps must be >= 1"),
