@@ -168,8 +168,8 @@ class Run:
               f"per epoch; this run ({total:,} steps"
               + (f", about {total / self.epoch_steps:,.1f} epochs" if args.max_iters else "")
               + f") has about {hours(left)} to go" + (" (--max_minutes)" if capped else "")
-              + ("; for a run sized for a laptop see `python reproduce.py nmst-table1 --scale "
-                 "cpu` (README, Coursework)" if left > 3600 else ""), flush=True)
+              + ("; runs sized for a laptop: `python reproduce.py RESULT --scale cpu` (README, "
+                 "Coursework)" if left > 3600 else ""), flush=True)
 
     def flush(self):
         """Read the pending steps' losses (one read), append them to steps.jsonl, and stop the

@@ -3,6 +3,7 @@ reproduce.py end to end at the tiny scale (and reused on a second run), the lapt
 CPU run, and --compare plots of runs that differ by decoder."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -264,12 +265,27 @@ def test_a_cpu_run_says_how_long_an_epoch_takes(tmp_path, capsys):
                        "8", "--max_iters", "12", "--eval_interval", "4", "--eval_seqs", "8",
                        "--out_dir", str(tmp_path / "r"), "--resume"]) == 0
     out = capsys.readouterr().out  # resumed: measured again, after its own first step
-    assert "this run (12 steps, " in out and "to go" in out
+    assert "this run (12 steps, " in out and "to go" in out and "sized for a laptop" not in out  # (minutes)
     assert train.main(["--model", "lstm", "--dataset", "ptb", "--d_model", "16", "--batch_size",
                        "8", "--max_iters", "5", "--eval_interval", "1", "--eval_seqs", "8",
                        "--out_dir", str(tmp_path / "e")]) == 0  # evaluations between the steps
     rate = capsys.readouterr().out.split(" tokens/s on this CPU")[0].split()[-1]
     assert float(rate.replace(",", "")) > 0  # timed steps only, evaluations left out
+
+
+def test_a_long_cpu_run_points_at_every_papers_laptop_preset(capsys):
+    """Over an hour to go: the --scale cpu presets of reproduce.py, whichever paper the run is of
+    (a CT stream run was pointed at NMST's Table 1)."""
+    import runs
+    from cli import Dist
+    args = SimpleNamespace(out_dir="unused", compile=False, lr=1.0, max_iters=0, max_epochs=70,
+                           max_minutes=None)
+    run = runs.Run(args, Dist(0, 1, "cpu"), None, epoch_tokens=929_568, epoch_steps=1_000)
+    run.timed = [(1.0, 680)]
+    run.estimate()
+    out = capsys.readouterr().out
+    assert "680 tokens/s on this CPU: 22.8 min per epoch; this run (70,000 steps) has about 26.6 h" in out
+    assert "runs sized for a laptop: `python reproduce.py RESULT --scale cpu` (README, Coursework)" in out
 
 
 def test_compare_runs_that_differ_by_decoder(tmp_path, ckpts, monkeypatch):
