@@ -113,11 +113,11 @@ def check_reusable(runs_dir, plan):
     have been trained with these flags (else the command would stop at it, after training the
     runs before it)."""
     import recipes
-    from runs import read_run
+    from runs import read_run, resume_from
     for name, flags, *_ in plan:
         out_dir = os.path.join(runs_dir, name)
         saved = read_run(out_dir).get("args")
-        if saved and os.path.exists(os.path.join(out_dir, "ckpt_last.pt")):
+        if saved and resume_from(out_dir):
             try:
                 recipes.resume_args(*recipes.typed_args([*flags, "--out_dir", out_dir]), saved)
             except UserError as e:

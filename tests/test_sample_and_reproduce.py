@@ -186,8 +186,12 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys, monkeypatch)
     rc, err = run_in_process(reproduce.main, ["nmst-table1", "--scale", "cpu", "--runs",  # tiny's runs at cpu scale
                                               str(out / "nmst-table1-tiny" / "runs"), "--out", str(tmp_path / "c")],
                              capsys)
-    assert_one_line_error(rc, err, "the run in " + str(out / "nmst-table1-tiny" / "runs" / "lstm-softmax-s0") +
-                          " cannot be reused or continued (the checkpoint")
+    first_run = out / "nmst-table1-tiny" / "runs" / "lstm-softmax-s0"
+    assert_one_line_error(rc, err, f"the run in {first_run} cannot be reused or continued (the checkpoint")
+    os.remove(first_run / "ckpt_last.pt")  # ckpt_best.pt alone, which --resume goes on from: checked too
+    rc, err = run_in_process(reproduce.main, ["nmst-table1", "--scale", "cpu", "--runs", str(first_run.parent),
+                                              "--out", str(tmp_path / "c")], capsys)
+    assert_one_line_error(rc, err, f"the run in {first_run} cannot be reused or continued (the checkpoint")
 
 
 @pytest.mark.parametrize("result, dataset", [("nmst-table1", "wikitext2"), ("nmst-table4", "wikitext103"),
