@@ -315,7 +315,8 @@ def check_folder(args):
     if lock is not None:
         with lock:
             take_lock(lock, args.out_dir, shared=True)
-    if not refuse_a_run_there(args.out_dir, args.resume) and args.resume:  # (logs alone: Run.open)
+    held = refuse_a_run_there(args.out_dir, args.resume)
+    if args.resume and not held:  # (logs alone, or ckpt_best.pt alone: Run.open says so)
         raise CheckpointError(f"--resume: no checkpoint in {args.out_dir}; start without --resume")
     if args.tensorboard:  # (refused now, not once the data is prepared)
         summary_writer()
