@@ -140,8 +140,9 @@ def test_one_process_prepares_the_data(tmp_path):
 
 
 def test_a_user_error_stops_every_process_with_one_line(tmp_path):
-    """The run folder is in use (its lock held): every process says so in one line; no
-    traceback from a process left waiting in a collective."""
+    """The run folder is in use (its lock held): each process says so in one line, no traceback
+    from a process left waiting in a collective. (torchrun stops the others as soon as one
+    exits, so a slower process may be stopped before it prints: one line at least.)"""
     out = tmp_path / "busy"
     out.mkdir()
     with open(out / ".lock", "a+") as lock:
@@ -149,5 +150,5 @@ def test_a_user_error_stops_every_process_with_one_line(tmp_path):
         p = run(TORCHRUN + ["train.py"], out, check=False)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2 and all("is in use by another training run" in e for e in errors), p.stderr[-3000:]
+    assert 1 <= len(errors) <= 2 and all("is in use by another training run" in e for e in errors), p.stderr[-3000:]
     assert f'File "{ROOT}' not in p.stderr  # torchrun reports the exit status; no traceback of ours
