@@ -55,6 +55,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    args.keywords = " ".join(args.keywords).split()  # --keywords "team won" = --keywords team won
     prompts = read_prompts(args)
     ckpt = check_run(load_checkpoint(args.ckpt), args.ckpt)
     story = ckpt["args"]["dataset"] in STORY_DATASETS

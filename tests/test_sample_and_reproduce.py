@@ -145,6 +145,8 @@ def test_sample_insnet_shows_the_canvas_after_each_insertion(ckpts, capsys, tmp_
         monkeypatch.setenv(var, str(tmp_path / "empty"))
     monkeypatch.setenv("NANOGEN_OFFLINE", "1")
     assert sample.main(flags) == 0 and capsys.readouterr().out.splitlines() == out
+    assert sample.main(flags[:5] + ["Team  won", ""] + flags[7:]) == 0  # one quoted argument
+    assert capsys.readouterr().out.splitlines() == out
     steps = [ln for ln in out if "p(terminate)=" in ln]
     assert 1 <= len(steps) <= 7 and out[-1].startswith("[") and steps[0].startswith("  0  ")
     assert len(steps) == int(out[-1].split(" after ")[1].split()[0]) + 1  # every canvas: the given
