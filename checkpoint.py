@@ -266,8 +266,7 @@ def fetch_hf_weights(name):
             return download(HF_HUB.format(name=name, file=file), os.path.join(folder, file))
         except DataError as e:
             errors.append(str(e))
-    raise CheckpointError(f"could not download {name} ({errors[-1]}); pass --weights PATH to a "
-                          f"local copy")
+    raise CheckpointError(errors[-1])
 
 
 def load_pretrained_gpt2(lm, name, weights=None):

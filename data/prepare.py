@@ -135,7 +135,7 @@ def download(url, dest, sha256=None, desc=None):
         os.replace(part, dest)
     except (urllib.error.URLError, OSError) as e:
         hint = "put the file in a folder and pass --data_dir DIR (or set NANOGEN_DATA)" \
-            if sha256 else "use a local copy"
+            if sha256 else "pass --weights PATH to a local copy"  # (GPT-2 weights: no checksum)
         raise DataError(f"could not download {url} ({getattr(e, 'reason', e)}); offline? "
                         f"{hint}") from None
     finally:

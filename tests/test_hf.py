@@ -143,6 +143,12 @@ def test_hub_download_path(tmp_path, monkeypatch):
         assert "NANOGEN_OFFLINE" in str(e) and "--weights" in str(e)
     else:
         raise AssertionError("offline without a cached copy must fail")
+    monkeypatch.delenv("NANOGEN_OFFLINE")
+    monkeypatch.setattr(model, "HF_HUB", (tmp_path / "nohub").as_uri() + "/{name}/{file}")
+    with pytest.raises(model.CheckpointError) as e:  # the hub unreachable: one sentence, one fix
+        model.fetch_hf_weights("gpt2")
+    assert str(e.value).startswith("could not download file://") and \
+        str(e.value).endswith("offline? pass --weights PATH to a local copy")
 
 
 def test_missing_weights_are_said_before_the_data_is_read(tmp_path, monkeypatch):
