@@ -308,7 +308,7 @@ def check_folder(args):
                         f"({os.readlink(args.out_dir)}): create that folder, or choose another "
                         f"--out_dir")
     cli.check_output(args.out_dir, "--out_dir", folder=True)  # a file there, or no way to write
-    try:  # only looked at, not held (Windows has no shared lock: there Run.open's refuses)
+    try:  # only looked at, not held (Windows has no shared lock: there Run.open's lock refuses)
         lock = open(os.path.join(args.out_dir, ".lock")) if fcntl else None
     except OSError:  # no lock file, or no folder (Run.open says when it cannot be written)
         lock = None

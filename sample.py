@@ -137,23 +137,25 @@ def encode_prompt(tok, text, allow_unk):
                         f"it out (the model decides where the text ends)")
     unknown = sorted({w for w in pieces if w not in tok.stoi})
     if unknown and (not allow_unk or tok.unk is None):
-        fix = " (or --allow_unk to read them as <unk>)" if tok.unk is not None else ""
-        raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown[:12]))}"
-                        f"{vocabulary_hint(unknown, tok.stoi)}{fix}")
+        raise not_in_vocabulary(unknown, tok.stoi, has_unk=tok.unk is not None)
     if unknown:
         print(f"note: read as <unk>: {', '.join(unknown)}", file=sys.stderr)
     return [tok.stoi.get(w, tok.unk) for w in pieces]
 
 
-def vocabulary_hint(unknown, stoi):
-    """What unknown words miss of the data's writing: its lower case, and punctuation and 's
-    standing apart ('rose ,' and "company 's" in WikiText, 'dog !' in ROCStories)."""
+def not_in_vocabulary(unknown, stoi, has_unk=True):
+    """The error naming unknown words, with what they miss of the data's writing: its lower case,
+    and punctuation and 's standing apart ('rose ,' and "company 's" in WikiText, 'dog !' in
+    ROCStories)."""
     hint = "; the data is lower-cased" if any(w.lower() in stoi for w in unknown) else ""
     for w in unknown:
         pieces = re.findall(r"'\w+|\w+|[^\w\s]", w)
         if len(pieces) > 1 and all(p in stoi or p.lower() in stoi for p in pieces):
-            return hint + f"; its punctuation stands apart, as in {' '.join(pieces)!r} for {w!r}"
-    return hint
+            hint += f"; its punctuation stands apart, as in {' '.join(pieces)!r} for {w!r}"
+            break
+    fix = " (or --allow_unk to read them as <unk>)" if has_unk else ""
+    return UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown[:12]))}{hint}"
+                     f"{fix}")
 
 
 def show(model, tok, text, prompt_ids, toks, terminated, args):
@@ -228,8 +230,7 @@ def story_prefix(vocab, args, variant, kind):
                         f"--title / --keywords")
     unknown = [w for w in words if w not in stoi]
     if unknown and not args.allow_unk:
-        raise UserError(f"not in the model's vocabulary: {', '.join(map(repr, unknown))}"
-                        f"{vocabulary_hint(unknown, stoi)} (or --allow_unk to read them as <unk>)")
+        raise not_in_vocabulary(unknown, stoi)
     enc = encode_story(dict(title=title, keywords=keywords, story=[]), stoi, variant, kind)
     return enc["tokens"][:enc["n_given"]], enc["keywords"]
 
