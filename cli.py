@@ -119,8 +119,9 @@ def in_range(kind, flag, spec):
 
 
 def add_decoding_flags(p):
-    """--k, --p, --beam_size, --temperature: the decoders' own flags, with their ranges, as
-    evaluate.py and sample.py both take them (decode.check_decoder_args checks the rest)."""
+    """--k, --p, --beam_size, --temperature, --consistent, --length_penalty: the decoders' own
+    flags, with their ranges, as evaluate.py and sample.py both take them
+    (decode.check_decoder_args checks the rest)."""
     p.add_argument("--k", type=in_range(int, "--k", ">=1"), default=None, help="top-k")
     p.add_argument("--p", type=in_range(float, "--p", "(0,1]"), default=None,
                    help="nucleus threshold mu, in (0, 1]")
@@ -128,6 +129,9 @@ def add_decoding_flags(p):
                    help="beam width")
     p.add_argument("--temperature", type=in_range(float, "--temperature", ">0"), default=1.0,
                    help="sampling temperature")
+    p.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
+    p.add_argument("--length_penalty", type=in_range(float, "--length_penalty", ">=0"),
+                   default=0.0, help="beam: s / |y|^a (0: off)")
 
 
 def check_rules(rules, args):

@@ -51,9 +51,6 @@ def build_parser():
     d.add_argument("--L", type=cli.in_range(int, "--L", "L"), nargs="+", default=[10, 100, 1000],
                    help="r_nt(L) thresholds; decodes run to max(L) (default 10 100 1000)")
     cli.add_decoding_flags(d)
-    d.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
-    d.add_argument("--length_penalty", type=cli.in_range(float, "--length_penalty", ">=0"),
-                   default=0.0, help="beam: s / |y|^a (0: off)")
     d.add_argument("--seed", type=cli.in_range(int, "--seed", "seed"), default=0,
                    help="sampling seed")
     d.add_argument("--decode_batch", type=cli.in_range(int, "--decode_batch", ">=1"), default=64,

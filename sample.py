@@ -66,22 +66,23 @@ def main(argv=None):
         return sample_story(args, ckpt, model, device)
     if not prompts:
         raise UserError("give --prompt TEXT (or --prompt_file FILE) to continue")
-    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L)
+    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
+                       args.consistent, args.length_penalty)
     tok = checkpoint_tokenizer(ckpt, args)
     ids = [encode_prompt(tok, text, args.allow_unk) for text in prompts]
     out = decode_in_batches(  # a --prompt_file of thousands: 64 prompts at a time
         model, [torch.tensor(x, device=device) for x in ids], args.L, args.decoder, 64,
         desc="sampling" if len(ids) > 64 else None, k=args.k, p=args.p,
-        beam_size=args.beam_size, temperature=args.temperature,
-        generator=sampling_generator(device, choose_seed(args)))
+        beam_size=args.beam_size, temperature=args.temperature, consistent=args.consistent,
+        length_penalty=args.length_penalty, generator=sampling_generator(device, choose_seed(args)))
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
         show(model, tok, text, x, toks, done, args)
     return 0
 
 
-STORY_RULES = [(lambda a: a.prompt or a.prompt_file or a.show_eos, "--prompt / --prompt_file / "
-                 "--show_eos are for left-to-right text checkpoints; a story checkpoint takes "
-                 "--title TEXT (and --keywords)")]
+STORY_RULES = [(lambda a: a.prompt or a.prompt_file or a.show_eos or a.consistent, "--prompt / "
+                 "--prompt_file / --show_eos / --consistent are for left-to-right text "
+                 "checkpoints; a story checkpoint takes --title TEXT (and --keywords)")]
 TEXT_RULES = [(lambda a: a.title or a.keywords, "--title / --keywords are for story checkpoints; "
                "this one continues --prompt TEXT")]
 
@@ -196,7 +197,7 @@ def sample_story(args, ckpt, model, device):
     if not synthetic and not (args.title or "").strip():
         raise UserError("story checkpoints take --title TEXT (and --keywords for storyline runs)")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
-                       allowed=STORY_DECODERS)
+                       length_penalty=args.length_penalty, allowed=STORY_DECODERS)
     vocab = synthetic_vocab() if synthetic else ckpt["data"].get("vocab") or \
         checkpoint_task(ckpt, args.data_dir, splits=(), path=args.ckpt).data.vocab  # (older)
     kind, variant = ckpt["config"]["model"], ckpt["args"]["task"]

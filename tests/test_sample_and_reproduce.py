@@ -125,6 +125,29 @@ def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time(ckpts, capsys, tmp_p
     assert sizes == [64, 6] and [ln.split(" >>>")[0] for ln in out] == [f"the company said {i}" for i in range(70)]
 
 
+def test_sample_takes_consistent_topk_and_a_beams_length_penalty(ckpts, capsys, monkeypatch):
+    """The decoder options evaluate.py's study has, passed to the decoder, and refused where the
+    decoder (or a story checkpoint) would ignore them."""
+    import decode
+    seen, real = [], decode.decode
+    monkeypatch.setattr(decode, "decode", lambda lm, prompts, *a, **k: seen.append(k) or
+                        real(lm, prompts, *a, **k))
+    flags = ["--ckpt", ckpts["word"], "--prompt", "the company said it", "--L", "8"]
+    assert sample.main(flags + ["--decoder", "topk", "--k", "2", "--consistent", "--seed", "0"]) == 0
+    assert sample.main(flags + ["--decoder", "beam", "--beam_size", "2", "--length_penalty", "0.7"]) == 0
+    assert [(k["consistent"], k["length_penalty"]) for k in seen] == [(True, 0.0), (False, 0.7)]
+    for extra, error in ((["--consistent"], "--decoder greedy does not use --consistent: drop it"),
+                         (["--decoder", "topk", "--k", "2", "--length_penalty", "1"],
+                          "--decoder topk does not use --length_penalty: drop it")):
+        assert_one_line_error(*run_in_process(sample.main, flags + extra, capsys), error)
+    story = ["--ckpt", ckpts["insnet"], "--title", "the game", "--keywords", "won", "--decoder", "topk",
+             "--k", "2"]
+    assert_one_line_error(*run_in_process(sample.main, story + ["--consistent"], capsys),
+                          "--consistent are for left-to-right text checkpoints")
+    assert_one_line_error(*run_in_process(sample.main, story + ["--length_penalty", "1"], capsys),
+                          "--decoder topk does not use --length_penalty: drop it")
+
+
 def test_a_sample_without_seed_says_the_seed_that_repeats_it(ckpts, capsys):
     flags = ["--ckpt", ckpts["word"], "--prompt", "the company said it", "--L", "8"]
     assert sample.main(flags + ["--decoder", "sample"]) == 0
