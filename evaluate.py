@@ -73,16 +73,17 @@ def given(args, flag):
 
 
 DEFAULTS = vars(build_parser().parse_args([]))
-STUDY_OPTIONS = ("L", "consistent", "length_penalty", "decode_batch", "examples", "traces")
+STUDY_OPTIONS = ("L", "k", "p", "beam_size", "temperature", "consistent", "length_penalty",
+                 "decode_batch", "examples", "traces")
 RULES = [  # (broken(args), message): the rules between flags (each flag checks its own range)
     (lambda a: not a.compare and not a.ckpt, "the following arguments are required: --ckpt (or "
      "--compare JSON ...) (see evaluate.py --help)"),  # (as argparse says it)
     (lambda a: a.compare and any(given(a, k) for k in DEFAULTS if k not in ("compare", "plot")),
      "--compare overlays studies already written (--out files) and evaluates nothing: it takes "
      "only --plot"),
-    (lambda a: not a.decoder and any(given(a, k) for k in STUDY_OPTIONS), "--L / --consistent / "
-     "--length_penalty / --decode_batch / --examples / --traces are options of a --decoder (the "
-     "decoding study): give one"),
+    (lambda a: not a.decoder and any(given(a, k) for k in STUDY_OPTIONS),
+     " / ".join("--" + k for k in STUDY_OPTIONS) + " are options of a --decoder (the decoding "
+     "study): give one"),
     (lambda a: a.plot and not (a.decoder or a.tau_report or a.compare), "--plot draws the figures "
      "of --decoder, --tau_report or --compare: give one of them"),
     (lambda a: a.no_ppl and not (a.decoder or a.tau_report), "--no_ppl skips the perplexity: with "
@@ -135,6 +136,9 @@ def describe(ckpt, args):
 # perplexity, the decoding study and the temperature report
 # --------------------------------------------------------------------------------------------
 def evaluate_completion(args, ckpt, device):
+    if given(args, "seed") and not args.decoder:
+        raise UserError("--seed seeds a --decoder (and a story checkpoint's insertion orders); "
+                        "nothing else here is random: drop it or give a --decoder")
     task, lm = load_for(args, ckpt, device)
     res = describe(ckpt, args)
     split = task.decodable_split(args.split) if args.decoder else None  # refused before any pass
