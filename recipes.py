@@ -206,7 +206,7 @@ RULES = [
     (lambda a: a.task == "storyline" and a.dataset != "rocstories",
      "--task storyline needs ROCStories' storylines (--dataset rocstories)"),
     (lambda a: a.task in ("story", "storyline") and a.dataset not in STORY,
-     "--task {task} is for --dataset rocstories"),
+     "--task story is for the story data: --dataset rocstories or synthetic"),
     (lambda a: a.dataset in STORY and (a.init_from != "scratch" or a.weights), "--init_from / "
      "--weights load GPT-2 weights for the WikiText-103 recipe, not for story runs"),
     (lambda a: a.order != "random" and a.model not in INSERTION_MODELS,
@@ -287,6 +287,7 @@ APPLIES = [  # (flag, does it apply to these arguments?)
     ("min_count", lambda a: a.dataset == "rocstories"),
     ("synthetic_count", lambda a: a.dataset == "synthetic"),
     ("data_dir", lambda a: a.dataset != "synthetic"),  # (generated)
+    ("vocab", lambda a: a.dataset in ("wikitext2", "ptb", "text")),  # (others: their own)
     ("no_bias", lambda a: a.model == "gpt"),
     ("no_tie", lambda a: a.model not in INSERTION_MODELS),  # (always tied: insnet.py)
     ("train_seqs", lambda a: a.task != "stream"),  # (a stream trains on the whole corpus)

@@ -318,7 +318,12 @@ def test_flags_that_do_not_apply_are_said(tmp_path, capsys):
                         "--data_dir", str(tmp_path)])  # (its data is generated)
     assert "note: --temperature, --data_dir do not apply to --model insnet" in \
         capsys.readouterr().out
-    recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--head", "st", "--epsilon", "1e-3"])
+    # WikiText-103 is GPT-2 BPE, the story data have their own words: --vocab word was ignored
+    recipes.parse_args(["--dataset", "wikitext103", "--vocab", "word"])
+    assert "note: --vocab does not apply to --model gpt --head softmax --task completion " \
+        "--dataset wikitext103" in capsys.readouterr().out
+    recipes.parse_args(["--model", "lstm", "--dataset", "ptb", "--head", "st", "--epsilon", "1e-3",
+                        "--vocab", "word"])
     assert "note" not in capsys.readouterr().out
 
 

@@ -198,7 +198,7 @@ def test_synthetic_runs_all_three_models(tmp_path, capsys):
     (["--model", "gpt", "--dataset", "rocstories", "--init_from", "gpt2"], "not for story runs"),
     (["--model", "gpt", "--dataset", "rocstories", "--order", "l2r"], "--order is the insertion order"),
     (["--model", "lstm", "--dataset", "wikitext2", "--order", "l2r"], "--order is the insertion order"),
-    (["--model", "lstm", "--dataset", "wikitext2", "--task", "story"], "is for --dataset rocstories"),
+    (["--model", "lstm", "--dataset", "wikitext2", "--task", "story"], "is for the story data: --dataset rocstories or synthetic"),
     (["--model", "insnet", "--dataset", "rocstories", "--max_tokens", "1000"], "not --max_tokens"),
     (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20: use "
                                                                              "--block_size 112 or more"),
