@@ -88,6 +88,9 @@ RULES = [  # (broken(args), message): the rules between flags (each flag checks 
      "of --decoder, --tau_report or --compare: give one of them"),
     (lambda a: a.no_ppl and not (a.decoder or a.tau_report), "--no_ppl skips the perplexity: with "
      "no --decoder or --tau_report there is nothing left to do"),
+    (lambda a: a.no_ppl and (a.batch_size or a.max_tokens), "--batch_size / --max_tokens batch "
+     "the perplexity pass, which --no_ppl skips (a --decoder batches by --decode_batch): drop "
+     "them"),
 ]
 
 

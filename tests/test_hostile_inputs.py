@@ -259,9 +259,10 @@ def test_reproduce_evaluates_again_over_a_damaged_or_stale_result(saved, tmp_pat
 
 def test_the_smaller_things(lstm_run, tmp_path, capsys):
     """A control token in a prompt, an empty prompt file, a story flag for a text checkpoint,
-    evaluate.py flags of a decoder not asked for (--k, --temperature, --seed too), a dangling
-    symbolic link as --out_dir, a JSON given as a checkpoint (never torch's advice to load
-    unsafely), an early-stopped run's resume advice (and that following it works)."""
+    evaluate.py flags of a decoder not asked for (--k, --temperature, --seed too) or of a
+    perplexity skipped, a dangling symbolic link as --out_dir, a JSON given as a checkpoint
+    (never torch's advice to load unsafely), an early-stopped run's resume advice (and that
+    following it works)."""
     ckpt = str(lstm_run / "ckpt_best.pt")
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n  \n")
@@ -282,6 +283,8 @@ def test_the_smaller_things(lstm_run, tmp_path, capsys):
             (evaluate.main, ["--ckpt", ckpt, "--temperature", "0.5"], "are options of a --decoder"),
             (evaluate.main, ["--ckpt", ckpt, "--k", "5"], "are options of a --decoder"),
             (evaluate.main, ["--ckpt", ckpt, "--seed", "3"], "--seed seeds a --decoder"),
+            (evaluate.main, ["--ckpt", ckpt, "--no_ppl", "--decoder", "greedy", "--batch_size", "8"],
+             "which --no_ppl skips"),
             (evaluate.main, ["--ckpt", ckpt, "--plot", str(tmp_path / "figs")], "--plot draws the figures of"),
             (train.main, TINY + ["--out_dir", str(link)], "symbolic link to a missing folder"),
             (evaluate.main, ["--ckpt", str(study)], "is not a")):
