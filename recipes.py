@@ -205,7 +205,7 @@ RULES = [
      "WikiText / PTB data; story runs take --task story or storyline"),
     (lambda a: a.task == "storyline" and a.dataset != "rocstories",
      "--task storyline needs ROCStories' storylines (--dataset rocstories)"),
-    (lambda a: a.task in ("story", "storyline") and a.dataset not in STORY,
+    (lambda a: a.task == "story" and a.dataset not in STORY,
      "--task story is for the story data: --dataset rocstories or synthetic"),
     (lambda a: a.dataset in STORY and (a.init_from != "scratch" or a.weights), "--init_from / "
      "--weights load GPT-2 weights for the WikiText-103 recipe, not for story runs"),
