@@ -92,6 +92,10 @@ RULES = [  # (broken(args), message): the rules between flags (each flag checks 
      "the perplexity pass, which --no_ppl skips (a --decoder batches by --decode_batch): drop "
      "them"),
 ]
+TEXT_RULES = [  # a left-to-right text checkpoint's (STORY_RULES: a story checkpoint's)
+    (lambda a: given(a, "seed") and not a.decoder, "--seed seeds a --decoder (and a story "
+     "checkpoint's insertion orders); nothing else here is random: drop it or give a --decoder"),
+]
 
 
 def check_args(args):
@@ -139,9 +143,7 @@ def describe(ckpt, args):
 # perplexity, the decoding study and the temperature report
 # --------------------------------------------------------------------------------------------
 def evaluate_completion(args, ckpt, device):
-    if given(args, "seed") and not args.decoder:
-        raise UserError("--seed seeds a --decoder (and a story checkpoint's insertion orders); "
-                        "nothing else here is random: drop it or give a --decoder")
+    cli.check_rules(TEXT_RULES, args)
     task, lm = load_for(args, ckpt, device)
     res = describe(ckpt, args)
     split = task.decodable_split(args.split) if args.decoder else None  # refused before any pass
