@@ -18,7 +18,7 @@ from runs import check_own_checkpoint, resume_from
 from data.prepare import DATASETS, VOCABS
 from heads import HEADS, TERMINATION_HEADS
 from model import MODELS, WINDOWED
-from tasks import INSERTION_MODELS, STORY_DATASETS
+from tasks import INSERTION_MODELS, STORY_DATASETS, data_moved
 
 # --------------------------------------------------------------------------------------------
 # recipes: the defaults of each --model ("story": every model on rocstories / synthetic)
@@ -366,8 +366,7 @@ def resume_args(args, explicit, run_args):
         if k in RESUMABLE:
             saved[k] = v
     if saved.get("data_dir") and not os.path.isdir(saved["data_dir"]):
-        raise cli.UserError(f"the run's --data_dir {saved['data_dir']} is not there (moved?): "
-                            f"give --data_dir DIR where its data is now")
+        raise data_moved(saved["data_dir"])
     saved["resume"], saved["out_dir"] = True, args.out_dir  # where the folder is now
     return type(args)(**saved)
 

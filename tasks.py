@@ -546,9 +546,17 @@ def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpo
     a.update({"batch_size": None, "max_tokens": None, **sizes} if sizes else {})
     if data_dir is None and a.get("data_dir") and os.path.isdir(a["data_dir"]):
         data_dir = a["data_dir"]  # where the run read it: your own text, or a local copy
+    elif data_dir is None and a["dataset"] == "text":  # (official data: found or downloaded)
+        raise data_moved(a.get("data_dir"))
     task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
     check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task
+
+
+def data_moved(data_dir):
+    """The error when a run's --data_dir is gone (evaluate.py on your own text, --resume)."""
+    return UserError(f"the run's --data_dir {data_dir} is not there (moved?): give --data_dir "
+                     f"DIR where its data is now")
 
 
 def check_same_data(saved, current, splits, path):

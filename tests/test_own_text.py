@@ -147,7 +147,7 @@ def test_a_byte_order_mark_is_not_text(tmp_path, monkeypatch):
     assert sample.read_prompts(args) == ["the cat"]
 
 
-def test_a_resumed_run_whose_data_moved_says_so(own_text, tmp_path, capsys):
+def test_a_run_whose_data_moved_says_so(own_text, tmp_path, capsys):
     text, out = tmp_path / "text", tmp_path / "run"
     shutil.copytree(own_text, text)
     flags = ["--dataset", "text", "--model", "lstm", "--d_model", "8", "--n_layer", "1", "--batch_size", "8",
@@ -158,3 +158,9 @@ def test_a_resumed_run_whose_data_moved_says_so(own_text, tmp_path, capsys):
     rc, err = run_in_process(train.main, [*flags, "--max_iters", "2", "--resume"], capsys)
     assert_one_line_error(rc, err, f"the run's --data_dir {text} is not there (moved?): give --data_dir DIR")
     assert train.main([*flags, "--max_iters", "2", "--resume", "--data_dir", str(tmp_path / "moved")]) == 0
+    (tmp_path / "moved").rename(text)  # evaluate.py: the checkpoint names the folder it left
+    ckpt = str(out / "ckpt_last.pt")
+    rc, err = run_in_process(evaluate.main, ["--ckpt", ckpt], capsys)
+    assert_one_line_error(rc, err, f"the run's --data_dir {tmp_path / 'moved'} is not there (moved?)")
+    assert evaluate.main(["--ckpt", ckpt, "--data_dir", str(text), "--no_ppl", "--decoder", "greedy",
+                          "--L", "2", "--limit", "2"]) == 0
