@@ -199,10 +199,11 @@ def autocast_context(device, dtype):
 
 # dense bf16 tensor-core peak FLOP/s per GPU by device name, for MFU (TF32 is half; CPUs: pass
 # --peak_flops).  Matched in this order (H100 PCIe / NVL before the SXM's "H100", L40S and L40
-# before L4).
+# before L4).  V100 and T4: fp16 tensor cores, no TF32 (float32 runs at their plain FP32 peak).
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H100": 989e12,
               "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 125e12, "L4": 121e12,
               "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+FLOAT32_WITHOUT_TF32 = {"V100": 15.7e12, "T4": 8.1e12}
 
 
 def peak_flops(args, device, name=None):
@@ -211,7 +212,10 @@ def peak_flops(args, device, name=None):
         return args.peak_flops
     name = name or torch.cuda.get_device_name(device)
     low_precision = autocast_dtype(device, args.dtype) is not None
-    return next((p if low_precision else p / 2 for k, p in PEAK_FLOPS.items() if k in name), None)
+    key = next((k for k in PEAK_FLOPS if k in name), None)
+    if key is None or low_precision:
+        return PEAK_FLOPS.get(key)
+    return FLOAT32_WITHOUT_TF32.get(key, PEAK_FLOPS[key] / 2)
 
 
 @dataclasses.dataclass

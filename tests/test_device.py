@@ -336,7 +336,11 @@ def test_peak_flops_of_h100_variants():
              "NVIDIA L4")
     assert [cli.peak_flops(args, "cuda:0", name) for name in names] == [756e12, 835e12, 989e12, 362e12, 181e12,
                                                                         121e12]
-    assert cli.peak_flops(types.SimpleNamespace(peak_flops=None, dtype="float32"), "cuda:0", "NVIDIA L4") == 60.5e12
+    float32 = types.SimpleNamespace(peak_flops=None, dtype="float32")
+    assert cli.peak_flops(float32, "cuda:0", "NVIDIA L4") == 60.5e12  # TF32: half
+    assert [cli.peak_flops(float32, "cuda:0", name) for name in ("Tesla T4", "Tesla V100-SXM2-16GB")] == \
+        [8.1e12, 15.7e12]  # no TF32: plain FP32
+    assert cli.peak_flops(types.SimpleNamespace(peak_flops=None, dtype="float16"), "cuda:0", "Tesla T4") == 65e12
     assert cli.peak_flops(args, "cpu") is None
 
 
