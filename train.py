@@ -324,14 +324,24 @@ def announce(args, task, lm, dist, ckpt):
     """What is about to be trained, before the first step."""
     what = f"{args.model} + {args.head} head" if args.dataset not in STORY else \
         f"{args.model} ({args.task}{', order ' + args.order if args.model != 'gpt' else ''})"
-    low = cli.autocast_dtype(dist.device, args.dtype)  # None: float32
     print(f"{what} on {args.dataset}: {lm.num_params():,} parameters, V={task.vocab_size:,}, "
           f"{task.tokens_per_epoch():,} training tokens per epoch, device {dist.device}"
           + (f" x {dist.world} processes" if dist.world > 1 else "")
-          + (f", {str(low)[6:]} autocast" if low else f", float32 (--dtype {args.dtype} is for "
-             f"CUDA)" if args.dtype in ("bfloat16", "float16") else "")
+          + precision(dist.device, args.dtype)
           + (f", resuming at step {ckpt['train_state']['step']}" if ckpt else "")
           + (f"; {task.note}" if task.note else ""), flush=True)
+
+
+def precision(device, dtype):
+    """announce()'s words on the arithmetic: the autocast dtype, or why it is float32."""
+    low = cli.autocast_dtype(device, dtype)  # None: float32
+    if low:
+        return f", {str(low)[6:]} autocast"
+    if dtype in ("bfloat16", "float16"):
+        return f", float32 (--dtype {dtype} is for CUDA)"
+    if dtype == "auto" and device.startswith("cuda"):
+        return ", float32 (this GPU has no native bfloat16; --dtype float16 uses its tensor cores)"
+    return ""
 
 
 if __name__ == "__main__":

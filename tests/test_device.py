@@ -86,7 +86,7 @@ def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):
 
 def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
     """auto: bfloat16 only where the GPU runs it natively (no emulation), else float32;
-    float16 is honoured (train.py then scales the loss with a GradScaler)."""
+    float16 is honoured (train.py then scales the loss with a GradScaler); train.py says which."""
     seen = []
 
     def native(including_emulation=True):
@@ -97,7 +97,8 @@ def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
     assert cli.autocast_dtype("cuda:0", "auto") == torch.bfloat16
     native.answer = False
     assert cli.autocast_dtype("cuda:0", "auto") is None
-    assert seen == [False, False]
+    assert "no native bfloat16; --dtype float16" in train.precision("cuda:0", "auto")  # (T4, V100)
+    assert seen == [False, False, False]
     assert cli.autocast_dtype("cuda:0", "float16") == torch.float16
     assert cli.autocast_dtype("cpu", "bfloat16") is None
 
