@@ -16,6 +16,8 @@ in `accumulate`) -> clip (at 1.0: nanogen's choice, the paper does not say) -> o
 """
 import contextlib
 import math
+import os
+import shutil
 import sys
 import time
 
@@ -308,8 +310,15 @@ def compile_model(lm, backend="inductor"):
 
 
 def check_compiler(device):
-    """--compile on the CPU: inductor builds C++ kernels at the first step, so a machine without
-    a C++ compiler is a one-line error before anything is read (CUDA kernels are Triton's)."""
+    """--compile builds kernels at the first step: on the CPU inductor's C++, on a GPU Triton's
+    (whose launcher needs a C compiler: $CC, gcc or clang; Windows' Triton brings one).  A machine
+    without one is a one-line error before anything is read."""
+    if device.startswith("cuda"):
+        if sys.platform != "win32" and not (os.environ.get("CC") or shutil.which("gcc") or
+                                             shutil.which("clang")):
+            raise UserError("--compile on a GPU needs a C compiler for Triton (install gcc or "
+                            "clang, or set CC), or train without --compile")
+        return
     if device != "cpu":
         return
     from torch._inductor.cpp_builder import get_cpp_compiler

@@ -223,8 +223,9 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
 # torch.compile: no recompiles after warm-up
 # ---------------------------------------------------------------------------------------------
 def test_compile_without_a_cpp_compiler_is_refused_before_the_data(monkeypatch, tmp_path):
-    """--compile on a CPU machine without a C++ compiler: one line before anything is read (the
-    data folder here does not exist), not inductor's traceback at the first step."""
+    """--compile on a CPU machine without a C++ compiler (or a GPU machine without Triton's C
+    compiler): one line before anything is read (the data folder here does not exist), not a
+    traceback at the first step."""
     from torch._inductor import config
     monkeypatch.setattr(config.cpp, "cxx", (None, str(tmp_path / "no-g++")))
     args = [*TINY, "--device", "cpu", "--compile", "--data_dir", str(tmp_path / "no-data"),
@@ -235,6 +236,12 @@ def test_compile_without_a_cpp_compiler_is_refused_before_the_data(monkeypatch, 
     monkeypatch.undo()
     with pytest.raises(cli.UserError, match="ptb.train.txt not found"):  # a compiler: on to the data
         train.fit(args)
+    monkeypatch.delenv("CC", raising=False)  # a GPU machine: Triton's launcher needs a C compiler
+    monkeypatch.setattr(train.shutil, "which", lambda name: None)
+    with pytest.raises(cli.UserError, match="--compile on a GPU needs a C compiler for Triton"):
+        train.check_compiler("cuda:0")
+    monkeypatch.setenv("CC", "/usr/bin/cc")
+    train.check_compiler("cuda:0")
 
 
 @pytest.mark.slow
