@@ -390,8 +390,8 @@ class BPE:
         return ((ids, CONTEXT_LEN) for ids in batch)
 
     def decode(self, ids):
-        return self.enc.decode([i for i in ids if i != self.eos_id]) + \
-            (" <|endoftext|>" if self.eos_id in ids else "")
+        text = self.enc.decode([i for i in ids if i != self.eos_id])
+        return text + ((" " if text else "") + "<|endoftext|>" if self.eos_id in ids else "")
 
 
 def tokenizer_of(folder, meta=None):

@@ -76,6 +76,9 @@ def test_a_continuation_is_shown_with_single_spaces(capsys):
     sample.show(gpt, bpe, "a", [64], bpe.enc.encode_ordinary(" the end"), False, args)
     assert capsys.readouterr().out.splitlines() == [
         "a a >>> [eos]", "a a >>> a [eos]", "a >>> the end [length cap 5: not terminated]"]
+    end = bpe.enc.encode_ordinary(" the end") + [bpe.eos_id]  # (--show_eos decodes eos alone)
+    assert (bpe.decode(end), bpe.decode([bpe.eos_id]), words.decode([0])) == \
+        (" the end <|endoftext|>", "<|endoftext|>", "<eos>")
 
 
 def test_sample_bpe_prompt_and_the_window(ckpts, capsys, tmp_path):
