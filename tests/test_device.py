@@ -72,7 +72,7 @@ def test_a_missing_gpu_index_is_a_user_error(one_fake_gpu):
 def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):
     """`python bench.py gpu`, the README's first command on a GPU machine: cuda:0 selected, the
     device named, the GPT-2 124M model built, and the first CUDA kernel (moving it to the GPU)
-    is where a CPU build stops, with torch's own error."""
+    is where a CPU build stops, with torch's own error; without a C compiler, one line first."""
     import bench
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
@@ -82,6 +82,11 @@ def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):
         bench.main(["gpu"])
     assert one_fake_gpu == [0] and capsys.readouterr().out.startswith("NVIDIA H100 80GB HBM3, torch")
     assert [(c["n_layer"], c["d_model"], c["vocab_size"]) for c in built] == [(12, 768, 50257)]
+    monkeypatch.delenv("CC", raising=False)  # its step is compiled: no C compiler, one line first
+    monkeypatch.setattr(train.shutil, "which", lambda name: None)
+    with pytest.raises(cli.UserError, match="C compiler for Triton"):
+        bench.main(["gpu"])
+    assert len(built) == 1
 
 
 def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
