@@ -560,8 +560,7 @@ def bench_gpu(args):
               "machine (nothing to do)")
         return
     device = cli.setup_device(cli.resolve_device(args.device))
-    from train import check_compiler
-    check_compiler(device)  # the GPT-2 step is compiled: Triton needs a C compiler
+    cli.check_compiler(device)  # the GPT-2 step is compiled: Triton needs a C compiler
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}, bf16 native {torch.cuda.is_bf16_supported(False)}")
     gpt2_step(args, device)

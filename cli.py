@@ -197,6 +197,26 @@ def autocast_context(device, dtype):
     return None if dt is None else torch.autocast(device.split(":")[0], dtype=dt)
 
 
+def check_compiler(device):
+    """--compile builds kernels at the first step: on the CPU inductor's C++, on a GPU Triton's
+    (whose launcher needs a C compiler: $CC, gcc or clang; Windows' Triton brings one).  A machine
+    without one is a one-line error before anything is read."""
+    if device.startswith("cuda"):
+        if sys.platform != "win32" and not (os.environ.get("CC") or shutil.which("gcc") or
+                                             shutil.which("clang")):
+            raise UserError("--compile on a GPU needs a C compiler for Triton (install gcc or "
+                            "clang, or set CC), or train without --compile")
+        return
+    if device != "cpu":
+        return
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    try:
+        get_cpp_compiler()
+    except RuntimeError:  # inductor's InvalidCxxCompiler (Windows: no cl)
+        raise UserError("--compile on the CPU needs a C++ compiler (torch's inductor found none: "
+                        "install g++ or clang++, or set CXX), or train without --compile") from None
+
+
 # dense bf16 tensor-core peak FLOP/s per GPU by device name, for MFU (TF32 is half; CPUs: pass
 # --peak_flops).  Matched in this order (H100 PCIe / NVL before the SXM's "H100", L40S and L40
 # before L4).  V100 and T4: fp16 tensor cores, no TF32 (float32 runs at their plain FP32 peak).

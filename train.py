@@ -16,8 +16,6 @@ in `accumulate`) -> clip (at 1.0: nanogen's choice, the paper does not say) -> o
 """
 import contextlib
 import math
-import os
-import shutil
 import sys
 import time
 
@@ -47,7 +45,7 @@ def fit(argv=None, advise=True):
     dist = cli.setup_distributed(args)
     cli.setup_device(dist.device)  # cuda:N current, TF32; before anything touches the device
     if args.compile:
-        check_compiler(dist.device)  # refused now, not at the first step after the data
+        cli.check_compiler(dist.device)  # refused now, not at the first step after the data
     torch.manual_seed(args.seed + dist.rank)  # before the model is built: its initial weights
     weights = None  # GPT-2's, found or downloaded (by rank 0) before the data is prepared
     if args.init_from != "scratch" and ckpt is None:
@@ -307,26 +305,6 @@ def compile_model(lm, backend="inductor"):
     """torch.compile in place (state_dict keys stay unchanged), with dynamic shapes: batches
     come in ever new (B, T), which would otherwise recompile until torch gives up."""
     lm.compile(dynamic=True, backend=backend)
-
-
-def check_compiler(device):
-    """--compile builds kernels at the first step: on the CPU inductor's C++, on a GPU Triton's
-    (whose launcher needs a C compiler: $CC, gcc or clang; Windows' Triton brings one).  A machine
-    without one is a one-line error before anything is read."""
-    if device.startswith("cuda"):
-        if sys.platform != "win32" and not (os.environ.get("CC") or shutil.which("gcc") or
-                                             shutil.which("clang")):
-            raise UserError("--compile on a GPU needs a C compiler for Triton (install gcc or "
-                            "clang, or set CC), or train without --compile")
-        return
-    if device != "cpu":
-        return
-    from torch._inductor.cpp_builder import get_cpp_compiler
-    try:
-        get_cpp_compiler()
-    except RuntimeError:  # inductor's InvalidCxxCompiler (Windows: no cl)
-        raise UserError("--compile on the CPU needs a C++ compiler (torch's inductor found none: "
-                        "install g++ or clang++, or set CXX), or train without --compile") from None
 
 
 def announce(args, task, lm, dist, ckpt):

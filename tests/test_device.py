@@ -83,7 +83,7 @@ def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):
     assert one_fake_gpu == [0] and capsys.readouterr().out.startswith("NVIDIA H100 80GB HBM3, torch")
     assert [(c["n_layer"], c["d_model"], c["vocab_size"]) for c in built] == [(12, 768, 50257)]
     monkeypatch.delenv("CC", raising=False)  # its step is compiled: no C compiler, one line first
-    monkeypatch.setattr(train.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
     with pytest.raises(cli.UserError, match="C compiler for Triton"):
         bench.main(["gpu"])
     assert len(built) == 1
@@ -242,11 +242,11 @@ def test_compile_without_a_cpp_compiler_is_refused_before_the_data(monkeypatch, 
     with pytest.raises(cli.UserError, match="ptb.train.txt not found"):  # a compiler: on to the data
         train.fit(args)
     monkeypatch.delenv("CC", raising=False)  # a GPU machine: Triton's launcher needs a C compiler
-    monkeypatch.setattr(train.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
     with pytest.raises(cli.UserError, match="--compile on a GPU needs a C compiler for Triton"):
-        train.check_compiler("cuda:0")
+        cli.check_compiler("cuda:0")
     monkeypatch.setenv("CC", "/usr/bin/cc")
-    train.check_compiler("cuda:0")
+    cli.check_compiler("cuda:0")
 
 
 @pytest.mark.slow
