@@ -59,7 +59,9 @@ class Run:
             max(epoch_steps, 1)
         self.timed = []  # (seconds, tokens) of the steps timed for the CPU estimate
         self.warm = 4 if args.compile else 1  # steps left out of it (--compile: recompiles)
-        self.state, self.stop_requested, self.lock = TrainState(lr=args.lr), None, None
+        self.state, self.lock = TrainState(lr=args.lr), None
+        self.signalled = None  # the signal this process got (set by its handler, at any time)
+        self.stop_requested = None  # the stop every process agreed on (set by should_stop)
         self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
         self.step_tokens = 0  # tokens of the step under way
         self.pending = []  # (step, lr, loss tensor, non-finite tensor) not yet in steps.jsonl
@@ -194,14 +196,16 @@ class Run:
     def should_stop(self):
         """-> why every process stops after this step, or None: the step / time limit and the
         signals, decided together so that all processes stop on the same step (one small
-        all-reduce per step under torchrun; each process's clock only votes)."""
+        all-reduce per step under torchrun; each process's clock only votes).  A signal that
+        arrives once this process has voted waits for the next step's vote."""
         st, args, dist = self.state, self.args, self.dist
-        done = limit_reached(args, st)
+        done, signalled = limit_reached(args, st), self.signalled
         if dist.world == 1:
+            self.stop_requested = signalled
             return done
-        votes = dist.all_sum([float(done is not None), float(self.stop_requested is not None)])
-        if votes[1] and not self.stop_requested:
-            self.stop_requested = "a signal to another process"
+        votes = dist.all_sum([float(done is not None), float(signalled is not None)])
+        if votes[1]:
+            self.stop_requested = signalled or "a signal to another process"
         if votes[0] and not done:
             done = f"reached --max_minutes {args.max_minutes:g} (on another process's clock)"
         return done
@@ -267,13 +271,13 @@ class Run:
 
     def _stop(self, signum, frame):
         alone = self.dist.world == 1
-        if self.stop_requested:
+        if self.signalled:
             if signum == signal.SIGINT and alone:  # Ctrl-C again: abort now
                 raise KeyboardInterrupt
             return  # already stopping (torchrun forwards a signal the scheduler also sent)
-        self.stop_requested = SIGNAL_NAMES.get(signum, signal.Signals(signum).name)
+        self.signalled = SIGNAL_NAMES.get(signum, signal.Signals(signum).name)
         again = " (Ctrl-C again to abort)" if alone else ""
-        print(f"\n{self.stop_requested}: finishing this step and writing a checkpoint{again}",
+        print(f"\n{self.signalled}: finishing this step and writing a checkpoint{again}",
               file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):

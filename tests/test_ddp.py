@@ -1,8 +1,8 @@
 """train.py under torchrun with 2 CPU processes (gloo): the same numbers as 1 process with the
 same global batch; story models; stop decisions taken together (time limit on disagreeing
-clocks, a storm of SIGTERMs, a signal to one process); every process's own RNG after a resume (fresh ones on another
-number of processes); one process prepares the data; a user error on rank 0 stops every process
-with one line."""
+clocks, a storm of SIGTERMs, a signal to one process, a signal during the vote); every
+process's own RNG after a resume (fresh ones on another number of processes); one process
+prepares the data; a user error on rank 0 stops every process with one line."""
 import fcntl
 import json
 import os
@@ -107,6 +107,18 @@ def test_a_signal_to_one_process_stops_them_all(tmp_path):
     assert "stopped by a signal to another process after step 3;" in p.stdout, p.stdout[-2000:]
     from checkpoint import load
     assert load(str(out / "ckpt_last.pt"))["train_state"]["step"] == 3 == log(out, "steps.jsonl")[-1]["step"]
+
+
+def test_a_signal_during_the_stop_vote_waits_for_the_next_vote(tmp_path):
+    """Rank 0's SIGTERM lands while step 3's vote is under way, after rank 0 voted to go on:
+    every process still takes step 4 (rank 0 alone stopping after step 3 would leave rank 1
+    in a collective that never comes) and they stop together after it."""
+    out = tmp_path / "vote"
+    args = [a for a in ARGS if a not in ("--max_iters", "8")] + ["--max_iters", "100"]
+    p = run(TORCHRUN + [WORKER], out, args, env=dict(NANOGEN_TEST_WORKER="sigterm_in_vote=3"))
+    assert "stopped by SIGTERM after step 4;" in p.stdout, p.stdout[-2000:]
+    from checkpoint import load
+    assert load(str(out / "ckpt_last.pt"))["train_state"]["step"] == 4 == log(out, "steps.jsonl")[-1]["step"]
 
 
 def test_every_process_resumes_its_own_rng(tmp_path):

@@ -7,6 +7,8 @@ a subprocess or under torchrun; the production code carries no hook for any of t
     kill=checkpoint:N    SIGKILL inside the N-th checkpoint write: the temporary file is
                          complete, the rename not done
     sigterm=N            rank 1 alone sends itself SIGTERM during its N-th training step
+    sigterm_in_vote=N    rank 0 alone gets SIGTERM while the N-th step's stop vote is under way
+                         (its own vote, "go on", already given)
 """
 import os
 import signal
@@ -47,6 +49,17 @@ elif mode == "count_build":
     prepare._build = counted
 elif mode.startswith("sigterm=") and rank == 1:
     train.accumulate = kill_on(int(mode[len("sigterm="):]), train.accumulate, sig=signal.SIGTERM)
+elif mode.startswith("sigterm_in_vote=") and rank == 0:
+    all_sum = cli.Dist.all_sum
+
+    def vote(self, values):
+        out = all_sum(self, values)
+        vote.calls += len(values) == 2  # runs.Run.should_stop's (limit, signal) vote
+        if vote.calls == int(mode[len("sigterm_in_vote="):]):
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this returns
+        return out
+    vote.calls = 0
+    cli.Dist.all_sum = vote
 elif mode.startswith("kill="):
     where, n = mode[len("kill="):].split(":")
     if where == "step":
