@@ -271,7 +271,7 @@ class Run:
 
     def _stop(self, signum, frame):
         alone = self.dist.world == 1
-        if self.signalled:
+        if self.signalled or self.stop_requested:
             if signum == signal.SIGINT and alone:  # Ctrl-C again: abort now
                 raise KeyboardInterrupt
             return  # already stopping (torchrun forwards a signal the scheduler also sent)

@@ -78,10 +78,10 @@ def fit(argv=None, advise=True):
         if dist.rank == 0:
             announce(args, task, lm, dist, ckpt)
         message = train(args, task, model, optimizer, run, cfg)
-    if dist.rank == 0 and (advise or not run.stop_requested):
-        print(message)
-    if dist.world > 1:
-        torch.distributed.destroy_process_group()
+        if dist.rank == 0 and (advise or not run.stop_requested):
+            print(message, flush=True)
+        if dist.world > 1:  # (signals still reach run's handler: a second one is no kill)
+            torch.distributed.destroy_process_group()
     return run.stop_requested
 
 

@@ -1,6 +1,6 @@
 """train.py under torchrun with 2 CPU processes (gloo): the same numbers as 1 process with the
 same global batch; story models; stop decisions taken together (time limit on disagreeing
-clocks, a storm of SIGTERMs, a signal to one process, a signal during the vote); every
+clocks, a storm of SIGTERMs, a signal to one process, a signal during the vote or at exit); every
 process's own RNG after a resume (fresh ones on another number of processes); one process
 prepares the data; a user error on rank 0 stops every process with one line."""
 import fcntl
@@ -107,6 +107,15 @@ def test_a_signal_to_one_process_stops_them_all(tmp_path):
     assert "stopped by a signal to another process after step 3;" in p.stdout, p.stdout[-2000:]
     from checkpoint import load
     assert load(str(out / "ckpt_last.pt"))["train_state"]["step"] == 3 == log(out, "steps.jsonl")[-1]["step"]
+
+
+def test_a_second_signal_at_exit_is_no_kill(tmp_path):
+    """A scheduler's second SIGTERM reaches every process as it leaves (its process group being
+    destroyed, after the message): each still exits 0 and rank 0's message is not lost."""
+    out = tmp_path / "exit"
+    args = [a for a in ARGS if a not in ("--max_iters", "8")] + ["--max_iters", "100"]
+    p = run(TORCHRUN + [WORKER], out, args, env=dict(NANOGEN_TEST_WORKER="sigterm_at_exit=3"))
+    assert "stopped by a signal to another process after step 3;" in p.stdout, p.stdout[-2000:]
 
 
 def test_a_signal_during_the_stop_vote_waits_for_the_next_vote(tmp_path):

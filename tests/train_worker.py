@@ -7,6 +7,8 @@ a subprocess or under torchrun; the production code carries no hook for any of t
     kill=checkpoint:N    SIGKILL inside the N-th checkpoint write: the temporary file is
                          complete, the rename not done
     sigterm=N            rank 1 alone sends itself SIGTERM during its N-th training step
+    sigterm_at_exit=N    sigterm=N, and every process gets SIGTERM again as its process group is
+                         destroyed (a scheduler's second signal)
     sigterm_in_vote=N    rank 0 alone gets SIGTERM while the N-th step's stop vote is under way
                          (its own vote, "go on", already given)
 """
@@ -47,8 +49,13 @@ elif mode == "count_build":
         print(f"BUILD rank {rank}", flush=True)
         return build(*a, **k)
     prepare._build = counted
-elif mode.startswith("sigterm=") and rank == 1:
-    train.accumulate = kill_on(int(mode[len("sigterm="):]), train.accumulate, sig=signal.SIGTERM)
+elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
+    if rank == 1:
+        train.accumulate = kill_on(int(mode.split("=")[1]), train.accumulate, sig=signal.SIGTERM)
+    if mode.startswith("sigterm_at_exit="):
+        import torch.distributed
+        torch.distributed.destroy_process_group = kill_on(
+            1, torch.distributed.destroy_process_group, sig=signal.SIGTERM)
 elif mode.startswith("sigterm_in_vote=") and rank == 0:
     all_sum = cli.Dist.all_sum
 
