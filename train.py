@@ -38,8 +38,8 @@ def main(argv=None):
 
 def fit(argv=None, advise=True):
     """The run: flags -> data -> model -> run folder -> the loop.  -> None when the run finished
-    (or had), else the signal that stopped it ("Ctrl-C", "SIGTERM", ...).  advise=False: a
-    command that trains several runs says how to go on after a signal, not train.py."""
+    (or had), else the signal that stopped it or came after its last step ("Ctrl-C", ...).
+    advise=False: a command that trains several runs says how to go on after a signal."""
     args, ckpt = parse_args(argv)  # flags, recipes, rules; --resume: the run's own arguments
     runs.check_folder(args)  # on every process, before torchrun's process group exists
     dist = cli.setup_distributed(args)
@@ -82,7 +82,7 @@ def fit(argv=None, advise=True):
             print(message, flush=True)
         if dist.world > 1:  # (signals still reach run's handler: a second one is no kill)
             torch.distributed.destroy_process_group()
-    return run.stop_requested
+    return run.stop_requested or run.signalled
 
 
 def train(args, task, model, optimizer, run, cfg):

@@ -388,18 +388,21 @@ def test_ctrl_c_names_each_output_written_once(tmp_path, capsys):
                    f"{tmp_path / 'ckpt_last.pt'}")
 
 
-def test_a_longer_command_says_how_to_go_on_itself(tmp_path, monkeypatch, capsys):
-    """A Ctrl-C in a run that reproduce.py or bench.py arch trains (train.fit_or_stop): train.py's
-    own advice (--resume, a checkpoint bench.py arch deletes) is not printed, and the outputs of
-    a temporary folder removed since are not named as written."""
+@pytest.mark.parametrize("during", ["accumulate", "validate"])
+def test_a_longer_command_says_how_to_go_on_itself(during, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C in a run that reproduce.py or bench.py arch trains (train.fit_or_stop), during a
+    step or the last evaluation (the run itself is done): the command stops; train.py's own
+    advice (--resume, a checkpoint bench.py arch deletes) is not printed, and the outputs of a
+    temporary folder removed since are not named as written."""
     import tempfile
     import cli
-    accumulate = train.accumulate
+    original = getattr(train, during)
 
-    def interrupted(task, model, keys, run, autocast):
-        os.kill(os.getpid(), signal.SIGINT)  # the run's own handler: stop after this step
-        return accumulate(task, model, keys, run, autocast)
-    monkeypatch.setattr(train, "accumulate", interrupted)
+    def interrupted(*a):
+        if during == "accumulate" or a[3].state.step == 4:  # validate(args, task, lm, run, ...)
+            os.kill(os.getpid(), signal.SIGINT)  # the run's own handler
+        return original(*a)
+    monkeypatch.setattr(train, during, interrupted)
 
     def main(argv):
         with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
