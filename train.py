@@ -82,7 +82,7 @@ def fit(argv=None, advise=True):
             print(message, flush=True)
         if dist.world > 1:  # (signals still reach run's handler: a second one is no kill)
             torch.distributed.destroy_process_group()
-    return run.stop_requested or (run.signalled if dist.world == 1 else None)  # (agreed ones)
+    return run.signalled if dist.world == 1 else run.stop_requested  # (torchrun: the agreed)
 
 
 def train(args, task, model, optimizer, run, cfg):
