@@ -546,8 +546,8 @@ def checkpoint_task(ckpt, data_dir=None, splits=("valid", "test"), path="checkpo
     a.update({"batch_size": None, "max_tokens": None, **sizes} if sizes else {})
     if data_dir is None and a.get("data_dir") and os.path.isdir(a["data_dir"]):
         data_dir = a["data_dir"]  # where the run read it: your own text, or a local copy
-    elif data_dir is None and a["dataset"] == "text":  # (official data: found or downloaded)
-        raise data_moved(a.get("data_dir"))
+    elif data_dir is None and a["dataset"] == "text" and a.get("data_dir"):
+        raise data_moved(a["data_dir"])  # (none recorded: $NANOGEN_DATA, as train.py read it)
     task = load_task(a, data_dir, vocab=ckpt.get("data", {}).get("vocab"), verbose=False)
     check_same_data(ckpt.get("data", {}), task.signature, splits, path)
     return task

@@ -164,3 +164,18 @@ def test_a_run_whose_data_moved_says_so(own_text, tmp_path, capsys):
     assert_one_line_error(rc, err, f"the run's --data_dir {tmp_path / 'moved'} is not there (moved?)")
     assert evaluate.main(["--ckpt", ckpt, "--data_dir", str(text), "--no_ppl", "--decoder", "greedy",
                           "--L", "2", "--limit", "2"]) == 0
+
+
+def test_a_run_that_read_its_text_through_nanogen_data_evaluates(own_text, tmp_path, monkeypatch, capsys):
+    """No --data_dir, $NANOGEN_DATA naming the text: evaluate.py reads it there as train.py did,
+    and without it says in one line where the text must be given."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("NANOGEN_DATA", str(own_text))
+    assert train.main(["--dataset", "text", "--model", "lstm", "--d_model", "8", "--n_layer", "1",
+                       "--batch_size", "8", "--max_iters", "1", "--eval_interval", "1", "--probe", "0",
+                       "--out_dir", str(out)]) == 0
+    ckpt = str(out / "ckpt_best.pt")
+    assert evaluate.main(["--ckpt", ckpt, "--limit", "4"]) == 0 and "ppl" in capsys.readouterr().out
+    monkeypatch.delenv("NANOGEN_DATA")
+    rc, err = run_in_process(evaluate.main, ["--ckpt", ckpt], capsys)
+    assert_one_line_error(rc, err, "--dataset text reads your own text: --data_dir DIR with DIR/train.txt")
