@@ -448,12 +448,14 @@ def compare(args):
         try:
             with open(path) as f:
                 r = json.load(f)
-        except (OSError, ValueError) as e:
-            raise UserError(f"--compare: cannot read {path}: {e}") from None
+        except OSError as e:
+            raise UserError(f"--compare: cannot read {path}: {e.strerror or e}") from None
+        except ValueError:  # not JSON (a checkpoint, say)
+            r = None
         if not isinstance(r, dict) or not isinstance(r.get("decoding"), dict) or \
                 "r_nt_curve" not in r["decoding"]:
-            raise UserError(f"--compare: {path} is not an evaluate.py --decoder study (no "
-                            f"'decoding' section); write one with --decoder ... --out")
+            raise UserError(f"--compare: {path} is not an evaluate.py --decoder study (not JSON, "
+                            f"or no 'decoding' section); write one with --decoder ... --out")
         problem = study_problem(r)
         if problem:
             raise UserError(f"--compare: {path} is a damaged study ({problem}); write it again "

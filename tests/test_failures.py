@@ -327,9 +327,9 @@ def wrapper_cases(tmp_path, capsys):
         rc, err = run_in_process(evaluate.main, ["--ckpt", str(tmp_path / name)], capsys)
         assert_one_line_error(rc, err, msgs[name])
     (tmp_path / "notastudy.json").write_text(json.dumps({"head": "nmst"}))
-    rc, err = run_in_process(evaluate.main, ["--compare", str(tmp_path / "notastudy.json")],
-                             capsys)
-    assert_one_line_error(rc, err, "is not an evaluate.py --decoder study")
+    for study in ("notastudy.json", "no-config.pt"):  # (a checkpoint: not even JSON)
+        rc, err = run_in_process(evaluate.main, ["--compare", str(tmp_path / study)], capsys)
+        assert_one_line_error(rc, err, f"{study} is not an evaluate.py --decoder study")
 
 
 def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
