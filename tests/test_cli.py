@@ -17,7 +17,7 @@ from conftest import ROOT, assert_one_line_error, run_in_process
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 
 TINY = ["--dataset", "ptb", "--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--train_seqs", "400",
-        "--eval_seqs", "60", "--seed", "1"]
+        "--eval_seqs", "60", "--seed", "1", "--no_curves"]  # (curves.png: test_watching.py)
 
 
 def tiny_args(model, head, out_dir, iters=24, every=12):

@@ -46,6 +46,7 @@ def test_two_processes_match_one(tmp_path):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-4 * abs(a["train_loss"])
         assert abs(a["val_loss"] - b["val_loss"]) < 1e-4 * abs(a["val_loss"])
     assert one[1]["val_loss"] < one[0]["val_loss"]
+    assert (tmp_path / "two" / "curves.png").stat().st_size > 10_000  # drawn by rank 0
 
 
 @pytest.mark.parametrize("model", ["insnet", "insertion_transformer"])
@@ -54,7 +55,7 @@ def test_story_models_train_under_torchrun(model, tmp_path):
     --grad_accum each process takes one batch a step (the README's torchrun command)."""
     args = ["--model", model, "--dataset", "synthetic", "--synthetic_count", "8", "--n_layer", "1",
             "--d_model", "32", "--n_head", "2", "--block_size", "256", "--batch_size", "4",
-            "--max_iters", "4", "--eval_interval", "2", "--warmup", "0"]
+            "--max_iters", "4", "--eval_interval", "2", "--warmup", "0", "--no_curves"]
     run(TORCHRUN + ["train.py"], tmp_path / model, args)
     assert [r["step"] for r in log(tmp_path / model)] == [2, 4]
     assert json.loads((tmp_path / model / "run.json").read_text())["args"]["grad_accum"] == 2
@@ -133,7 +134,7 @@ def test_a_signal_during_the_stop_vote_waits_for_the_next_vote(tmp_path):
 def test_every_process_resumes_its_own_rng(tmp_path):
     """With dropout each process draws its own masks; a run resumed at step 4 trains on exactly
     as an uninterrupted one (rank 1 does not get rank 0's generator)."""
-    args = [*ARGS]
+    args = [*ARGS, "--no_curves"]
     args[args.index("--dropout") + 1] = "0.3"
     run(TORCHRUN + ["train.py"], tmp_path / "whole", args)
     part = [*args]

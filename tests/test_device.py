@@ -23,7 +23,7 @@ from model import MODELS, LanguageModel
 
 TINY = ["--dataset", "ptb", "--d_model", "32", "--n_layer", "1", "--n_head", "2", "--block_size", "64",
         "--batch_size", "4", "--train_seqs", "64", "--eval_seqs", "16", "--max_iters", "20",
-        "--eval_interval", "20", "--lr", "3e-3"]
+        "--eval_interval", "20", "--lr", "3e-3", "--no_curves"]
 
 
 # ---------------------------------------------------------------------------------------------

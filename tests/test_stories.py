@@ -108,7 +108,8 @@ def test_prepare_reports_rocstories(capsys, tmp_path, monkeypatch):
 
 
 TINY = ["--n_layer", "1", "--d_model", "32", "--n_head", "2", "--batch_size", "16", "--lr", "3e-3", "--warmup", "0",
-        "--train_seqs", "128", "--eval_seqs", "16", "--max_iters", "8", "--eval_interval", "4"]
+        "--train_seqs", "128", "--eval_seqs", "16", "--max_iters", "8", "--eval_interval", "4",
+        "--no_curves"]
 
 
 @pytest.mark.slow
