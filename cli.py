@@ -148,7 +148,7 @@ DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 def resolve_device(name):
     """'auto' -> cuda:0 when CUDA is available, else cpu; 'cuda' -> cuda:0.  A CUDA device always
     comes back with its index (torch.cuda.set_device refuses one without); an unknown or absent
-    device is a user error."""
+    device, or MPS, is a user error."""
     if not DEVICE.match(name or ""):
         raise UserError(f"--device {name}: unknown device (use auto, cpu, cuda or cuda:N)")
     if name == "auto":
@@ -162,8 +162,9 @@ def resolve_device(name):
             raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} "
                             f"CUDA device(s)")
         name = f"cuda:{index}"
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise UserError("--device mps asked for, but MPS is not available here (use --device cpu)")
+    if name == "mps":  # (Metal has no float64; torch refuses it on MPS with a TypeError)
+        raise UserError("--device mps is not supported: nanogen sums losses and decoder scores "
+                        "in float64, which MPS does not have (use --device cpu)")
     return name
 
 

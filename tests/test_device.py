@@ -67,6 +67,13 @@ def test_a_missing_gpu_index_is_a_user_error(one_fake_gpu):
         cli.resolve_device("cuda:1")
 
 
+def test_mps_is_refused_in_one_line():
+    """Metal has no float64 (torch raises a TypeError for a float64 MPS tensor), and nanogen sums
+    each step's loss and the decoders' scores in float64 on the device: refused up front."""
+    with pytest.raises(cli.UserError, match="--device mps is not supported.*float64.*--device cpu"):
+        cli.resolve_device("mps")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(REAL_GPU, reason="a real GPU: `python bench.py gpu` times it")
 def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):

@@ -298,6 +298,7 @@ def test_no_tracebacks(tmp_path, capsys, monkeypatch):
         (["--dataset", "wikitext2", "--data_dir", str(utf.parent)], {}, "not UTF-8"),
         (["--dataset", "ptb"], {"NANOGEN_CACHE": str(cache_file)}, "set NANOGEN_CACHE"),
         (["--dataset", "ptb", "--device", "tpu"], {}, "--device tpu: unknown device"),
+        (["--dataset", "ptb", "--device", "mps"], {}, "--device mps is not supported"),
         (["--dataset", "ptb", "--d_model", "100000000", "--n_layer", "1"], {}, "out of memory"),
     ]
     for flags, env, msg in cases:
