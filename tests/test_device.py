@@ -283,6 +283,43 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     assert counts[-1] <= 2 * per_compile, counts
 
 
+def test_compile_asks_inductor_for_no_matmul_padding():
+    """On a GPU inductor pads the (D, V = 50257) product to V = 50264 for the tensor cores, and
+    its backward bakes the first batch's T into the padded activation's strides: GPT-2 124M
+    recompiled at every new T (about 90 s each on an H100).  compile_model turns that off."""
+    seen = {}
+
+    class LM:
+        def compile(self, **kw):
+            seen.update(kw)
+    train.compile_model(LM())
+    assert seen == dict(dynamic=True, backend="inductor", options={"shape_padding": False})
+
+
+if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases: no skip)
+    @pytest.mark.slow
+    @pytest.mark.cuda
+    def test_compiled_gpt2_on_the_gpu_stops_recompiling():
+        """GPT-2 124M with the NMST head, compiled as train.py --compile does, under bf16 autocast:
+        batches of new (B, T) reuse the first batch's graphs (inductor, not a counting backend)."""
+        from torch._dynamo.utils import counters
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        lm = LanguageModel(dict(model="gpt", head="nmst", epsilon=1e-3, vocab_size=50257, eos_id=50256,
+                                n_layer=12, d_model=768, n_head=12, block_size=1024, dropout=0.1,
+                                tie=True, bias=True)).cuda()
+        train.compile_model(lm)
+        frames = []
+        for B, T in ((6, 158), (3, 345), (5, 187)):
+            x = torch.randint(0, 50256, (B, T), device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                log_p = lm(x, steps(-8, (B, T)).cuda(), targets=x)
+            log_p.float().sum().backward()
+            frames.append(counters["frames"]["ok"])
+        assert frames[1:] == frames[:1] * 2, frames
+
+
 # ---------------------------------------------------------------------------------------------
 # numerics under autocast
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import types
 
 import pytest
@@ -44,6 +45,20 @@ def test_the_probe_is_evaluate_greedy(tmp_path, monkeypatch):
     assert last["probe_mean_length"] == pytest.approx(d["decoding"]["mean_length"])
     assert last["probe_eos_at_end"] == pytest.approx(d["eos_prob_at_end"], rel=1e-6)
     assert set(bars) == {None, "perplexity (valid)"} and bars[-1] == "perplexity (valid)"
+
+
+def test_tokens_per_second_leave_out_checkpoint_writing(tmp_path, monkeypatch):
+    """tok/s (and MFU) count the training steps since the last evaluation, not the writing of
+    its checkpoints (GPT-2 124M with AdamW: 1.5 GB each).  Here each write takes 1000 s."""
+    late, write = [0.0], runs.save_checkpoint
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: time.time() + late[0]))
+    monkeypatch.setattr(runs, "save_checkpoint", lambda obj, path: late.__setitem__(0, late[0] + 1000)
+                        or write(obj, path))
+    out = tmp_path / "run"
+    assert train.main(TINY + ["--head", "nmst", "--max_iters", "6", "--eval_interval", "2", "--probe", "0",
+                              "--out_dir", str(out)]) == 0
+    rates = [r["tokens_per_s"] for r in log(out)]
+    assert len(rates) == 3 and min(rates) > 50, rates  # 2 steps of ~200 tokens: < 1 with a write
 
 
 def test_each_evaluation_redraws_the_curves_and_writes_ckpt_last_once(tmp_path, monkeypatch, capsys):
