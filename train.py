@@ -307,7 +307,7 @@ def compile_model(lm, backend="inductor"):
     come in ever new (B, T), which would otherwise recompile until torch gives up.  On a GPU,
     inductor pads the (D, V = 50257) product to V = 50264 for the tensor cores; the backward
     then bakes the first batch's T into that activation's strides, and every new T recompiled
-    (about 90 s each for GPT-2 124M on an H100): no padding (shape_padding off)."""
+    GPT-2 124M (RESULTS.md, "On a GPU"): no padding (shape_padding off)."""
     options = {"shape_padding": False} if backend == "inductor" else None
     lm.compile(dynamic=True, backend=backend, options=options)
 

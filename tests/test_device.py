@@ -286,7 +286,7 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
 def test_compile_asks_inductor_for_no_matmul_padding():
     """On a GPU inductor pads the (D, V = 50257) product to V = 50264 for the tensor cores, and
     its backward bakes the first batch's T into the padded activation's strides: GPT-2 124M
-    recompiled at every new T (about 90 s each on an H100).  compile_model turns that off."""
+    recompiled at every new T (RESULTS.md, "On a GPU").  compile_model turns that off."""
     seen = {}
 
     class LM:
