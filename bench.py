@@ -117,6 +117,7 @@ def hf_models(args, device, dropout):
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=1024, n_embd=D, n_layer=L,
                                     n_head=H, resid_pdrop=dropout, embd_pdrop=dropout,
                                     attn_pdrop=dropout)).to(device)
+    hf.loss_type = "ForCausalLM"  # (transformers 5 finds none in the class name, and warns)
     lm = LanguageModel(cfg_for("gpt", "softmax", V, eos_id=50256, n_layer=L, d_model=D,
                                n_head=H, dropout=dropout)).to(device)
     lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
