@@ -577,7 +577,8 @@ def gpt2_step(args, device, B=8, T=1024):
     torch.manual_seed(0)
     lm = LanguageModel(cfg_for("gpt", "softmax", 50257, eos_id=50256, n_layer=12, d_model=768,
                                n_head=12, dropout=0.1)).to(device).train()
-    lm.compile(dynamic=True)
+    import train
+    train.compile_model(lm)  # as train.py --compile does
     x = torch.randint(0, 50257, (B, T + 1), device=device)
     step = train_step(lm, x[:, :T], x[:, 1:])
 
