@@ -27,6 +27,7 @@ import torch
 
 import cli
 import fast
+import train
 from model import WINDOWED, LanguageModel
 
 
@@ -476,7 +477,6 @@ def bench_arch(args):
     tokens/s, greedy decode tokens/s, and validation perplexity after the same wall-clock
     training budget (--budget seconds, evaluations included).  --plot: perplexity vs time."""
     import tempfile
-    import train
     from checkpoint import load
     from tasks import checkpoint_task, model_from_checkpoint
     rows, curves = [], {}
@@ -577,7 +577,6 @@ def gpt2_step(args, device, B=8, T=1024):
     torch.manual_seed(0)
     lm = LanguageModel(cfg_for("gpt", "softmax", 50257, eos_id=50256, n_layer=12, d_model=768,
                                n_head=12, dropout=0.1)).to(device).train()
-    import train
     train.compile_model(lm)  # as train.py --compile does
     x = torch.randint(0, 50257, (B, T + 1), device=device)
     step = train_step(lm, x[:, :T], x[:, 1:])
