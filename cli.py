@@ -169,12 +169,15 @@ def resolve_device(name):
 
 
 def setup_device(device):
-    """Make `device` (resolve_device's answer) this process's device: on CUDA the current device
-    and TF32 for float32 matrix products (train, evaluate and sample alike); on CPU the
-    allocator fast path (fast.py)."""
+    """Make `device` (resolve_device's answer) this process's device: on CUDA the current device,
+    TF32 for float32 matrix products and no cuDNN attention (train, evaluate and sample alike);
+    on CPU the allocator fast path (fast.py)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        # cuDNN's attention (torch's first choice on an H100) builds a plan for every new (B, T),
+        # and nanogen's batches and decoding steps come in ever new ones (RESULTS.md, "On a GPU")
+        torch.backends.cuda.enable_cudnn_sdp(False)
     elif device == "cpu":
         import fast
         if fast.KEEP_FREED_MEMORY:

@@ -41,16 +41,19 @@ def one_fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch._C, "_cuda_setDevice", selected.append, raising=False)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
     yield selected
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda", "cuda:0"])
 def test_default_run_on_one_gpu_reaches_the_first_kernel(one_fake_gpu, device, tmp_path):
     """`python train.py ...` with --device auto / cuda on a one-GPU machine: cuda:0 is selected
-    (an index-less "cuda" is refused by torch.cuda.set_device), TF32 is on, and the run gets as
-    far as moving the model to the GPU -- where a CPU build of torch stops, with torch's own
-    error and a traceback (not a one-line user error)."""
+    (an index-less "cuda" is refused by torch.cuda.set_device), TF32 is on, cuDNN's attention
+    (a plan built for every new batch shape) is off, and the run gets as far as moving the model
+    to the GPU -- where a CPU build of torch stops, with torch's own error and a traceback (not
+    a one-line user error)."""
     argv = ["--model", "lstm", *TINY, "--device", device, "--out_dir", str(tmp_path / "run")]
     if REAL_GPU:  # a CUDA build on a GPU machine: past the first kernel, the run trains to its end
         assert cli.run_cli(train.main, argv) == 0
@@ -59,6 +62,7 @@ def test_default_run_on_one_gpu_reaches_the_first_kernel(one_fake_gpu, device, t
             cli.run_cli(train.main, argv)
     assert one_fake_gpu == [0]
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
     assert cli.resolve_device(device) == "cuda:0"
 
 
@@ -318,6 +322,23 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
             log_p.float().sum().backward()
             frames.append(counters["frames"]["ok"])
         assert frames[1:] == frames[:1] * 2, frames
+
+    @pytest.mark.cuda
+    def test_training_attention_on_the_gpu_goes_to_flash_not_cudnn():
+        """After cli.setup_device, a training step's attention (bfloat16, CausalSelfAttention's
+        packed q / k / v, dropout 0.1, causal) goes to flash attention, not to cuDNN's, which
+        builds a plan for every new (B, T) (torch's first choice on an H100)."""
+        from torch.nn.attention import SDPBackend
+        cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
+        try:
+            cli.setup_device("cuda:0")
+            B, T, H, hd = 3, 187, 12, 64
+            x = torch.randn(B, T, 3 * H * hd, device="cuda", dtype=torch.bfloat16)
+            q, k, v = (z.view(B, T, H, hd).transpose(1, 2) for z in x.split(H * hd, dim=2))
+            choice = torch._fused_sdp_choice(q, k, v, dropout_p=0.1, is_causal=True)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
+        assert SDPBackend(choice) == SDPBackend.FLASH_ATTENTION
 
 
 # ---------------------------------------------------------------------------------------------
