@@ -560,7 +560,7 @@ def bench_gpu(args):
         print("no CUDA device here: `python bench.py gpu` times nanogen's CUDA paths on a GPU "
               "machine (nothing to do)")
         return
-    device = cli.setup_device(cli.resolve_device(args.device))
+    device = cli.resolve_device(args.device)  # (made this process's device by main)
     cli.check_compiler(device)  # the GPT-2 step is compiled: Triton needs a C compiler
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}, bf16 native {torch.cuda.is_bf16_supported(False)}")
@@ -681,8 +681,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     check_args(args)
     cli.check_output(args.plot, "--plot", png=True)
-    if cli.resolve_device(args.device) == "cpu" and fast.KEEP_FREED_MEMORY:
-        fast.tune_cpu_allocator()  # as train.py and evaluate.py do, for every model compared
+    cli.setup_device(cli.resolve_device(args.device))  # as train.py does, for every model
     globals()[f"bench_{args.what}"](args)
     return 0
 
