@@ -113,7 +113,7 @@ def main(argv=None):
     check_args(args)
     if args.compare:
         return compare(args)
-    device = cli.setup_device(cli.resolve_device(args.device))  # cuda:N and TF32 on a GPU
+    device = cli.setup_device(cli.resolve_device(args.device))  # as train.py's
     ckpt = check_run(load_checkpoint(args.ckpt), args.ckpt)
     t0 = time.time()
     story = ckpt["args"]["dataset"] in STORY_DATASETS

@@ -62,7 +62,7 @@ class Run:
         self.state, self.lock = TrainState(lr=args.lr), None
         self.signalled = None  # the signal this process got (set by its handler, at any time)
         self.stop_requested = None  # the stop every process agreed on (set by should_stop)
-        self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
+        self.restart_interval()  # self.since_eval: the sums of the steps since an evaluation
         self.step_tokens = 0  # tokens of the step under way
         self.pending = []  # (step, lr, loss tensor, non-finite tensor) not yet in steps.jsonl
         self.first_step, self.run_id, self.previous = 0, None, {}
@@ -131,6 +131,10 @@ class Run:
             "no checkpoint was written yet"
 
     # -- every step -----------------------------------------------------------------------------
+    def restart_interval(self):
+        """Count the next evaluation's interval afresh: its nll, counts, tokens and clock."""
+        self.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
+
     def tally(self, nll, n, tokens):
         """Running sums since the last evaluation: the nll on the device, the counts on the
         host (nothing is read back)."""

@@ -43,7 +43,7 @@ def fit(argv=None, advise=True):
     args, ckpt = parse_args(argv)  # flags, recipes, rules; --resume: the run's own arguments
     runs.check_folder(args)  # on every process, before torchrun's process group exists
     dist = cli.setup_distributed(args)
-    cli.setup_device(dist.device)  # cuda:N current, TF32; before anything touches the device
+    cli.setup_device(dist.device)  # before anything touches the device
     if args.compile:
         cli.check_compiler(dist.device)  # refused now, not at the first step after the data
     torch.manual_seed(args.seed + dist.rank)  # before the model is built: its initial weights
@@ -98,7 +98,7 @@ def train(args, task, model, optimizer, run, cfg):
     def evaluate():  # then ckpt_last.pt; the next tok/s counts from after its writing
         validate(args, task, lm, run, save, autocast, clock)
         save("ckpt_last.pt")
-        run.since_eval = dict(nll=0.0, n=0, tokens=0, t0=time.time())
+        run.restart_interval()
     while not st.done:
         keys = task.epoch(st.epoch)
         n_steps = len(keys) // args.grad_accum  # the last len % grad_accum batches are skipped

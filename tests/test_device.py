@@ -33,18 +33,24 @@ REAL_GPU = torch.cuda.is_available()  # asked before any test fakes one
 
 
 @pytest.fixture
-def one_fake_gpu(monkeypatch):
+def device_flags():
+    """The process-wide switches cli.setup_device sets (TF32, cuDNN attention), restored after."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
+
+
+@pytest.fixture
+def one_fake_gpu(monkeypatch, device_flags):
     """torch believes in one CUDA device; set_device runs torch's own index validation and
     records the index it would select.  The first real CUDA kernel still fails (CPU build)."""
     selected = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch._C, "_cuda_setDevice", selected.append, raising=False)
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
-    yield selected
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
+    return selected
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda", "cuda:0"])
@@ -324,20 +330,16 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
         assert frames[1:] == frames[:1] * 2, frames
 
     @pytest.mark.cuda
-    def test_training_attention_on_the_gpu_goes_to_flash_not_cudnn():
+    def test_training_attention_on_the_gpu_goes_to_flash_not_cudnn(device_flags):
         """After cli.setup_device, a training step's attention (bfloat16, CausalSelfAttention's
         packed q / k / v, dropout 0.1, causal) goes to flash attention (on Ampere and newer), not
         to cuDNN's, which builds a plan for every new (B, T) (torch's first choice on an H100)."""
         from torch.nn.attention import SDPBackend
-        cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
-        try:
-            cli.setup_device("cuda:0")
-            B, T, H, hd = 3, 187, 12, 64
-            x = torch.randn(B, T, 3 * H * hd, device="cuda", dtype=torch.bfloat16)
-            q, k, v = (z.view(B, T, H, hd).transpose(1, 2) for z in x.split(H * hd, dim=2))
-            choice = torch._fused_sdp_choice(q, k, v, dropout_p=0.1, is_causal=True)
-        finally:
-            torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
+        cli.setup_device("cuda:0")
+        B, T, H, hd = 3, 187, 12, 64
+        x = torch.randn(B, T, 3 * H * hd, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (z.view(B, T, H, hd).transpose(1, 2) for z in x.split(H * hd, dim=2))
+        choice = torch._fused_sdp_choice(q, k, v, dropout_p=0.1, is_causal=True)
         assert SDPBackend(choice) != SDPBackend.CUDNN_ATTENTION
         if torch.cuda.get_device_capability() >= (8, 0):  # flash attention: Ampere and newer
             assert SDPBackend(choice) == SDPBackend.FLASH_ATTENTION

@@ -51,7 +51,9 @@ def test_tokens_per_second_leave_out_checkpoint_writing(tmp_path, monkeypatch):
     """tok/s (and MFU) count the training steps since the last evaluation, not the writing of
     its checkpoints (GPT-2 124M with AdamW: 1.5 GB each).  Here each write takes 1000 s."""
     late, write = [0.0], runs.save_checkpoint
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: time.time() + late[0]))
+    clock = types.SimpleNamespace(time=lambda: time.time() + late[0])
+    monkeypatch.setattr(train, "time", clock)  # the loop's clock, and the run's (interval starts)
+    monkeypatch.setattr(runs, "time", clock)
     monkeypatch.setattr(runs, "save_checkpoint", lambda obj, path: late.__setitem__(0, late[0] + 1000)
                         or write(obj, path))
     out = tmp_path / "run"
