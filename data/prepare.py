@@ -37,7 +37,9 @@ import zipfile
 
 import numpy as np
 
-from cli import CLIParser, UserError, run_cli
+if not __package__:  # `python data/prepare.py` (nanoGPT's way) works as `-m data.prepare`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cli import CLIParser, UserError, run_cli  # noqa: E402
 
 CONTEXT_LEN = 10
 MAX_BPE_LEN = 1024

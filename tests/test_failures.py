@@ -334,8 +334,9 @@ def wrapper_cases(tmp_path, capsys):
 
 
 def entry_points_and_interrupts(tmp_path, capsys, monkeypatch):
-    for cmd, msg in (([sys.executable, "-m", "data.prepare", "--dataset", "wikitext2",
-                       "--data_dir", str(tmp_path / "nowhere")], "is not a folder"),
+    nowhere = ["--dataset", "wikitext2", "--data_dir", str(tmp_path / "nowhere")]
+    for cmd, msg in (([sys.executable, "-m", "data.prepare", *nowhere], "is not a folder"),
+                     ([sys.executable, "data/prepare.py", *nowhere], "is not a folder"),  # nanoGPT's way
                      ([sys.executable, "bench.py", "train", "--iters", "0"], "--iters must be >= 1")):
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert_one_line_error(p.returncode, p.stderr, msg)
