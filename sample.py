@@ -36,7 +36,7 @@ def build_parser():
     p = cli.CLIParser(description="Continue a prompt with a nanogen checkpoint.")
     p.add_argument("--ckpt", required=True, help="a checkpoint written by train.py")
     p.add_argument("--prompt", action="append", default=[], help="text to continue (repeatable)")
-    p.add_argument("--prompt_file", default=None, help="one prompt per line")
+    p.add_argument("--prompt_file", default=None, help="one prompt per line (-: standard input)")
     p.add_argument("--title", default=None, help="insertion / story checkpoints: the title")
     p.add_argument("--keywords", nargs="*", default=[], help="storyline checkpoints: keywords")
     p.add_argument("--decoder", default="greedy", choices=DECODERS)
@@ -65,7 +65,8 @@ def main(argv=None):
     if story:
         return sample_story(args, ckpt, model, device)
     if not prompts:
-        raise UserError("give --prompt TEXT (or --prompt_file FILE) to continue")
+        raise UserError("give --prompt TEXT (or --prompt_file FILE, - for standard input) to "
+                        "continue")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
                        args.consistent, args.length_penalty)
     tok = checkpoint_tokenizer(ckpt, args)
@@ -111,7 +112,9 @@ def choose_seed(args):
 
 def read_prompts(args):
     prompts = list(args.prompt)
-    if args.prompt_file:
+    if args.prompt_file == "-":  # standard input: `... | python sample.py --prompt_file -`
+        prompts += [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    elif args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8-sig") as f:  # a BOM is not text
                 prompts += [line.rstrip("\n") for line in f if line.strip()]

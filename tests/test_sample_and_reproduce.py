@@ -1,6 +1,7 @@
 """A student's first hour (issue [D]): sample.py on tiny checkpoints (word, BPE, InsNet),
 reproduce.py end to end at the tiny scale (and reused on a second run), the laptop hint of a
 CPU run, and --compare plots of runs that differ by decoder."""
+import io
 import json
 import os
 from types import SimpleNamespace
@@ -116,7 +117,7 @@ def test_sample_a_left_to_right_story(ckpts, capsys):
     assert_one_line_error(rc, err, "'game!'; its punctuation stands apart, as in 'game !' for")
 
 
-def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time(ckpts, capsys, tmp_path, monkeypatch):
+def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time_and_dash_is_stdin(ckpts, capsys, tmp_path, monkeypatch):
     import decode
     sizes, real = [], decode.decode
     monkeypatch.setattr(decode, "decode", lambda lm, prompts, *a, **k: sizes.append(len(prompts)) or
@@ -126,6 +127,10 @@ def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time(ckpts, capsys, tmp_p
     assert sample.main(["--ckpt", ckpts["word"], "--prompt_file", str(prompts), "--L", "3", "--allow_unk"]) == 0
     out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
     assert sizes == [64, 6] and [ln.split(" >>>")[0] for ln in out] == [f"the company said {i}" for i in range(70)]
+    monkeypatch.setattr("sys.stdin", io.StringIO("prices rose\n\nthe company said\n"))  # --prompt_file -
+    assert sample.main(["--ckpt", ckpts["word"], "--prompt_file", "-", "--L", "3"]) == 0
+    out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
+    assert [ln.split(" >>>")[0] for ln in out] == ["prices rose", "the company said"]
 
 
 def test_sample_takes_consistent_topk_and_a_beams_length_penalty(ckpts, capsys, monkeypatch):
