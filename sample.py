@@ -17,6 +17,7 @@ as the data is (PTB is lower-cased; punctuation stands apart: "rose ," and "comp
 whole words and the space after them, as every training context ends.
 """
 import math
+import pathlib
 import re
 import sys
 
@@ -112,12 +113,11 @@ def choose_seed(args):
 
 def read_prompts(args):
     prompts = list(args.prompt)
-    if args.prompt_file == "-":  # standard input: `... | python sample.py --prompt_file -`
-        prompts += [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    elif args.prompt_file:
-        try:
-            with open(args.prompt_file, encoding="utf-8-sig") as f:  # a BOM is not text
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if args.prompt_file:
+        try:  # -: standard input (`... | python sample.py --prompt_file -`); a BOM is not text
+            text = sys.stdin.read() if args.prompt_file == "-" else \
+                pathlib.Path(args.prompt_file).read_text(encoding="utf-8")
+            prompts += [ln for ln in text.lstrip("\ufeff").split("\n") if ln.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--prompt_file {args.prompt_file}: {e}") from None
     if args.prompt_file and len(prompts) == len(args.prompt):

@@ -127,7 +127,7 @@ def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time_and_dash_is_stdin(ck
     assert sample.main(["--ckpt", ckpts["word"], "--prompt_file", str(prompts), "--L", "3", "--allow_unk"]) == 0
     out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
     assert sizes == [64, 6] and [ln.split(" >>>")[0] for ln in out] == [f"the company said {i}" for i in range(70)]
-    monkeypatch.setattr("sys.stdin", io.StringIO("prices rose\n\nthe company said\n"))  # --prompt_file -
+    monkeypatch.setattr("sys.stdin", io.StringIO("\ufeffprices rose\n\nthe company said\n"))  # --prompt_file -, a BOM
     assert sample.main(["--ckpt", ckpts["word"], "--prompt_file", "-", "--L", "3"]) == 0
     out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
     assert [ln.split(" >>>")[0] for ln in out] == ["prices rose", "the company said"]
