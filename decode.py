@@ -26,9 +26,10 @@ tokens is cut there: |y| > L, it counts as non-terminated in r_nt(L).
 import math
 
 import torch
+from tqdm import tqdm
 
+from data import UserError
 from model import WINDOWED, eval_mode
-from cli import UserError, bar
 
 DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
 SAMPLING = ("sample", "topk", "nucleus")  # the decoders that draw (greedy and beam do not)
@@ -146,7 +147,7 @@ def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **k
     evaluate.py's study and train.py's termination probe both run, batched the same way so that
     they decode the same.  -> decode()'s dict for all prompts."""
     tokens, lengths, terminated, scores = [], [], [], []
-    for lo in bar(range(0, len(prompts), batch), desc):
+    for lo in tqdm(range(0, len(prompts), batch), desc, disable=None if desc else True, leave=False):
         res = decode(lm, prompts[lo:lo + batch], L, decoder, **kw)
         tokens += res["tokens"]
         lengths.append(res["lengths"])

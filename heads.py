@@ -37,8 +37,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fast
-
 HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos")
 TERMINATION_HEADS = ("st", "nmst")  # the heads that model the end of a sequence: they read t
 PAPER_NAMES = dict(softmax="VA+", st="ST+", nmst="NMST+", mos="MoS", ct="CT", ctmos="CT-MoS")
@@ -202,8 +200,7 @@ def log_softmax_at(h, W, targets, exclude=None, bias=None):
 # nn.Module wrapper: owns the output projection U (V, D), optionally tied to the embedding
 # ---------------------------------------------------------------------------------------------
 def check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature):
-    """A head's options, each read only by the heads that use it (the flags' defaults live in
-    recipes.py, once)."""
+    """A head's options, each read only by the heads that use it (their defaults: train.py)."""
     if kind not in HEADS:
         raise ValueError(f"unknown head '{kind}' (choose from {', '.join(HEADS)})")
     if kind in ("st", "nmst"):  # eq. 9, 10: epsilon in (0, 1)
@@ -266,11 +263,7 @@ class Head(nn.Module):
         if self.kind == "ctmos":  # eq. 7: the same contextual tau divides every expert's logits
             tau = self.temperatures(h).unsqueeze(-2)
             return mos_log_probs(self.prior(h), self._expert_logits(h) / tau), None
-        W, bias = self.proj.weight, self.proj.bias
-        if fast.FEW_ROW_PROJECTION and fast.few_rows(h, W, bias):  # decoding's CPU fast path
-            logits = fast.project(h, W)
-        else:
-            logits = self.proj(h)  # (B, T, V)
+        logits = self.proj(h)  # (B, T, V)
         if self.kind == "ct":
             return ct_log_probs(logits, self.temperatures(h)), None
         if self.kind == "softmax":
@@ -296,20 +289,16 @@ class Head(nn.Module):
         if self.kind in ("mos", "ct", "ctmos"):  # mixtures, per-token temperatures: the full rows
             return self(h, t)[0].gather(-1, targets.unsqueeze(-1)).squeeze(-1), None
         W, bias = self.proj.weight, self.proj.bias
-        if fast.FUSED_OUTPUT_LAYER and fast.fused_applies(h, W, bias):  # the CPU fast path
-            at = fast.linear_log_softmax
-        else:
-            at = log_softmax_at
         if self.kind == "softmax":
             c = self.temperature
             if c != 1.0:
                 h, bias = h / c, (None if bias is None else bias / c)
-            return at(h, W, targets, None, bias), None
+            return log_softmax_at(h, W, targets, None, bias), None
         e = self.eos_id
         z_eos = h @ W[e] + (bias[e] if bias is not None else 0.0)  # (B, T)
         is_eos = targets == e  # those take log_alpha below: any non-eos stand-in target will do
         stand_in = targets.masked_fill(is_eos, (e + 1) % W.size(0))
-        log_rest = at(h, W, stand_in, e, bias)
+        log_rest = log_softmax_at(h, W, stand_in, e, bias)
         if self.kind == "nmst":
             log_alpha, log_one_minus_alpha = nmst_log_alpha(z_eos, t, self.epsilon)
         elif self.kind == "st":

@@ -361,13 +361,16 @@ class LanguageModel(nn.Module):
     def eos_id(self):
         return self.head.eos_id
 
-    def forward(self, idx, t, state=None, lengths=None, targets=None):
+    def forward(self, idx, t=None, state=None, lengths=None, targets=None):
         """idx (B, T), t (B, T); state = (backbone_state, head_state) or None.
-        -> log_probs (B, T, V), new state.  With targets (B, T) of a right-padded batch:
-        -> log p(targets) (B, T) from a fresh start, as target_log_probs (through forward, so
-        that DDP sees training); the padded positions' values are garbage."""
+        -> log_probs (B, T, V), new state.
+        With targets (B, T): -> log p(targets) (B, T) and the new backbone state, without the
+        full (B, T, V) log-probabilities: the training and perplexity path.  A right-padded batch
+        needs no lengths there (see the module docstring; the padded positions' values are
+        garbage); state: the backbone state to go on from (--task stream), or None."""
         if targets is not None:
-            return self.target_log_probs(idx, targets, t)
+            h, state = self.backbone(idx, state)
+            return self.head.target_log_probs(h, targets, t)[0], state
         bstate, hstate = (None, None) if state is None else state
         h, bstate = self.backbone(idx, bstate, lengths)
         log_probs, hstate = self.head(h, t, hstate)
@@ -383,19 +386,6 @@ class LanguageModel(nn.Module):
         t = torch.ones(idx.size(0), 1, dtype=torch.long, device=h.device)
         log_probs, hstate = self.head(h_last, t, None)
         return log_probs[:, 0], (bstate, hstate)
-
-    def target_log_probs(self, idx, targets, t):
-        """log p(targets (B, T) | prefix) from a fresh start, without the full (B, T, V)
-        log-probabilities (training / perplexity path).  Right padding needs no lengths (see
-        the module docstring): no attention mask, no packing.  -> (B, T)."""
-        h, _ = self.backbone(idx)
-        return self.head.target_log_probs(h, targets, t)[0]
-
-    def stream_log_probs(self, idx, targets, state=None):
-        """Continuous LM (--task stream): log p(targets) (B, T) continuing from the backbone
-        state of the previous window, and the new state (to be detached by the caller)."""
-        h, state = self.backbone(idx, state)
-        return self.head.target_log_probs(h, targets)[0], state
 
     def reorder_state(self, state, index):
         bstate, hstate = state
@@ -418,3 +408,28 @@ class LanguageModel(nn.Module):
             n += (cfg["n_experts"] - 1) * self.head.proj.weight.numel()
         attn = 12 * cfg["n_layer"] * cfg["d_model"] * seq_len if cfg["model"] == "gpt" else 0
         return 6 * n + attn
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2's pretrained weights (train.py --init_from gpt2)
+# ---------------------------------------------------------------------------------------------
+HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def gpt_state_from_hf(hf_state, lm):
+    """HuggingFace GPT2LMHeadModel's state_dict as lm's (a LanguageModel with a GPT backbone):
+    its four Conv1D (in, out) matrices transposed to nn.Linear's (out, in), the attention-mask
+    buffers skipped, U tied to wte; a head's own parameters (MoS, CT) keep their initialisation."""
+    own, out = lm.state_dict(), {}
+    for k, v in hf_state.items():
+        if k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
+            continue
+        name = "backbone." + k.removeprefix("transformer.")
+        v = v.t() if name.endswith(HF_CONV1D) else v
+        if name not in own or v.shape != own[name].shape:
+            raise ValueError(f"the GPT-2 weight {k!r} {tuple(v.shape)} does not fit the model")
+        out[name] = v
+    missing = [k for k in own if k.startswith("backbone.") and k not in out]
+    if missing:
+        raise ValueError(f"the GPT-2 weights lack {missing[0]} (and {len(missing) - 1} more)")
+    return {**own, **out, "head.proj.weight": out["backbone.wte.weight"]}

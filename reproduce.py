@@ -18,11 +18,13 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
-import cli
-from cli import UserError
+import bench
+import curves
+import evaluate
+import train
+from data import UserError
 from heads import HEADS as HEADS_AVAILABLE
 from heads import TERMINATION_HEADS, paper_name
 
@@ -79,55 +81,17 @@ def decoder_flags(name):
 # --------------------------------------------------------------------------------------------
 def train_once(out_dir, flags):
     """Train into out_dir, or go on with a run stopped there, or reuse a finished one."""
-    import train
-    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "steps.jsonl")) else []
-    try:
-        train.fit_or_stop([*flags, "--out_dir", out_dir, *resume])
-    except train.Stopped as e:
-        raise UserError(f"{e}; {GO_ON.format(out_dir)}") from None
-    except KeyboardInterrupt:
-        print(f"note: Ctrl-C; {GO_ON.format(out_dir)}", file=sys.stderr)
-        raise
-    except UserError as e:  # (a new run's error, e.g. offline, is the error itself)
-        if not resume:
-            raise
-        raise not_reusable(out_dir, e) from None
-    best = os.path.join(out_dir, "ckpt_best.pt")
-    if not os.path.exists(best):
-        raise UserError(f"{out_dir} holds no ckpt_best.pt (removed, or the run failed); "
-                        f"{REDO.format(out_dir)}")
-    return best
-
-
-GO_ON = "the run's checkpoint is written in {}: the same command goes on from there"
-REDO = "reproduce.py reuses and continues its runs by itself: delete {} to train that run again"
-
-
-def not_reusable(out_dir, why):
-    return UserError(f"the run in {out_dir} cannot be reused or continued ({why}); "
-                     f"{REDO.format(out_dir)}")
-
-
-def check_reusable(runs_dir, plan):
-    """Before any training: each run of the plan (name, flags, ...) that is already there must
-    have been trained with these flags (else the command would stop at it, after training the
-    runs before it)."""
-    import recipes
-    from runs import read_run, resume_from
-    for name, flags, *_ in plan:
-        out_dir = os.path.join(runs_dir, name)
-        saved = read_run(out_dir).get("args")
-        if saved and resume_from(out_dir):
-            try:
-                recipes.resume_args(*recipes.typed_args([*flags, "--out_dir", out_dir]), saved)
-            except UserError as e:
-                raise not_reusable(out_dir, e) from None
+    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt_last.pt")) else []
+    train.main([*flags, "--out_dir", out_dir, *resume])
+    if train.STOP:  # a signal stopped the run (its checkpoint is written): the command stops too
+        raise UserError(f"stopped by {train.STOP[0]}; the run's checkpoint is in {out_dir}: the "
+                        f"same command goes on from there")
+    return os.path.join(out_dir, "ckpt_best.pt")
 
 
 def evaluate_once(ckpt, flags, path):
     """evaluate.py's result for (ckpt, flags), reused when path holds the same request (a file
     that is not such a result is evaluated again)."""
-    import evaluate
     try:
         with open(path) as f:
             res = json.load(f)
@@ -139,7 +103,7 @@ def evaluate_once(ckpt, flags, path):
     with open(path) as f:
         res = json.load(f)
     res["request"] = flags
-    cli.write_json(path, res)
+    evaluate.write_json(path, res)
     return res
 
 
@@ -197,7 +161,6 @@ def nmst_runs(table, args):
     plan = [(f"{model}-{head}-s{seed}", base_flags(cfg, model, head, seed, cfg["eps"]),
              (model, head), seed)
             for model in cfg["models"] for head in args.heads for seed in range(cfg["seeds"])]
-    check_reusable(args.runs, plan)
     runs, progress = {}, Progress(2 * len(plan))
     for name, train_flags, key, seed in plan:
         progress.step(f"training {name}")
@@ -310,7 +273,7 @@ def plot_nmst(cfg, runs, args):
     seeds, one panel per decoder and model.  r_nt = 0 cannot be drawn on a log axis: it is drawn
     at the 1e-3 floor (a grey line, said in the axis label), with markers so that heads sharing
     a curve stay visible."""
-    plt = cli.pyplot()
+    plt = curves.pyplot()
     if plt is None:
         return
     models, decs = list(cfg["models"]), cfg["decoders"]
@@ -322,9 +285,9 @@ def plot_nmst(cfg, runs, args):
             ax.axhline(1e-3, color="0.7", lw=0.8)
             for k, h in enumerate(args.heads):
                 color, ls, marker = STYLES.get(h, (f"C{k + 3}", "-.", "D"))
-                curves = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
-                Ls = sorted(int(L) for L in curves[0])
-                ys = [[max(c[str(L)], 1e-3) for c in curves] for L in Ls]
+                per_seed = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
+                Ls = sorted(int(L) for L in per_seed[0])
+                ys = [[max(c[str(L)], 1e-3) for c in per_seed] for L in Ls]
                 mean = [statistics.mean(y) for y in ys]
                 sd = [statistics.pstdev(y) for y in ys]
                 ax.plot(Ls, mean, ls, color=color, marker=marker, markersize=max(5 - k, 2),
@@ -335,18 +298,17 @@ def plot_nmst(cfg, runs, args):
                    xlabel="L" if i == len(models) - 1 else None,
                    ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None)
     axes[0, 0].legend(fontsize=7)
-    cli.save_figure(fig, os.path.join(args.out, "r_nt.png"))
+    curves.save_figure(fig, os.path.join(args.out, "r_nt.png"))
 
 
 def over_training(cfg, args):
     """How each head's termination behaves over training (curves.py: validation perplexity and
     the probe's r_nt against steps, seed 0 of each head), one figure per model."""
-    import curves
     lines = []
     for model in cfg["models"]:
         folders = [os.path.join(args.runs, f"{model}-{h}-s0") for h in args.heads]
         path = os.path.join(args.out, f"training-{model}.png")
-        rows, _ = curves.overlay(folders, path)
+        rows = curves.overlay(folders, path)
         seqs = f"the first {EVAL_SEQS}" if cfg["steps"] else "all"
         lines += ["", f"Over training ({model}, seed 0; {os.path.basename(path)}): the runs' own "
                       f"evaluations (perplexity on {seqs} validation sequences); the probe "
@@ -397,7 +359,6 @@ def run_ct(args):
     plan = [(f"{head}{extra[1] if extra else ''}-s{seed}",
              [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)], label)
             for label, head, extra in CT_ROWS for seed in range(cfg["seeds"])]
-    check_reusable(args.runs, plan)
     runs, progress = {}, Progress(2 * len(plan))
     for name, flags, label in plan:
         progress.step(f"training {name}")
@@ -452,7 +413,6 @@ def run_insnet(args):
     plan = [(f"{model}-s{seed}", ["--model", model, "--dataset", "rocstories", "--task",
                                   "storyline", "--seed", str(seed), *cfg["flags"]], model)
             for model in ("insnet", "gpt") for seed in range(cfg["seeds"])]
-    check_reusable(args.runs, plan)
     runs, progress = {}, Progress(2 * len(plan) + 1)
     for name, flags, model in plan:
         progress.step(f"training {name}")
@@ -477,29 +437,20 @@ def run_insnet(args):
 
 
 def fig12(cfg, args):
-    """Fig. 12: bench.py insnet: seconds per epoch vs length, InsNet / IT-vanilla / L2R (cpu: a
+    """Fig. 12 (bench.py insnet): seconds per epoch by length, InsNet / IT-vanilla / L2R (cpu: a
     2 x 256 model, so that the output layer weighs as in a real one)."""
-    size = ["2", "64", "4", "4", "8", "2", "1"] if args.scale == "tiny" else \
-        ["2", "256", "4", "16", "16", "4", "2"]
-    cmd = [sys.executable, "bench.py", "insnet", *[x for pair in zip(
-        ("--gpt_layers", "--gpt_dim", "--gpt_heads", "--seqs", "--batch", "--it_batch", "--iters"),
-        size) for x in pair], "--lengths", *map(str, cfg["lengths"]),
-        "--plot", os.path.join(args.out, "fig12.png")]
-    import contextlib
-    import io
-
-    import bench
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        bench.main(cmd[2:])
-    table = [ln for ln in printed.getvalue().splitlines() if ln.strip() and
-             not ln.startswith("wrote")]
-    return ["", "Fig. 12 (python " + " ".join(cmd[1:]) + "):", "", "```", *table, "```"]
+    flags = [*f"--gpt_layers 2 --gpt_dim {64 if args.scale == 'tiny' else 256} --gpt_heads 4 "
+             f"--seqs {4 if args.scale == 'tiny' else 16} --batch {8 if args.scale == 'tiny' else 16} "
+             f"--it_batch {2 if args.scale == 'tiny' else 4} --iters {1 if args.scale == 'tiny' else 2}"
+             .split(), "--lengths", *map(str, cfg["lengths"]), "--plot", os.path.join(args.out, "fig12.png")]
+    bench_args = bench.parser().parse_args(["insnet", *flags])
+    lines = bench.bench_insnet(bench_args, train.get_device("cpu"))
+    return ["", f"Fig. 12 (python bench.py insnet {' '.join(flags)}):", "", "```", *lines, "```"]
 
 
 # --------------------------------------------------------------------------------------------
 def build_parser():
-    p = cli.CLIParser(description="Reproduce a paper result in one command: train (or reuse the "
+    p = train.Parser(description="Reproduce a paper result in one command: train (or reuse the "
                                   "runs), evaluate, write the paper's table beside nanogen's.")
     p.add_argument("what", choices=[*RESULTS, "all"])
     p.add_argument("--scale", default="cpu", choices=["tiny", "cpu", "paper"])
@@ -511,23 +462,19 @@ def build_parser():
     return p
 
 
-RULES = [(lambda a: len(set(a.heads)) < len(a.heads),  # a head twice would count as two seeds
-          "--heads names a head twice: give each head once"),
-         (lambda a: a.heads != list(HEADS) and a.what in ("ct-table3", "insnet-storyline"),
-          "--heads is for nmst-table1 / nmst-table4 (and all); {what} compares its own models")]
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    cli.check_rules(RULES, args)
+    if len(set(args.heads)) < len(args.heads):  # one run would count as two seeds
+        raise UserError("--heads names a head twice: give each head once")
+    if args.heads != list(HEADS) and args.what in ("ct-table3", "insnet-storyline"):
+        raise UserError(f"--heads is for nmst-table1 / nmst-table4 (and all); {args.what} "
+                        f"compares its own models")
     todo = RESULTS if args.what == "all" else (args.what,)
     base_out, base_runs = args.out, args.runs
     for name in todo:
         args.out = base_out if base_out and len(todo) == 1 else os.path.join(
             base_out or "results", f"{name}-{args.scale}")
         args.runs = base_runs or os.path.join(args.out, "runs")
-        cli.check_output(args.out, "--out", folder=True)
-        cli.check_output(args.runs, "--runs", folder=True)
         try:
             os.makedirs(args.runs, exist_ok=True)
         except OSError as e:
@@ -538,14 +485,14 @@ def main(argv=None):
         lines, raw = job[name]()
         minutes = (time.time() - t0) / 60
         lines += ["", f"({name}, scale {args.scale}: {minutes:.1f} min on this machine)"]
-        with cli.atomic_file(os.path.join(args.out, "table.md")) as f:
+        with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
-        cli.write_json(os.path.join(args.out, "results.json"),
-                       dict(result=name, scale=args.scale, minutes=minutes, runs=raw))
+        evaluate.write_json(os.path.join(args.out, "results.json"),
+                            dict(result=name, scale=args.scale, minutes=minutes, runs=raw))
         print("\n".join(lines))
         print(f"wrote {os.path.join(args.out, 'table.md')} and results.json")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run_cli(main))
+    train.run(main)

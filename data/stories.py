@@ -22,7 +22,8 @@ import os
 
 import torch
 
-from data.prepare import DataError, cache_dir, check_sha256, default_data_dir, download, sha256_file
+from data import UserError
+from data.prepare import cache_dir, check_sha256, download, sha256_file
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>")
 PAD, BOS, EOS, SEP, UNK = range(len(SPECIALS))
@@ -42,7 +43,7 @@ def parse_story(line):
         title, rest = line.split("<EOT>")
         keywords, story = rest.split("<EOL>")
     except ValueError:
-        raise DataError(f"not a Plan-and-Write story line (title <EOT> keywords <EOL> story): "
+        raise UserError(f"not a Plan-and-Write story line (title <EOT> keywords <EOL> story): "
                         f"{line[:80]!r}") from None
     return dict(title=title.split(), keywords=keywords.split(),
                 story=[w for w in story.split() if w != "</s>"])
@@ -52,7 +53,7 @@ def rocstories_folder(data_dir=None):
     """The folder with the Plan-and-Write files: DATA_DIR/rocstories/plan-and-write or DATA_DIR
     itself (a local copy), else the download cache (dev and test are downloaded when missing).
     dev and test, under their official names, must match their sha256 wherever they are."""
-    data_dir = default_data_dir(data_dir)
+    data_dir = data_dir or os.environ.get("NANOGEN_DATA")
     candidates = [os.path.join(data_dir, "rocstories", "plan-and-write"), data_dir] \
         if data_dir else [os.path.join(cache_dir(), "downloads", "rocstories")]
     folder = next((f for f in candidates if os.path.exists(
@@ -62,32 +63,23 @@ def rocstories_folder(data_dir=None):
         if os.path.exists(path):
             check_sha256(path, sha)
         elif data_dir:
-            raise DataError(f"ROCStories {split} is not in {folder}: the data folder {data_dir} "
+            raise UserError(f"ROCStories {split} is not in {folder}: the data folder {data_dir} "
                             f"(--data_dir / NANOGEN_DATA) must hold rocstories/plan-and-write/ "
                             f"or the Plan-and-Write files themselves")
-        elif os.environ.get("NANOGEN_OFFLINE"):
-            raise DataError(f"ROCStories {split} is not in the cache ({folder}) and "
-                            f"NANOGEN_OFFLINE is set: pass --data_dir DIR (or set NANOGEN_DATA) "
-                            f"to a folder with rocstories/plan-and-write/")
         else:
             download(ROC_URL.format(split=split), path, sha)
     return folder
 
 
-def read_stories(path):
-    """Parsed stories of one Plan-and-Write file (text that is not UTF-8 is a DataError); kept
-    for the process, per file version (reproduce.py reads them for every run)."""
-    stat = os.stat(path)
-    return [dict(s) for s in _parsed(path, stat.st_size, stat.st_mtime_ns)]
-
-
 @functools.lru_cache(maxsize=8)
-def _parsed(path, size, mtime):
+def read_stories(path):
+    """The parsed stories of one Plan-and-Write file (kept for the process: reproduce.py reads
+    them for every run)."""
     try:
         with open(path, encoding="utf-8") as f:
             return [parse_story(line) for line in f if line.strip()]
     except (UnicodeDecodeError, OSError) as e:
-        raise DataError(f"could not read {path}: {str(e)[:160]} (not a UTF-8 text file?)") from None
+        raise UserError(f"could not read {path}: {str(e)[:160]} (not a UTF-8 text file?)") from None
 
 
 def load_rocstories(data_dir=None, verbose=True):
@@ -176,7 +168,7 @@ def load_sequences(dataset, task, model, data_dir=None, min_count=2, synthetic_c
         note = f"synthetic: {synthetic_count} sequences per length {SYNTHETIC_LENGTHS}"
         return StoryData(words, splits, None, note, dict(synthetic=synthetic_count))
     if dataset != "rocstories":
-        raise DataError(f"the insertion models train on --dataset rocstories or synthetic, "
+        raise UserError(f"the insertion models train on --dataset rocstories or synthetic, "
                         f"not {dataset}")
     stories = load_rocstories(data_dir, verbose)
     words = vocab or build_vocab(stories["train"], min_count)
@@ -184,3 +176,61 @@ def load_sequences(dataset, task, model, data_dir=None, min_count=2, synthetic_c
     splits = {k: [encode_story(s, stoi, task, model) for s in stories[k]]
               for k in ("train", "valid", "test")}
     return StoryData(words, splits, stories, stories["note"], stories["sources"])
+
+
+# ---------------------------------------------------------------------------------------------
+# batches of stories: the insertion models' orders (insnet.py), the L2R baseline's tokens
+# ---------------------------------------------------------------------------------------------
+def insertion_order(length, n_given, keyword_pos=(), mode="random", generator=None):
+    """One insertion order (length,) for a sequence BOS x_1 .. x_{length-2} EOS.
+    BOS (position 0) and EOS (position length-1) come first, then the given prefix positions
+    1 .. n_given-1 left to right (a conditioning title + separator: n_given counts BOS), then the
+    keyword positions (storyline constraints, left to right), then the rest: uniformly random
+    (mode 'random', the paper's training orders) or left to right (mode 'l2r', InsNet-l2r)."""
+    given = [0, length - 1, *range(1, n_given), *sorted(keyword_pos)]
+    rest = sorted(set(range(length)) - set(given))
+    if mode == "random":
+        rest = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
+    elif mode != "l2r":
+        raise ValueError(f"unknown insertion order '{mode}' (random or l2r)")
+    return torch.tensor(given + rest, dtype=torch.long)
+
+
+def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device="cpu"):
+    """A training / scoring batch: seqs, list of 1-D token lists (BOS .. EOS in final order);
+    n_given[b]: BOS + the given prefix (title + separator: 1 when there is none); keyword_pos[b]:
+    positions given as keywords.  -> dict for InsertionModel.sequence_log_probs."""
+    B, n = len(seqs), max(len(s) for s in seqs)
+    tokens = torch.zeros(B, n, dtype=torch.long)
+    order = torch.arange(n).repeat(B, 1)  # padded steps keep order values >= the length
+    given = torch.zeros(B, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = torch.as_tensor(s)
+        order[b, :len(s)] = insertion_order(len(s), n_given[b], keyword_pos[b], mode, generator)
+        given[b] = 1 + n_given[b] + len(keyword_pos[b])  # BOS, EOS, prefix, keywords
+    lengths = torch.tensor([len(s) for s in seqs])
+    slot_start = torch.tensor([g - 1 for g in n_given])  # the gap right after the prefix
+    batch = dict(tokens=tokens, order=order, lengths=lengths, n_given=given, slot_start=slot_start)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
+    """A batch of encoded stories.  An insertion model's: one insertion order per sequence
+    (collate_insertions); the L2R baseline's: right-padded inputs and targets, its loss on the
+    tokens after the given prefix (EOS included).  n: the predicted events (tokens; insertions and
+    the termination), n_inputs: the tokens read, both host ints."""
+    toks = [s["tokens"] for s in seqs]
+    if insertion:
+        batch = collate_insertions(toks, [s["n_given"] for s in seqs],
+                                   [s["keyword_pos"] for s in seqs], order, generator, device)
+        given = sum(1 + s["n_given"] + len(s["keyword_pos"]) for s in seqs)  # BOS EOS prefix kws
+        return dict(batch, n=sum(map(len, toks)) - given + len(seqs), n_inputs=sum(map(len, toks)))
+    tokens = torch.zeros(len(toks), max(map(len, toks)), dtype=torch.long)
+    for b, t in enumerate(toks):
+        tokens[b, :len(t)] = torch.as_tensor(t)
+    lengths, given = torch.tensor([len(t) for t in toks]), torch.tensor([s["n_given"] for s in seqs])
+    pos = torch.arange(tokens.size(1) - 1)
+    mask = (pos >= (given - 1).unsqueeze(1)) & (pos < (lengths - 1).unsqueeze(1))
+    tokens, mask = tokens.to(device), mask.to(device)
+    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], t=None, mask=mask, n_inputs=sum(
+        map(len, toks)), n=sum(len(t) - s["n_given"] for t, s in zip(toks, seqs)))

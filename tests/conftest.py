@@ -55,7 +55,7 @@ def steps(first, shape):
 @pytest.fixture(scope="session")
 def wikitext2():
     from data.loader import load
-    return load("wikitext2", verbose=False)
+    return load("wikitext2", verbose=False)[:2]
 
 
 class RecomputeStepper:
@@ -86,15 +86,25 @@ class RecomputeStepper:
         self.n_prompt = self.n_prompt[index]
 
 
-def run_in_process(main, argv, capsys):
-    """The CLI's error path without a new interpreter: -> (exit status, stderr).  Any exception
-    other than the CLI's own one-line errors propagates and fails the test."""
-    from cli import run_cli
+def run_cli(main, argv=None):
+    """A command's exit status as the shell sees it (train.run), without a new interpreter."""
+    from train import run
     try:
-        rc = run_cli(main, argv)
-    except SystemExit as e:  # argparse errors (CLIParser.error)
-        rc = e.code
-    return rc, capsys.readouterr().err
+        run(lambda: main(argv))
+    except SystemExit as e:
+        return e.code or 0
+    raise AssertionError("train.run returned without exiting")
+
+
+def run_in_process(main, argv, capsys):
+    """A command's error path without a new interpreter: -> (exit status, stderr).  Any exception
+    other than the commands' one-line errors propagates and fails the test."""
+    from train import run
+    try:
+        run(lambda: main(argv))
+    except SystemExit as e:  # (run always exits; argparse's errors too)
+        return e.code, capsys.readouterr().err
+    raise AssertionError("train.run returned without exiting")
 
 
 def assert_one_line_error(rc, stderr, pattern):

@@ -9,12 +9,10 @@ import torch
 
 import evaluate
 import train
-from cli import run_cli
 from conftest import assert_one_line_error, run_in_process
 from data.loader import batchify, bptt_windows
 from heads import Head, contextual_temperature, ct_log_probs, loss_scale, mos_log_probs, softmax_log_probs
 from model import LanguageModel
-from tasks import detach, stream_perplexity
 
 torch.manual_seed(0)
 
@@ -96,24 +94,25 @@ def test_batchify_and_bptt_cover_every_token_once():
 
 
 def test_hidden_state_detached_between_windows():
-    cfg = dict(model="lstm", head="ctmos", epsilon=1e-5, ct_alpha=1.0, ct_beta=0.5, vocab_size=30, eos_id=0, n_layer=2, d_model=8, dropout=0.0,
-               tie=True, n_experts=2, ct_rank=0)
+    cfg = dict(model="lstm", head="ctmos", epsilon=1e-5, ct_alpha=1.0, ct_beta=0.5, vocab_size=30, eos_id=0, n_layer=2,
+               d_model=8, dropout=0.0, tie=True, n_experts=2, ct_rank=0)
     lm = LanguageModel(cfg)
     data = torch.randint(0, 30, (3, 21))
-    lp1, state = lm.stream_log_probs(data[:, :10], data[:, 1:11])
+    lp1, state = lm(data[:, :10], targets=data[:, 1:11])
     lp1.sum().backward()
-    lp2, _ = lm.stream_log_probs(data[:, 10:20], data[:, 11:21], detach(state))
+    lp2, _ = lm(data[:, 10:20], state=train.to(state, "cpu", detach=True), targets=data[:, 11:21])
     lp2.sum().backward()  # fine: no path into the first window's (freed) graph
-    assert all(s.grad_fn is None for s in detach(state))
-    lp3, _ = lm.stream_log_probs(data[:, 10:20], data[:, 11:21], state)
+    assert all(s.grad_fn is None for s in train.to(state, "cpu", detach=True))
+    lp3, _ = lm(data[:, 10:20], state=state, targets=data[:, 11:21])
     with pytest.raises(RuntimeError):
         lp3.sum().backward()  # without detaching, backward runs into the first window
-    # evaluation carries the state across all windows: without autograd (else one graph grows
+    # evaluation carries the state across all windows, without autograd (else one graph grows
     # over the whole split)
-    grad = []
-    read = lm.stream_log_probs
-    lm.stream_log_probs = lambda *a: grad.append(torch.is_grad_enabled()) or read(*a)
-    assert stream_perplexity(lm, data, 5)["tokens"] == 3 * 20 and grad == [False] * 4
+    grad, read = [], lm.forward
+    lm.forward = lambda *a, **k: grad.append(torch.is_grad_enabled()) or read(*a, **k)
+    args = train.argparse.Namespace(task="stream", bptt=5, eval_seqs=0)
+    stream = torch.randint(0, 30, (200,))  # 10 columns of 20 tokens: 19 targets each, in 4 windows
+    assert train.evaluate(args, lm, dict(streams=dict(valid=stream)))["tokens"] == 10 * 19 and grad == [False] * 4
 
 
 @pytest.mark.slow
@@ -125,37 +124,36 @@ def test_stream_training_on_real_ptb(head, tmp_path, capsys):
             "--lr", "5e-3", "--n_experts", "2", "--ct_rank", "8", "--no_curves", "--out_dir", str(out)]
     if head != "mos":
         args += ["--loss_scaling"]
-    assert train.main(args + ["--ar", "1", "--tar", "1", "--locked_dropout"]) == 0
+    train.main(args + ["--ar", "1", "--tar", "1", "--locked_dropout"])
     log = [json.loads(x) for x in open(out / "log.jsonl")]
     assert log[1]["val_loss"] < log[0]["val_loss"] and log[1]["train_loss"] < log[0]["train_loss"]
     res = tmp_path / "res.json"
-    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--out", str(res)]) == 0
+    evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--out", str(res)])
     r = json.loads(res.read_text())
     assert r["task"] == "stream" and r["tokens"] == 73_760 // 10 * 10 - 10  # the batchified valid targets
     assert os.path.exists(out / "ckpt_last.pt")
     capsys.readouterr()
     for flags, msg in ((["--decoder", "greedy"], "contexts of sequence-completion data"),
-                       (["--tau_report"], "needs a contextual-temperature head")):
+                       (["--tau_report"], "a ct / ctmos head")):
         if head == "mos" or "--decoder" in flags:
-            assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_best.pt"), *flags]) == 2
-            std = capsys.readouterr()
-            assert std.out == "" and msg in std.err  # refused before the perplexity pass
+            rc, err = run_in_process(evaluate.main, ["--ckpt", str(out / "ckpt_best.pt"), *flags], capsys)
+            assert rc == 2 and msg in err
     if head != "mos":
         rep_path = tmp_path / "tau.json"
-        assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--out",
-                              str(rep_path), "--plot", str(tmp_path / "figs")]) == 0
+        evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--out",
+                       str(rep_path), "--plot", str(tmp_path / "figs")])
         assert (tmp_path / "figs" / "tau_by_position.png").stat().st_size > 10_000
         rep = json.loads(rep_path.read_text())["tau_report"]
         assert rep["sentences"] > 500 and len(rep["position_mean"]) == 15
         assert all(2.0 <= m <= 4.0 for m in rep["position_mean"])  # (alpha/beta, (1+alpha)/beta) = (2, 4)
         assert rep["highest"][0][1] >= rep["lowest"][0][1]
-        assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--limit", "400",
-                              "--out", str(rep_path)]) == 0  # --limit: the first 400 tokens of each column
+        evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report", "--limit", "400",
+                       "--out", str(rep_path)])  # --limit: the first 400 tokens of each column
         assert 0 < json.loads(rep_path.read_text())["tau_report"]["sentences"] < rep["sentences"] / 10
-        capsys.readouterr()
-        assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_best.pt"), "--tau_report", "--limit", "15"]) == 2
-        std = capsys.readouterr()  # 15 words a column hold no 16-24-word sentence
-        assert std.out == "" and "no sentence of 16-24 words" in std.err  # refused before the perplexity
+        capsys.readouterr()  # 15 words a column hold no 16-24-word sentence
+        rc, err = run_in_process(evaluate.main, ["--ckpt", str(out / "ckpt_best.pt"), "--no_ppl", "--tau_report",
+                                                 "--limit", "15"], capsys)
+        assert rc == 2 and "no sentence of 16-24 words" in err
 
 
 @pytest.mark.slow
@@ -163,22 +161,20 @@ def test_the_temperature_report_is_word_level(tmp_path, capsys):
     """CT paper Fig. 1 / Tables 5-6 count words: a char-level checkpoint is refused (it printed
     16-24 characters as '16-24 words')."""
     out = tmp_path / "char"
-    assert train.main(["--model", "lstm", "--head", "ct", "--task", "stream", "--dataset", "ptb", "--vocab",
-                       "char", "--d_model", "8", "--max_iters", "1", "--bptt", "10", "--out_dir", str(out)]) == 0
+    train.main(["--model", "lstm", "--head", "ct", "--task", "stream", "--dataset", "ptb", "--vocab",
+                "char", "--d_model", "8", "--max_iters", "1", "--bptt", "10", "--out_dir", str(out)])
     capsys.readouterr()
     rc, err = run_in_process(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--tau_report"], capsys)
-    assert_one_line_error(rc, err, "word-level analysis (sentences of 16-24 words): this checkpoint reads char")
+    assert_one_line_error(rc, err, "word-level analysis")
 
 
 @pytest.mark.parametrize("args,msg", [
     (["--task", "stream", "--head", "nmst", "--model", "lstm"], "use it with --task completion"),
-    (["--task", "stream", "--model", "gpt"], "use --model rnn or lstm"),
+    (["--task", "stream", "--model", "gpt"], "--task stream is for --model rnn or lstm"),
     (["--head", "softmax", "--loss_scaling", "--model", "lstm"], "use --head ct or ctmos"),
     (["--head", "ct", "--temperature", "2", "--model", "lstm"], "constant --temperature"),
 ])
 def test_bad_flag_combinations(args, msg, tmp_path, capsys):
-    import train
-    from conftest import assert_one_line_error, run_in_process
     rc, err = run_in_process(train.main, [*args, "--dataset", "ptb", "--out_dir", str(tmp_path / "o"), "--max_iters",
                                           "1"], capsys)
     assert_one_line_error(rc, err, msg)
@@ -201,11 +197,7 @@ def test_activation_regularisation_and_locked_dropout():
     assert not (lm.backbone.drop(x) == 0).eq((lm.backbone.drop(x) == 0)[:, :1]).all()  # plain dropout varies
 
 
-def test_tau_by_position_takes_first_middle_last_five_of_16_to_24_word_sentences():
-    from cli import UserError
-    data = torch.tensor([[5, 0, *range(1, 21), 0, 7, 8, 0, *range(1, 10)]])  # cut, 20 words, 2 words, cut
-    tau_next = torch.arange(data.size(1) - 1, dtype=torch.float64).unsqueeze(0)  # tau of target j: j
-    rows = evaluate.normalised_sentences(evaluate.sentence_spans(data, eos_id=0), tau_next)
-    assert rows.tolist() == [[1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 16, 17, 18, 19, 20]]
-    with pytest.raises(UserError, match="no sentence of 16-24 words"):
-        evaluate.sentence_spans(data[:, 20:], eos_id=0)
+def test_tau_by_position_takes_the_16_to_24_word_sentences():
+    column = [0, *range(1, 21), 0, 7, 8, 0, *range(1, 10)]  # a cut one, 20 words, 2 words, a cut one
+    assert evaluate.sentences(column, eos_id=0) == [(1, 21)]  # the 20 next words after the first eos
+    assert evaluate.sentences(column[20:], eos_id=0) == []

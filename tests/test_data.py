@@ -1,5 +1,5 @@
 """data/: real WikiText-2 / WikiText-103 / PTB counts, the completion protocol, sources and
-checksums, downloads (file:// URL), zip-slip, and length-bucketed batching."""
+checksums, downloads (file:// URL), and length-bucketed batching."""
 import hashlib
 import os
 import zipfile
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sample
+from data import UserError
 from data import prepare as P
 from data.loader import batches, collate, load
 
@@ -20,7 +21,7 @@ PTB = dict(train=(36_011, 881_325), valid=(2_863, 69_610), test=(3_165, 77_793))
 
 def test_wikitext2_counts_vocab_and_protocol(wikitext2):
     meta, splits = wikitext2
-    assert meta["vocab_size"] == 33_278 and meta["eos_id"] == 0 and meta["context_len"] == 10
+    assert meta["vocab_size"] == 33_278 and meta["eos_id"] == 0
     for s, (n_seq, n_tok) in WT2.items():
         assert (meta["counts"][s]["sequences"], meta["counts"][s]["tokens"]) == (n_seq, n_tok)
         assert len(splits[s]) == n_seq and splits[s].lengths.sum() == n_tok
@@ -34,11 +35,9 @@ def test_wikitext2_counts_vocab_and_protocol(wikitext2):
 def test_wikitext2_sequences_are_the_lines(wikitext2):
     """Sequence i is the i-th non-empty train line with > 10 words, word for word."""
     meta, splits = wikitext2
-    folder = os.path.dirname(splits["train"].tokens.filename)
-    vocab = open(os.path.join(folder, "vocab.txt"), encoding="utf-8").read().split("\n")[:-1]
+    vocab = meta["vocab"]["tokens"]
     assert len(vocab) == meta["vocab_size"] and "<unk>" in vocab and vocab[0] == "<eos>"
-    src = P.locate("wikitext2")
-    with P.open_split(src, "wikitext2", "valid") as f:
+    with P.find_source("wikitext2")["read"]("valid") as f:
         lines = [ln.split() for ln in f if len(ln.split()) > 10]
     va = splits["valid"]
     assert len(lines) == len(va)
@@ -49,42 +48,39 @@ def test_wikitext2_sequences_are_the_lines(wikitext2):
 
 def test_stream_counts_are_the_usual_corpus_sizes(wikitext2):
     """--task stream: every line + eos, as in the CT / AWD-LSTM setups (PTB 929k train tokens)."""
-    from data.loader import load_stream
     for dataset, expected in (("ptb", (929_589, 73_760, 82_430)), ("wikitext2", (2_088_628, 217_646, 245_569))):
-        meta, splits = load(dataset, verbose=False)
-        folder = os.path.dirname(splits["train"].tokens.filename)
-        assert tuple(len(load_stream(folder, s)) for s in ("train", "valid", "test")) == expected
+        meta, splits, streams = load(dataset, verbose=False)
+        assert tuple(len(streams[s]) for s in ("train", "valid", "test")) == expected
         assert tuple(meta["counts"][s]["stream_tokens"] for s in ("train", "valid", "test")) == expected
 
 
 def test_ptb_counts(capsys, monkeypatch):
-    meta, splits = load("ptb", verbose=False)
+    meta, splits, _ = load("ptb", verbose=False)
     assert meta["vocab_size"] == 10_000
     for s, (n_seq, n_tok) in PTB.items():
         assert (len(splits[s]), int(splits[s].lengths.sum())) == (n_seq, n_tok)
-    assert P.main(["--dataset", "ptb"]) == 0  # prepared already: the counts are printed anyway
+    P.main(["--dataset", "ptb"])  # prepared already: the counts are printed anyway
     assert f"{PTB['train'][0]:,}" in capsys.readouterr().err
     # prepared once, the official files are not read again without a data folder (offline, or
     # trained from a local copy): no download (it fetched them, or failed offline)
     monkeypatch.delenv("NANOGEN_DATA", raising=False)
-    monkeypatch.setattr(P, "_fetch", lambda *a: pytest.fail("the raw files were fetched again"))
-    assert P.prepare("ptb", verbose=False) == splits["train"].folder
+    monkeypatch.setattr(P, "fetch", lambda *a: pytest.fail("the raw files were fetched again"))
+    folder = P.prepare("ptb", verbose=False)
+    assert np.array_equal(np.fromfile(os.path.join(folder, "train.idx"), dtype=np.int64), splits["train"].offsets)
 
 
 @pytest.mark.slow
 def test_wikitext103_bpe(tmp_path):
-    meta, splits = load("wikitext103", verbose=False)
+    meta, splits, _ = load("wikitext103", verbose=False)
     assert meta["tokenizer"] == "gpt2" and meta["eos_id"] == 50256 and meta["vocab_size"] == 50257
-    enc = P.gpt2_encoding()
-    src = P.locate("wikitext103")
-    with P.open_split(src, "wikitext103", "valid") as f:
+    enc, src = P.BPE().enc, P.find_source("wikitext103")
+    with src["read"]("valid") as f:
         first = next(ln for ln in f if len(enc.encode_ordinary(ln.strip())) > 10)
     va = splits["valid"]
     assert enc.decode(list(va[0][:-1])) == first.strip() and va[0][-1] == 50256
     assert va.lengths.max() <= 1024 and va.lengths.min() >= 12
     assert meta["counts"]["valid"]["sequences"] == len(va)
-    if not meta["source"]["official"]:  # the shared subset: its checksum is recorded
-        assert meta["source"]["sha256"] == P.sha256_file(meta["source"]["path"])
+    assert meta["source"] == src["sha256"]  # (the shared subset: its own checksum is recorded)
 
 
 def _zip(path, members):
@@ -101,7 +97,7 @@ def test_checksum_mismatch_clear_error_no_partial_files(tmp_path, monkeypatch):
     bad = tmp_path / "data"
     bad.mkdir()
     _zip(bad / "wikitext-2-v1.zip", {f"wikitext-2/wiki.{s}.tokens": LINE for s in P.SPLITS})
-    with pytest.raises(P.DataError, match="checksum mismatch.*wikitext-2-v1.zip"):
+    with pytest.raises(UserError, match="checksum mismatch.*wikitext-2-v1.zip"):
         P.prepare("wikitext2", str(bad), verbose=False)
     prepared = tmp_path / "cache" / "prepared"
     assert not prepared.exists() or not any(prepared.iterdir())
@@ -115,26 +111,15 @@ def test_local_folder_and_unofficial_zip_accepted(tmp_path, monkeypatch):
         (d / "wikitext-2" / f"wiki.{s}.tokens").write_text(" \n" + LINE + " short line \n" + LINE)
     folder = P.prepare("wikitext2", str(d), verbose=False)
     meta = P.load_meta(folder)
-    assert meta["source"]["official"] is False and meta["source"]["kind"] == "dir"
+    assert not P.find_source("wikitext2", str(d))["official"]
     assert meta["counts"]["train"] == dict(lines=4, empty=1, dropped_short=1, dropped_long=0, sequences=2,
                                            tokens=30, stream_tokens=34, oov_to_unk=0)
     z = tmp_path / "z"
     z.mkdir()
     _zip(z / "my-copy.zip", {f"wikitext-2/wiki.{s}.tokens": LINE for s in P.SPLITS})
-    src = P.locate("wikitext2", str(z))
-    assert src["kind"] == "zip" and not src["official"] and src["sha256"] == P.sha256_file(z / "my-copy.zip")
-
-
-def test_zip_slip_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
-    d = tmp_path / "d"
-    d.mkdir()
-    members = {f"wikitext-2/wiki.{s}.tokens": LINE for s in P.SPLITS}
-    members["../../evil.sh"] = "rm -rf /"
-    _zip(d / "copy.zip", members)
-    with pytest.raises(P.DataError, match="zip-slip"):
-        P.prepare("wikitext2", str(d), verbose=False)
-    assert not (tmp_path / "evil.sh").exists()
+    src = P.find_source("wikitext2", str(z))
+    assert src["path"] == str(z / "my-copy.zip") and not src["official"]
+    assert src["sha256"] == P.sha256_file(z / "my-copy.zip")
 
 
 def test_download_from_file_url_verifies_sha256(tmp_path):
@@ -145,7 +130,7 @@ def test_download_from_file_url_verifies_sha256(tmp_path):
     P.download(src.as_uri(), str(dest), sha)
     assert dest.read_bytes() == src.read_bytes()
     dest2 = tmp_path / "dl" / "bad.bin"
-    with pytest.raises(P.DataError, match="checksum mismatch"):
+    with pytest.raises(UserError, match="checksum mismatch"):
         P.download(src.as_uri(), str(dest2), "0" * 64)
     assert sorted(os.listdir(tmp_path / "dl")) == ["out.bin"]  # no partial file left
 
@@ -153,16 +138,17 @@ def test_download_from_file_url_verifies_sha256(tmp_path):
 def test_download_unreachable_and_offline_messages(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("NANOGEN_DATA", raising=False)
-    with pytest.raises(P.DataError, match="could not download.*--data_dir"):
+    with pytest.raises(UserError, match="could not download.*--data_dir"):
         P.download("http://127.0.0.1:9/wikitext-2-v1.zip", str(tmp_path / "x.zip"), "0" * 64)
     monkeypatch.setenv("NANOGEN_OFFLINE", "1")
-    with pytest.raises(P.DataError, match="NANOGEN_OFFLINE.*--data_dir"):
+    with pytest.raises(UserError, match="NANOGEN_OFFLINE.*--data_dir"):
         P.prepare("wikitext2", verbose=False)
 
 
-def test_unknown_dataset():
-    with pytest.raises(P.DataError, match="unknown dataset"):
-        P.prepare("imagenet")
+def test_unknown_dataset(capsys):
+    with pytest.raises(SystemExit):
+        P.main(["--dataset", "imagenet"])
+    assert "invalid choice: 'imagenet'" in capsys.readouterr().err
 
 
 def test_batches_cover_everything_once_and_respect_limits():
@@ -212,7 +198,7 @@ def test_a_prompt_of_ten_words_is_encoded_as_a_training_context(kind):
     line = "the cat sat on the mat and then it ran far away"  # 12 words: 10 context + 2
     tok = P.Vocabulary.build(kind, [line])
     ids, ctx = next(tok.encode([line]))
-    assert sample.encode_prompt(tok, " ".join(line.split()[:10]), False) == ids[:ctx]
+    assert sample.encode(tok, " ".join(line.split()[:10]), False) == ids[:ctx]
 
 
 @pytest.mark.slow
@@ -221,11 +207,11 @@ def test_char_vocabulary_round_trip_and_protocol(dataset):
     """--vocab char (the survey's section 2.1): decode(encode(text)) == text for every line of
     the split, the same sequences as at word level (lines of > 10 words), eos at the end, and a
     context of the first 10 words and the space after them."""
-    meta, splits = load(dataset, vocab="char", verbose=False)
-    word_meta, _ = load(dataset, verbose=False)
-    tok = P.tokenizer_of(splits["valid"].folder)
+    meta, splits, _ = load(dataset, vocab="char", verbose=False)
+    word_meta = load(dataset, verbose=False)[0]
+    tok = P.tokenizer(meta["vocab"])
     assert meta["tokenizer"] == "char" and meta["vocab_size"] < 300 and tok.tokens[:2] == ["<eos>", "<unk>"]
-    with P.open_split(P.locate(dataset), dataset, "valid") as f:
+    with P.find_source(dataset)["read"]("valid") as f:
         lines = [ln for ln in f if ln.strip()]
     for line in lines:
         ids, ctx = next(tok.encode([line]))
@@ -248,15 +234,15 @@ def test_a_preparation_finished_meanwhile_by_another_process_is_kept(tmp_path, m
     (d / "wikitext-2").mkdir(parents=True)
     for s in P.SPLITS:
         (d / "wikitext-2" / f"wiki.{s}.tokens").write_text(LINE + "\n" + LINE)
-    build, theirs = P._build, {}
+    build, theirs = P.build, {}
 
     def build_while_another_finishes(*a):
         meta = build(*a)
-        monkeypatch.setattr(P, "_build", build)
+        monkeypatch.setattr(P, "build", build)
         theirs["folder"] = P.prepare("wikitext2", str(d), verbose=False)  # the other process
         theirs["inode"] = os.stat(os.path.join(theirs["folder"], "meta.json")).st_ino
         return meta
-    monkeypatch.setattr(P, "_build", build_while_another_finishes)
+    monkeypatch.setattr(P, "build", build_while_another_finishes)
     folder = P.prepare("wikitext2", str(d), verbose=False)
     assert folder == theirs["folder"] and os.stat(os.path.join(folder, "meta.json")).st_ino == theirs["inode"]
     assert sorted(os.listdir(os.path.dirname(folder))) == [os.path.basename(folder)]  # no temporary left

@@ -10,7 +10,7 @@ from decode import (decode, decode_in_batches, decode_stats, eos_probs, filter_l
                     nucleus_mask, topk_mask)
 from heads import nmst_log_probs, softmax_log_probs
 from model import MODELS, LanguageModel
-from cli import UserError
+from data import UserError
 from conftest import RecomputeStepper, steps
 
 EOS = 2

@@ -11,13 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import cli
 import decode
-import fast
-import runs
-import tasks
 import train
-from conftest import DEVICES, steps
+from conftest import DEVICES, run_cli, steps
+from data.loader import collate
 from heads import nmst_log_probs
 from model import MODELS, LanguageModel
 
@@ -34,7 +31,7 @@ REAL_GPU = torch.cuda.is_available()  # asked before any test fakes one
 
 @pytest.fixture
 def device_flags():
-    """The process-wide switches cli.setup_device sets (TF32, cuDNN attention), restored after."""
+    """The process-wide switches train.get_device sets (TF32, cuDNN attention), restored after."""
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
     yield
@@ -62,26 +59,21 @@ def test_default_run_on_one_gpu_reaches_the_first_kernel(one_fake_gpu, device, t
     a one-line user error)."""
     argv = ["--model", "lstm", *TINY, "--device", device, "--out_dir", str(tmp_path / "run")]
     if REAL_GPU:  # a CUDA build on a GPU machine: past the first kernel, the run trains to its end
-        assert cli.run_cli(train.main, argv) == 0
+        assert run_cli(train.main, argv) == 0
     else:
         with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
-            cli.run_cli(train.main, argv)
+            run_cli(train.main, argv)
     assert one_fake_gpu == [0]
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     assert not torch.backends.cuda.cudnn_sdp_enabled()
-    assert cli.resolve_device(device) == "cuda:0"
+    assert train.get_device(device) == "cuda:0"
 
 
-def test_a_missing_gpu_index_is_a_user_error(one_fake_gpu):
-    with pytest.raises(cli.UserError, match="1 CUDA device"):
-        cli.resolve_device("cuda:1")
-
-
-def test_mps_is_refused_in_one_line():
-    """Metal has no float64 (torch raises a TypeError for a float64 MPS tensor), and nanogen sums
-    each step's loss and the decoders' scores in float64 on the device: refused up front."""
-    with pytest.raises(cli.UserError, match="--device mps is not supported.*float64.*--device cpu"):
-        cli.resolve_device("mps")
+def test_a_missing_gpu_or_an_unknown_device_is_a_user_error(one_fake_gpu):
+    with pytest.raises(train.UserError, match="1 CUDA device"):
+        train.get_device("cuda:1")
+    with pytest.raises(train.UserError, match="--device mps: unknown device"):  # (MPS has no float64)
+        train.get_device("mps")
 
 
 @pytest.mark.slow
@@ -99,16 +91,11 @@ def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):
         bench.main(["gpu"])
     assert one_fake_gpu == [0] and capsys.readouterr().out.startswith("NVIDIA H100 80GB HBM3, torch")
     assert [(c["n_layer"], c["d_model"], c["vocab_size"]) for c in built] == [(12, 768, 50257)]
-    monkeypatch.delenv("CC", raising=False)  # its step is compiled: no C compiler, one line first
-    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
-    with pytest.raises(cli.UserError, match="C compiler for Triton"):
-        bench.main(["gpu"])
-    assert len(built) == 1
 
 
 def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
     """auto: bfloat16 only where the GPU runs it natively (no emulation), else float32;
-    float16 is honoured (train.py then scales the loss with a GradScaler); train.py says which."""
+    float16 is honoured (train.py then scales the loss with a GradScaler)."""
     seen = []
 
     def native(including_emulation=True):
@@ -116,26 +103,24 @@ def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
         return native.answer
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", native)
     native.answer = True
-    assert cli.autocast_dtype("cuda:0", "auto") == torch.bfloat16
+    assert train.autocast("cuda:0", "auto").fast_dtype == torch.bfloat16
     native.answer = False
-    assert cli.autocast_dtype("cuda:0", "auto") is None
-    assert "no native bfloat16; --dtype float16" in train.precision("cuda:0", "auto")  # (T4, V100)
-    assert seen == [False, False, False]
-    assert cli.autocast_dtype("cuda:0", "float16") == torch.float16
-    assert cli.autocast_dtype("cpu", "bfloat16") is None
+    assert not hasattr(train.autocast("cuda:0", "auto"), "fast_dtype")  # float32 (T4, V100)
+    assert seen == [False, False]
+    assert train.autocast("cuda:0", "float16").fast_dtype == torch.float16
+    assert not hasattr(train.autocast("cpu", "bfloat16"), "fast_dtype")
 
 
 @pytest.mark.slow
 def test_float16_trains_with_a_grad_scaler(monkeypatch, tmp_path, capsys):
     """With float16 autocast (emulated here on the CPU) the loop scales the loss, unscales
     before clipping and steps through the scaler; the checkpoint keeps the scaler's state."""
-    monkeypatch.setattr(cli, "autocast_dtype", lambda device, dtype: torch.float16)
+    monkeypatch.setattr(train, "autocast", lambda device, dtype: torch.autocast("cpu", dtype=torch.float16))
     out = tmp_path / "fp16"
-    assert train.main(["--model", "gpt", *TINY, "--device", "cpu", "--dropout", "0",
-                       "--out_dir", str(out), "--max_iters", "6", "--eval_interval", "3"]) == 0
+    train.main(["--model", "gpt", *TINY, "--device", "cpu", "--dropout", "0",
+                "--out_dir", str(out), "--max_iters", "6", "--eval_interval", "3"])
     assert "device cpu, float16 autocast" in capsys.readouterr().out  # the precision is said
-    from checkpoint import load
-    ckpt = load(str(out / "ckpt_last.pt"))
+    ckpt = train.load_checkpoint(str(out / "ckpt_last.pt"))
     assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0
     import json
     logs = [json.loads(line) for line in open(out / "log.jsonl")]
@@ -162,11 +147,9 @@ class ReadCounter(TorchDispatchMode):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "lstm"])
 def test_at_most_one_read_per_training_step(model, monkeypatch, tmp_path):
-    """Outside the CPU fast paths (which are CPU-only by design), a training step reads no
-    tensor back: the losses are read every --log_interval steps; evaluation and checkpoint
-    writing, which may read, are not counted.  Goal: <= 1 read per optimizer step."""
-    monkeypatch.setattr(fast, "FUSED_OUTPUT_LAYER", False)
-    monkeypatch.setattr(fast, "FEW_ROW_PROJECTION", False)
+    """A training step reads no tensor back: the losses are read every --log_interval steps;
+    evaluation and checkpoint writing, which may read, are not counted.  Goal: <= 1 read per
+    optimizer step."""
     counter = ReadCounter()
     tolist = torch.Tensor.tolist
 
@@ -174,13 +157,11 @@ def test_at_most_one_read_per_training_step(model, monkeypatch, tmp_path):
         counter.reads += not counter.paused
         return tolist(t)
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-    for name in ("validate", "check_data_fits"):
+    for name in ("validate", "check_fits", "save"):
         monkeypatch.setattr(train, name, paused(counter, getattr(train, name)))
-    monkeypatch.setattr(runs.Run, "save", paused(counter, runs.Run.save))
-    monkeypatch.setattr(runs.Run, "restore", paused(counter, runs.Run.restore))
     with counter:
-        assert train.main(["--model", model, *TINY, "--device", "cpu", "--out_dir",
-                           str(tmp_path / model)]) == 0
+        train.main(["--model", model, *TINY, "--device", "cpu", "--out_dir",
+                           str(tmp_path / model)])
     assert counter.reads / 20 <= 1, counter.reads
 
 
@@ -223,20 +204,19 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
         return sdpa(*a, attn_mask=attn_mask, is_causal=is_causal, **k)
     monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
     _, splits = wikitext2
-    task = tasks.CompletionTask(splits, batch_size=4, seed=0)
     torch.manual_seed(0)
     lm = LanguageModel(dict(model="gpt", head="st", epsilon=1e-3, vocab_size=33278, eos_id=0, n_layer=1,
                             d_model=16, n_head=2, block_size=512, dropout=0.0, tie=True, bias=True))
     index = [3, 10, 57, 99]
-    batch = task.batch(index, "cpu")
+    batch = dict(collate(splits["valid"], index), n=1)
     assert int(batch["lengths"].min()) < int(batch["lengths"].max())  # really padded
-    log_p, mask, n = task.scores(lm, batch)
-    (-log_p[mask].sum() / n).backward()
-    task.evaluate(lm, "cpu", limit=8)
+    log_p, mask, _ = train.score(lm, batch)
+    (-log_p[mask].sum()).backward()
+    args = train.argparse.Namespace(**dict(train.DEFAULTS, task="completion", batch_size=4, eval_seqs=8))
+    train.evaluate(args, lm, dict(splits))
     assert calls and all(calls_ == (True, True) for calls_ in calls)
-    log_p = task.loss_terms(lm, batch)
     for b, i in enumerate(index):
-        alone = task.loss_terms(lm, task.batch([i], "cpu"))
+        alone = train.score(lm, dict(collate(splits["valid"], [i]), n=1))[0]
         n = alone.size(1)
         torch.testing.assert_close(log_p[b, :n], alone[0], rtol=1e-6, atol=1e-5)  # float32 rounding
 
@@ -244,28 +224,6 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
 # ---------------------------------------------------------------------------------------------
 # torch.compile: no recompiles after warm-up
 # ---------------------------------------------------------------------------------------------
-def test_compile_without_a_cpp_compiler_is_refused_before_the_data(monkeypatch, tmp_path):
-    """--compile on a CPU machine without a C++ compiler (or a GPU machine without Triton's C
-    compiler): one line before anything is read (the data folder here does not exist), not a
-    traceback at the first step."""
-    from torch._inductor import config
-    monkeypatch.setattr(config.cpp, "cxx", (None, str(tmp_path / "no-g++")))
-    args = [*TINY, "--device", "cpu", "--compile", "--data_dir", str(tmp_path / "no-data"),
-            "--out_dir", str(tmp_path / "run")]
-    with pytest.raises(cli.UserError, match=r"--compile on the CPU needs a C\+\+ compiler"):
-        train.fit(args)
-    assert not (tmp_path / "run").exists()
-    monkeypatch.undo()
-    with pytest.raises(cli.UserError, match="ptb.train.txt not found"):  # a compiler: on to the data
-        train.fit(args)
-    monkeypatch.delenv("CC", raising=False)  # a GPU machine: Triton's launcher needs a C compiler
-    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
-    with pytest.raises(cli.UserError, match="--compile on a GPU needs a C compiler for Triton"):
-        cli.check_compiler("cuda:0")
-    monkeypatch.setenv("CC", "/usr/bin/cc")
-    cli.check_compiler("cuda:0")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", "gcnn", "lstm"])
 def test_compiled_models_stop_recompiling(model, wikitext2):
@@ -280,13 +238,14 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     lm = LanguageModel(cfg).train()
     counter = CompileCounter()
     train.compile_model(lm, backend=counter)
-    task = tasks.CompletionTask(splits, max_tokens=600, seed=0, train_seqs=400)
+    args = train.argparse.Namespace(**dict(train.DEFAULTS, task="completion", max_tokens=600, train_seqs=400,
+                                           model=model))
     shapes, counts = set(), []
-    for key in task.epoch(0)[:16]:
-        batch = task.batch(key, "cpu")
+    for key in train.epoch_batches(args, dict(splits), 0)[:16]:
+        batch = train.get_batch(args, dict(splits), key, "cpu")
         shapes.add(tuple(batch["inputs"].shape))
-        log_p, mask, n = task.scores(lm, batch)
-        (-log_p[mask].sum() / n).backward()
+        log_p, mask, _ = train.score(lm, batch)
+        (-log_p[mask].sum() / batch["n"]).backward()
         counts.append(counter.frame_count)
     assert len(shapes) >= 8
     per_compile = counts[0]
@@ -324,18 +283,18 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
         for B, T in ((6, 158), (3, 345), (5, 187)):
             x = torch.randint(0, 50256, (B, T), device="cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                log_p = lm(x, steps(-8, (B, T)).cuda(), targets=x)
+                log_p = lm(x, steps(-8, (B, T)).cuda(), targets=x)[0]
             log_p.float().sum().backward()
             frames.append(counters["frames"]["ok"])
         assert frames[1:] == frames[:1] * 2, frames
 
     @pytest.mark.cuda
     def test_training_attention_on_the_gpu_goes_to_flash_not_cudnn(device_flags):
-        """After cli.setup_device, a training step's attention (bfloat16, CausalSelfAttention's
+        """After train.get_device, a training step's attention (bfloat16, CausalSelfAttention's
         packed q / k / v, dropout 0.1, causal) goes to flash attention (on Ampere and newer), not
         to cuDNN's, which builds a plan for every new (B, T) (torch's first choice on an H100)."""
         from torch.nn.attention import SDPBackend
-        cli.setup_device("cuda:0")
+        train.get_device("cuda:0")
         B, T, H, hd = 3, 187, 12, 64
         x = torch.randn(B, T, 3 * H * hd, device="cuda", dtype=torch.bfloat16)
         q, k, v = (z.view(B, T, H, hd).transpose(1, 2) for z in x.split(H * hd, dim=2))
@@ -379,21 +338,12 @@ def test_recurrent_layers_run_float32_under_autocast():
 # ---------------------------------------------------------------------------------------------
 # where carried state and sampling live
 # ---------------------------------------------------------------------------------------------
-def test_resumed_stream_state_moves_to_the_batch_device():
-    """A checkpoint's hidden state is loaded on the CPU; the next window feeds it to the model on
-    the batch's device (here 'meta', standing in for a GPU)."""
-    seen = []
-
-    class Model:
-        def stream_log_probs(self, x, y, hidden):
-            seen.append({h.device.type for h in hidden})
-            return torch.zeros(y.shape, device=x.device), hidden
-    task = tasks.StreamTask.__new__(tasks.StreamTask)
-    task.loss_scale, task.ar, task.tar = 1.0, 0.0, 0.0
-    task.load_state(dict(hidden=(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))))
-    x = torch.zeros(2, 3, dtype=torch.long, device="meta")
-    task.scores(Model(), dict(x=x, y=x, start=70))
-    assert seen == [{"meta"}]
+def test_a_resumed_stream_state_moves_to_the_device():
+    """A checkpoint's hidden state is loaded on the CPU; the loop moves it to the model's device
+    (here 'meta', standing in for a GPU) and detaches it after each window."""
+    state = (torch.zeros(1, 2, 4, requires_grad=True) * 2, torch.zeros(1, 2, 4))
+    moved = train.to(state, "meta", detach=True)
+    assert [(s.device.type, s.grad_fn) for s in moved] == [("meta", None)] * 2 and train.to(None, "meta") is None
 
 
 def test_sampling_generator_lives_with_the_probabilities():
@@ -412,18 +362,19 @@ def test_sampling_generator_lives_with_the_probabilities():
 # ---------------------------------------------------------------------------------------------
 # MFU
 # ---------------------------------------------------------------------------------------------
-def test_peak_flops_of_h100_variants():
-    args = types.SimpleNamespace(peak_flops=None, dtype="bfloat16")
-    names = ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100 80GB HBM3", "NVIDIA L40S", "NVIDIA L40",
-             "NVIDIA L4")
-    assert [cli.peak_flops(args, "cuda:0", name) for name in names] == [756e12, 835e12, 989e12, 362e12, 181e12,
-                                                                        121e12]
-    float32 = types.SimpleNamespace(peak_flops=None, dtype="float32")
-    assert cli.peak_flops(float32, "cuda:0", "NVIDIA L4") == 60.5e12  # TF32: half
-    assert [cli.peak_flops(float32, "cuda:0", name) for name in ("Tesla T4", "Tesla V100-SXM2-16GB")] == \
-        [8.1e12, 15.7e12]  # no TF32: plain FP32
-    assert cli.peak_flops(types.SimpleNamespace(peak_flops=None, dtype="float16"), "cuda:0", "Tesla T4") == 65e12
-    assert cli.peak_flops(args, "cpu") is None
+def test_peak_flops_of_a_few_gpus(monkeypatch):
+    """MFU's peak: --peak_flops, else the bf16 dense peak of a few known GPUs (float32: half)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: monkeypatch.name)
+    args = types.SimpleNamespace(peak_flops=None, dtype="auto", task="stream", bptt=10)
+    lm = types.SimpleNamespace(flops_per_token=lambda length: 1e12)
+    for name, peak in (("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L4", 0)):
+        monkeypatch.name = name
+        assert train.mfu_per_token(args, lm, {}, "cuda:0") == (1e12 / peak if peak else 0.0)
+    monkeypatch.name = "NVIDIA A100-SXM4-80GB"
+    assert train.mfu_per_token(types.SimpleNamespace(**dict(vars(args), dtype="float32")), lm, {}, "cuda:0") == \
+        1e12 / 156e12  # TF32: half
+    assert train.mfu_per_token(args, lm, {}, "cpu") == 0.0  # (no peak known: no MFU column)
 
 
 def test_mos_flops_count_every_expert():
@@ -503,37 +454,16 @@ def test_a_resumed_run_on_the_device_equals_an_uninterrupted_one(device, tmp_pat
     assert len(logs[0]) == 2 and logs[0] == pytest.approx(logs[1], abs=1e-5)
 
 
-def test_mfu_counts_every_process_and_the_sequences_trained_on():
-    """MFU divides the global tokens/s by every process's peak, at the mean length of the
-    sequences actually trained on (--train_seqs), not of the whole split."""
-    lengths = {}
-
-    class LM:
-        def flops_per_token(self, length):
-            lengths["seen"] = length
-            return 1e9
-
-    class Task:
-        def mean_length(self):
-            return 42.0
-    args = types.SimpleNamespace(peak_flops=1e12, dtype="auto")
-    one = train.mfu_per_token(args, Task(), LM(), cli.Dist(0, 1, "cpu"))
-    two = train.mfu_per_token(args, Task(), LM(), cli.Dist(0, 2, "cpu"))
-    assert lengths["seen"] == 42.0 and one == pytest.approx(2 * two) == pytest.approx(1e-3)
-
-
-def test_the_mean_training_length_is_of_the_sequences_trained_on(wikitext2):
+def test_mfu_counts_the_sequences_trained_on(wikitext2):
+    """MFU divides tokens/s by the peak at the mean length of the sequences actually trained on
+    (--train_seqs; a GPT's window leaves out longer ones), not of the whole split."""
     _, splits = wikitext2
-    task = tasks.CompletionTask(splits, batch_size=4, train_seqs=10)
-    assert task.mean_length() == pytest.approx(float((splits["train"].lengths[:10] - 1).mean()))
-    assert task.note == ""
-    windowed = tasks.CompletionTask(splits, batch_size=4, max_len=40)  # a GPT's window
+    seen = []
+    lm = types.SimpleNamespace(flops_per_token=lambda length: seen.append(length) or 1e9)
+    args = types.SimpleNamespace(peak_flops=1e12, dtype="auto", task="completion", train_seqs=10,
+                                 model="lstm", block_size=40)
+    assert train.mfu_per_token(args, lm, dict(splits), "cpu") == pytest.approx(1e-3)
+    args.train_seqs, args.model = 0, "gpt"
+    train.mfu_per_token(args, lm, dict(splits), "cpu")
     inputs = splits["train"].lengths - 1
-    fits = inputs[inputs <= 40]  # an epoch trains on these alone (batches() leaves out the rest)
-    assert sum(len(b) for b in windowed.epoch(0)) == len(fits)
-    assert windowed.tokens_per_epoch() == fits.sum()
-    assert windowed.mean_length() == pytest.approx(float(fits.mean()))
-    assert windowed.note.startswith(f"{len(inputs) - len(fits):,} of {len(inputs):,} train and ")
-    res = dict(sequences=5, skipped=3, tokens=50, nll=1.0, ppl=2.7, eos_prob_at_end=0.5)
-    assert windowed.report(res, "valid").endswith("(3 longer sequences do not fit the model's "
-                                                  "40-token window: left out)")  # evaluate.py
+    assert seen == pytest.approx([float(inputs[:10].mean()), float(inputs[inputs <= 40].mean())])

@@ -1,6 +1,6 @@
 """Faults: kill -9 at random moments and inside a step / an evaluation / a checkpoint write,
-then --resume reproduces the uninterrupted run's per-step losses exactly; Ctrl-C; damaged
-checkpoints; non-finite loss; disk full; determinism."""
+then --resume reproduces the uninterrupted run's per-step losses exactly; Ctrl-C; non-finite
+loss; a full disk; determinism."""
 import json
 import os
 import random
@@ -13,11 +13,8 @@ import pytest
 import torch
 
 import train
-from checkpoint import CheckpointError
-from checkpoint import load as load_checkpoint
-from checkpoint import save as save_checkpoint
-from cli import run_cli
-from conftest import ROOT
+from conftest import ROOT, run_cli
+from train import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 
@@ -35,7 +32,7 @@ def losses(out_dir):
 
 def start(out_dir, kill=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", NANOGEN_TEST_WORKER=f"kill={kill}" if kill else "")
-    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "steps.jsonl")) else []
+    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt_last.pt")) else []
     return subprocess.Popen([sys.executable, WORKER, *ARGS, "--out_dir", str(out_dir), "--log_interval", "1",
                              *resume], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -74,7 +71,7 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(reference, tmp_path)
     assert losses(out) == reference  # same data order, dropout, optimizer, schedule: bit for bit
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]  # stale temporary files cleaned up
     best, last = load_checkpoint(str(out / "ckpt_best.pt")), load_checkpoint(str(out / "ckpt_last.pt"))
-    assert last["train_state"]["step"] == 16 and best["train_state"]["best_val"] == last["train_state"]["best_val"]
+    assert last["state"]["step"] == 16 and best["state"]["best_val"] == last["state"]["best_val"]
 
 
 def test_ctrl_c_writes_a_resumable_checkpoint(reference, tmp_path):
@@ -87,49 +84,29 @@ def test_ctrl_c_writes_a_resumable_checkpoint(reference, tmp_path):
     stdout, err = p.communicate(timeout=120)
     assert p.returncode == 0 and "stopped by Ctrl-C after step" in stdout, err[-2000:]
     assert "Traceback" not in err
-    step = load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["step"]
+    step = load_checkpoint(str(out / "ckpt_last.pt"))["state"]["step"]
     assert 5 <= step < 16
     p = start(out)
     p.communicate(timeout=300)
     assert p.returncode == 0 and losses(out) == reference
 
 
-def test_damaged_and_truncated_checkpoints_are_named(tmp_path):
+def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch):
+    """The disk fills up while a checkpoint is written: one line naming the file and the disk, the
+    previous checkpoint intact, no temporary file left."""
     path = tmp_path / "ckpt_last.pt"
-    save_checkpoint(dict(model={"w": torch.randn(1000)}, config={"model": "lstm"}), str(path))
-    raw = bytearray(path.read_bytes())
-    damaged = tmp_path / "damaged.pt"
-    raw[len(raw) // 2] ^= 0xFF
-    damaged.write_bytes(bytes(raw))
-    truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(path.read_bytes()[: len(raw) // 3])
-    comment = tmp_path / "comment.pt"  # the digest in the zip comment damaged (not even text)
-    comment.write_bytes(path.read_bytes()[:-1] + b"\xff")
-    outer = torch.load(os.path.join(ROOT, "tests", "data", "ckpt_v1_ptb_lstm_nmst.pt"), weights_only=True)
-    payload = bytearray(outer["payload"])
-    payload[len(payload) // 2] ^= 0xFF
-    legacy = tmp_path / "legacy.pt"  # format 1: the payload's own sha256 catches the flip
-    torch.save(dict(outer, payload=bytes(payload)), legacy)
-    for bad in (damaged, truncated, comment, legacy):
-        with pytest.raises(CheckpointError, match=str(bad.name)):
-            load_checkpoint(str(bad))
-    for bad in (damaged, legacy):
-        with pytest.raises(CheckpointError, match="is damaged: its content does not match its sha256"):
-            load_checkpoint(str(bad))
-    assert load_checkpoint(str(path))["model"]["w"].shape == (1000,)
+    ckpt = dict(model={"w": torch.ones(3)}, config={}, args={}, vocab="gpt2", state={})
+    save_checkpoint(ckpt, str(path))
+    real_save = torch.save
 
-
-def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "ckpt_last.pt"
-    save_checkpoint(dict(model={"w": torch.ones(3)}, config={"model": "lstm"}), str(path))
-    real_fsync = os.fsync
-
-    def full(fd):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint.*intact"):
-        save_checkpoint(dict(model={"w": torch.zeros(3)}, config={"model": "lstm"}), str(path))
-    monkeypatch.setattr(os, "fsync", real_fsync)
+    def full(obj, f):
+        real_save(obj, f)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0\n"
+                           "PytorchStreamWriter failed writing file data/0: file write failed")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(train.UserError, match="could not write .*file write failed.*previous checkpoint.*intact"):
+        save_checkpoint(dict(ckpt, model={"w": torch.zeros(3)}), str(path))
+    monkeypatch.setattr(torch, "save", real_save)
     assert torch.equal(load_checkpoint(str(path))["model"]["w"], torch.ones(3))  # the old one survived
     assert os.listdir(tmp_path) == ["ckpt_last.pt"]
 
@@ -148,7 +125,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, wiki
 
 def test_existing_run_is_not_overwritten(tmp_path, wikitext2, capsys):
     out = tmp_path / "twice"
-    assert train.main(ARGS[:-6] + ["--max_iters", "2", "--eval_interval", "1", "--out_dir", str(out)]) == 0
+    train.main(ARGS[:-6] + ["--max_iters", "2", "--eval_interval", "1", "--out_dir", str(out)])
     assert run_cli(train.main, ARGS + ["--out_dir", str(out)]) == 2
     assert "already holds a run" in capsys.readouterr().err
 
@@ -158,13 +135,10 @@ def test_unwritable_out_dir(tmp_path, capsys, monkeypatch):
     read."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    monkeypatch.setattr(train, "load_task", lambda *a, **k: pytest.fail("the data was read"))
-    for out, msg in ((blocker, "is a file; give a folder path"), (blocker / "sub", "cannot be written")):
+    monkeypatch.setattr(train, "load_data", lambda *a, **k: pytest.fail("the data was read"))
+    for out in (blocker, blocker / "sub", "/proc/nanogen-run"):
         assert run_cli(train.main, ARGS + ["--out_dir", str(out)]) == 2
-        assert msg in capsys.readouterr().err
-    monkeypatch.setattr(os, "access", lambda *a, **k: True)  # as for root: writing is tried
-    assert run_cli(train.main, ARGS + ["--out_dir", "/proc/nanogen-run"]) == 2
-    assert "cannot be written (/proc is not a writable folder)" in capsys.readouterr().err
+        assert f"cannot write to --out_dir {out}" in capsys.readouterr().err
 
 
 def test_same_seed_same_losses_and_decodes(reference, tmp_path, wikitext2):
@@ -173,23 +147,7 @@ def test_same_seed_same_losses_and_decodes(reference, tmp_path, wikitext2):
     import evaluate
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path in (a, b):
-        assert evaluate.main(["--ckpt", str(out / "ckpt_last.pt"), "--no_ppl", "--decoder", "nucleus", "--p", "0.9",
-                              "--L", "20", "--limit", "10", "--seed", "3", "--out", str(path)]) == 0
+        evaluate.main(["--ckpt", str(out / "ckpt_last.pt"), "--no_ppl", "--decoder", "nucleus", "--p", "0.9",
+                              "--L", "20", "--limit", "10", "--seed", "3", "--out", str(path)])
     assert json.loads(a.read_text())["decoding"]["generated_lengths"] == \
         json.loads(b.read_text())["decoding"]["generated_lengths"]
-
-
-@pytest.mark.parametrize("name,flags,key,expected", [
-    ("ckpt_v1_ptb_lstm_nmst.pt", ["--split", "valid", "--limit", "50"], "nll", 9.271430220016965),
-    ("ckpt_v1_rocstories_insnet.pt", ["--split", "test", "--limit", "8"], "nll_per_story",
-     358.48870849609375),
-])
-def test_checkpoints_of_the_previous_format_still_load(name, flags, key, expected, tmp_path):
-    """Two format-1 checkpoints written by the code before the redesign (commit 3de628d; tiny
-    models, optimizer state dropped) load, pass the data check, and evaluate to the numbers
-    that code printed for them."""
-    import evaluate
-    out = tmp_path / "res.json"
-    assert evaluate.main(["--ckpt", os.path.join(ROOT, "tests", "data", name), *flags,
-                          "--out", str(out)]) == 0
-    assert abs(json.loads(out.read_text())[key] - expected) < 1e-5

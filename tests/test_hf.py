@@ -1,18 +1,16 @@
 """nanogen's GPT == HuggingFace GPT2LMHeadModel with the same weights (a randomly initialised
 HF-format model the test builds itself): logits and greedy decoding."""
 import os
-import sys
 
 import pytest
 import torch
 
-from cli import UserError
+from data import UserError
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from decode import decode
-from checkpoint import gpt_state_from_hf
-from checkpoint import load as load_checkpoint
-from model import LanguageModel
+from model import LanguageModel, gpt_state_from_hf
+from train import load_checkpoint
 
 
 def pair(n_layer=2, n_embd=64, n_head=4, V=101, seed=0):
@@ -69,12 +67,8 @@ def test_heads_of_their_own_keep_their_initialisation(head):
 def test_shape_mismatch_is_refused():
     hf, _ = pair(n_embd=64)
     _, lm = pair(n_embd=32)
-    try:
+    with pytest.raises(ValueError, match="does not fit the model"):
         gpt_state_from_hf(hf.state_dict(), lm)
-    except UserError as e:
-        assert "has shape" in str(e) and "expects" in str(e)
-    else:
-        raise AssertionError("a 64-wide checkpoint loaded into a 32-wide model")
 
 
 @pytest.mark.slow
@@ -85,19 +79,17 @@ def test_train_init_from_hf_checkpoint(tmp_path):
     import os
 
     import train
-    from data.loader import load
-    from checkpoint import GPT2_SIZES
+    from train import GPT2_SIZES
     GPT2_SIZES["tiny-test"] = (2, 2, 32)
     try:
         hf = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=1024, n_embd=32, n_layer=2, n_head=2))
         folder = tmp_path / "hf"
         folder.mkdir()
         torch.save(hf.state_dict(), folder / "pytorch_model.bin")
-        _, splits = load("wikitext103", verbose=False)
         out = tmp_path / "run"
         base = ["--init_from", "tiny-test", "--weights", str(folder), "--head", "nmst", "--max_iters", "2",
                 "--eval_interval", "1", "--eval_seqs", "8", "--train_seqs", "30", "--lr", "1e-12", "--dropout", "0"]
-        assert train.main(base + ["--dataset", "wikitext103", "--out_dir", str(out)]) == 0
+        train.main(base + ["--dataset", "wikitext103", "--out_dir", str(out)])
         ckpt = load_checkpoint(str(out / "ckpt_best.pt"))
         ref = hf.state_dict()["transformer.h.0.attn.c_attn.weight"].t()
         assert (ckpt["model"]["backbone.h.0.attn.c_attn.weight"] - ref).abs().max() < 1e-6
@@ -109,8 +101,8 @@ def test_train_init_from_hf_checkpoint(tmp_path):
         text.mkdir()
         (text / "train.txt").write_text("the company said it would sell its stake in the unit to a group "
                                         "of investors for cash\n" * 60)
-        assert train.main(base + ["--dataset", "text", "--data_dir", str(text), "--vocab", "bpe", "--out_dir",
-                                  str(tmp_path / "own")]) == 0
+        train.main(base + ["--dataset", "text", "--data_dir", str(text), "--vocab", "bpe", "--out_dir",
+                                  str(tmp_path / "own")])
         ckpt = load_checkpoint(str(tmp_path / "own" / "ckpt_best.pt"))
         assert (ckpt["model"]["backbone.h.0.attn.c_attn.weight"] - ref).abs().max() < 1e-6
     finally:
@@ -118,45 +110,37 @@ def test_train_init_from_hf_checkpoint(tmp_path):
 
 
 def test_hub_download_path(tmp_path, monkeypatch):
-    """fetch_hf_weights downloads into the cache (here from a file:// 'hub') and reuses it;
+    """train.gpt2_weights downloads into the cache (here from a file:// 'hub') and reuses it;
     offline with no cached copy it says to pass --weights."""
-    import checkpoint as model
+    import train
+    from safetensors.torch import save_file
     hf, lm = pair(seed=2)
-    hub = tmp_path / "hub" / "gpt2"
-    hub.mkdir(parents=True)
-    torch.save(hf.state_dict(), hub / "pytorch_model.bin")
+    (tmp_path / "hub" / "gpt2").mkdir(parents=True)
+    save_file({k: v.clone() for k, v in hf.state_dict().items()}, tmp_path / "hub" / "gpt2" / "model.safetensors")
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(model, "HF_HUB", (tmp_path / "hub").as_uri() + "/{name}/{file}")
-    monkeypatch.setitem(sys.modules, "safetensors", None)  # take the pytorch_model.bin route
-    path = model.fetch_hf_weights("gpt2")
-    assert path.startswith(str(tmp_path / "cache")) and os.path.getsize(path) == os.path.getsize(hub / "pytorch_model.bin")
+    monkeypatch.setattr(train, "HF_HUB", (tmp_path / "hub").as_uri() + "/{name}/model.safetensors")
     fresh = LanguageModel(lm.cfg)
-    model.load_pretrained_gpt2(fresh, "gpt2")
+    fresh.load_state_dict(gpt_state_from_hf(train.gpt2_weights("gpt2"), fresh))
+    assert os.path.exists(tmp_path / "cache" / "hub" / "gpt2" / "model.safetensors")
     for k, v in lm.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v)
     monkeypatch.setenv("NANOGEN_OFFLINE", "1")
-    assert model.fetch_hf_weights("gpt2") == path  # cached: no network needed
+    assert set(train.gpt2_weights("gpt2")) == set(hf.state_dict())  # cached: no network needed
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "empty"))
-    try:
-        model.fetch_hf_weights("gpt2")
-    except model.CheckpointError as e:
-        assert "NANOGEN_OFFLINE" in str(e) and "--weights" in str(e)
-    else:
-        raise AssertionError("offline without a cached copy must fail")
+    with pytest.raises(UserError, match="NANOGEN_OFFLINE is set: pass --weights PATH"):
+        train.gpt2_weights("gpt2")
     monkeypatch.delenv("NANOGEN_OFFLINE")
-    monkeypatch.setattr(model, "HF_HUB", (tmp_path / "nohub").as_uri() + "/{name}/{file}")
-    with pytest.raises(model.CheckpointError) as e:  # the hub unreachable: one sentence, one fix
-        model.fetch_hf_weights("gpt2")
-    assert str(e.value).startswith("could not download file://") and \
-        str(e.value).endswith("offline? pass --weights PATH to a local copy")
+    monkeypatch.setattr(train, "HF_HUB", (tmp_path / "nohub").as_uri() + "/{name}/model.safetensors")
+    with pytest.raises(UserError, match="^could not download file://.*offline\\? pass --weights PATH"):
+        train.gpt2_weights("gpt2")  # the hub unreachable: one sentence, one fix
 
 
 def test_missing_weights_are_said_before_the_data_is_read(tmp_path, monkeypatch):
     """A --weights path that is not there, or GPT-2 weights that cannot be downloaded (offline, not
     in the cache): said at once, not after the data is prepared and the model built."""
     import train
-    monkeypatch.setattr(train, "load_task", lambda *a, **k: pytest.fail("read the data"))
-    with pytest.raises(UserError, match="no such file or folder"):
+    monkeypatch.setattr(train, "load_data", lambda *a, **k: pytest.fail("read the data"))
+    with pytest.raises(UserError, match="not a readable GPT-2 checkpoint"):
         train.main(["--init_from", "gpt2", "--weights", str(tmp_path / "gpt2"), "--out_dir", str(tmp_path / "run")])
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("NANOGEN_OFFLINE", "1")

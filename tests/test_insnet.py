@@ -67,9 +67,15 @@ import itertools  # noqa: E402
 
 import pytest  # noqa: E402
 
-from insnet import (InsertionTransformer, InsNet, canvas_steps, collate_insertions, generate,  # noqa: E402
-                    insertion_order, insertion_targets, start_canvas)
-from tasks import story_nll  # noqa: E402
+from data.stories import collate_insertions, insertion_order  # noqa: E402
+from insnet import InsertionTransformer, InsNet, canvas_steps, generate, insertion_targets, start_canvas  # noqa: E402
+from train import score  # noqa: E402
+
+
+def story_nll(m, batch):
+    """-log p of each (sequence, order) and its number of events, from train.score."""
+    log_p, mask, _ = score(m, batch)
+    return -(log_p * mask).sum(1), mask.sum(1)
 
 CFG = dict(vocab_size=23, n_layer=2, n_head=2, d_model=16, dropout=0.0, max_offset=6, block_size=40)
 MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
@@ -257,7 +263,7 @@ def test_decoding_starts_from_the_training_canvas(name):
 
 def test_order_average_minus_log_n_factorial_bounds_the_nll():
     """-log p(x) = -log sum_pi p(x, pi) <= mean_pi[-log p(x, pi)] - log n!  (Jensen, uniform pi):
-    tasks.StoryTask.evaluate's nll_bound_per_story, checked exactly over all 4! orders."""
+    train.evaluate's nll_bound_per_story, checked exactly over all 4! orders."""
     import math
     m = tiny("insnet")
     seq = [1, 9, 3, 5, 6, 7, 8, 2]  # BOS title SEP + 4 story tokens + EOS

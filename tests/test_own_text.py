@@ -40,20 +40,20 @@ def test_own_text_trains_evaluates_and_samples_without_data(vocab, model, own_te
              "--head", "nmst", "--epsilon", "1e-3", "--d_model", "32", "--n_layer", "1", "--n_head", "2",
              "--block_size", "512", "--batch_size", "8", "--lr", "3e-3", "--max_iters", "4",
              "--eval_interval", "2", "--out_dir", str(out)]
-    assert train.main(flags) == 0
+    train.main(flags)
     assert "valid and test held out of train.txt" in capsys.readouterr().err
-    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--data_dir", str(own_text)]) == 0
+    evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--data_dir", str(own_text)])
     with_dir = capsys.readouterr().out
     assert "ppl" in with_dir
     monkeypatch.chdir(tmp_path)  # ... is the same folder seen from elsewhere
-    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt")]) == 0  # the run's own --data_dir
+    evaluate.main(["--ckpt", str(out / "ckpt_best.pt")])  # the run's own --data_dir
     assert capsys.readouterr().out == with_dir
     # sampling needs no data: no --data_dir, no NANOGEN_DATA, an empty cache
     monkeypatch.delenv("NANOGEN_DATA", raising=False)
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("NANOGEN_OFFLINE", "1")
-    assert sample.main(["--ckpt", str(out / "ckpt_best.pt"), "--prompt", "the company said it",
-                        "--L", "8", "--allow_unk"]) == 0
+    sample.main(["--ckpt", str(out / "ckpt_best.pt"), "--prompt", "the company said it",
+                        "--L", "8", "--allow_unk"])
     assert ">>>" in capsys.readouterr().out
     assert not os.path.exists(tmp_path / "empty-cache" / "prepared")
 
@@ -80,7 +80,7 @@ def test_too_little_text_is_one_line(tmp_path, capsys):
     (latin1 / "train.txt").write_bytes("caf\xe9 ".encode("latin-1") * 20)
     rc, err = run_in_process(train.main, ["--dataset", "text", "--data_dir", str(latin1), "--out_dir",
                                           str(tmp_path / "never")], capsys)
-    assert_one_line_error(rc, err, "your text must be UTF-8")
+    assert_one_line_error(rc, err, "is not UTF-8")
     marked = tmp_path / "marked"  # a corpus exported with its own end markers (in any split)
     shutil.copytree(text, marked)
     (marked / "valid.txt").write_text(line(1).replace("\n", " <eos>\n"))
@@ -91,18 +91,18 @@ def test_too_little_text_is_one_line(tmp_path, capsys):
             "--out_dir", str(tmp_path / "never")]  # (a later --out_dir wins)
     for folder in (small, text):  # prepared quietly first: the errors are then the only output
         prepare("text", str(folder), verbose=False)
-    for task, msg in (("completion", "the train split of text holds no sequence"),
+    for task, msg in (("completion", "needs lines of more than 10 tokens"),
                       ("stream", "the train split is too short for a stream")):
         rc, err = run_in_process(train.main, [*tiny, "--data_dir", str(small), "--task", task, "--out_dir",
                                               str(tmp_path / task)], capsys)
         assert_one_line_error(rc, err, msg)
-        assert train.main([*tiny, "--data_dir", str(text), "--task", task, "--out_dir",
-                           str(tmp_path / f"run-{task}")]) == 0
+        train.main([*tiny, "--data_dir", str(text), "--task", task, "--out_dir",
+                           str(tmp_path / f"run-{task}")])
     prepare("text", str(small), verbose=False, vocab="bpe")
     rc, err = run_in_process(train.main, [*tiny, "--data_dir", str(small), "--vocab", "bpe"], capsys)
-    assert_one_line_error(rc, err, "needs lines of more than 10 GPT-2 BPE tokens (the first 10")
+    assert_one_line_error(rc, err, "needs lines of more than 10 tokens, the first 10")
     ckpt = ["--data_dir", str(text), "--split", "test", "--ckpt"]
-    for run, flags, msg in (("completion", [], "the test split holds no sequence"),
+    for run, flags, msg in (("completion", [], "the test split holds no sequence that fits"),
                             ("completion", ["--no_ppl", "--decoder", "greedy"], "no context to decode"),
                             ("stream", [], "the test split is too short for a stream")):
         rc, err = run_in_process(evaluate.main, [*ckpt, str(tmp_path / f"run-{run}" / "ckpt_last.pt"), *flags],
@@ -114,9 +114,9 @@ def test_sample_and_evaluate_agree_on_the_context_window(tmp_path, capsys):
     """A 10-token prompt and --L tokens use 10 + L - 1 positions (the last token is never fed
     back): with a 64-token window, --L 55 fits and --L 56 does not, in both commands."""
     out = tmp_path / "gpt"
-    assert train.main(["--model", "gpt", "--head", "softmax", "--dataset", "ptb", "--d_model", "16", "--n_layer",
+    train.main(["--model", "gpt", "--head", "softmax", "--dataset", "ptb", "--d_model", "16", "--n_layer",
                        "1", "--n_head", "2", "--block_size", "64", "--batch_size", "8", "--train_seqs", "64",
-                       "--eval_seqs", "8", "--max_iters", "1", "--eval_interval", "1", "--out_dir", str(out)]) == 0
+                       "--eval_seqs", "8", "--max_iters", "1", "--eval_interval", "1", "--out_dir", str(out)])
     ckpt = str(out / "ckpt_last.pt")
     prompt = "the company said it will sell the unit to its parent"  # 11 words: use the first 10
     prompt = " ".join(prompt.split()[:10])
@@ -127,24 +127,20 @@ def test_sample_and_evaluate_agree_on_the_context_window(tmp_path, capsys):
         if fits:
             assert rc == 0 and rc2 == 0, (err, err2)
         else:
-            assert_one_line_error(rc, err, "context window")
-            assert_one_line_error(rc2, err2, "context window")
+            assert_one_line_error(rc, err, "use --L 55 or less")
+            assert_one_line_error(rc2, err2, "use --L 55 or less")
 
 
 def test_a_byte_order_mark_is_not_text(tmp_path, monkeypatch):
     """A file saved with a UTF-8 BOM (Windows editors): its first word is the word, not
-    '\\ufeff' + the word, in the vocabulary and in a --prompt_file."""
-    import argparse
-    from data.prepare import load_meta, tokenizer_of
+    '\\ufeff' + the word, in the vocabulary (sample.py's --prompt_file: test_sample_and_reproduce)."""
+    from data.prepare import load_meta, tokenizer
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
     line = "the cat sat on the mat and then the dog ran far away from it\n"
     (tmp_path / "train.txt").write_text("\ufeff" + line * 30, encoding="utf-8")
     folder = prepare("text", str(tmp_path), verbose=False)
-    tok = tokenizer_of(folder, load_meta(folder))
+    tok = tokenizer(load_meta(folder)["vocab"])
     assert "the" in tok.stoi and not any("\ufeff" in w for w in tok.tokens)
-    (tmp_path / "prompts.txt").write_text("\ufeffthe cat\n", encoding="utf-8")
-    args = argparse.Namespace(prompt=[], prompt_file=str(tmp_path / "prompts.txt"))
-    assert sample.read_prompts(args) == ["the cat"]
 
 
 def test_a_run_whose_data_moved_says_so(own_text, tmp_path, capsys):
@@ -152,18 +148,18 @@ def test_a_run_whose_data_moved_says_so(own_text, tmp_path, capsys):
     shutil.copytree(own_text, text)
     flags = ["--dataset", "text", "--model", "lstm", "--d_model", "8", "--n_layer", "1", "--batch_size", "8",
              "--eval_interval", "1", "--probe", "0", "--out_dir", str(out)]
-    assert train.main([*flags, "--data_dir", str(text), "--max_iters", "1"]) == 0
+    train.main([*flags, "--data_dir", str(text), "--max_iters", "1"])
     text.rename(tmp_path / "moved")
     capsys.readouterr()  # (the first run's notes and counts)
     rc, err = run_in_process(train.main, [*flags, "--max_iters", "2", "--resume"], capsys)
     assert_one_line_error(rc, err, f"the run's --data_dir {text} is not there (moved?): give --data_dir DIR")
-    assert train.main([*flags, "--max_iters", "2", "--resume", "--data_dir", str(tmp_path / "moved")]) == 0
+    train.main([*flags, "--max_iters", "2", "--resume", "--data_dir", str(tmp_path / "moved")])
     (tmp_path / "moved").rename(text)  # evaluate.py: the checkpoint names the folder it left
     ckpt = str(out / "ckpt_last.pt")
     rc, err = run_in_process(evaluate.main, ["--ckpt", ckpt], capsys)
     assert_one_line_error(rc, err, f"the run's --data_dir {tmp_path / 'moved'} is not there (moved?)")
-    assert evaluate.main(["--ckpt", ckpt, "--data_dir", str(text), "--no_ppl", "--decoder", "greedy",
-                          "--L", "2", "--limit", "2"]) == 0
+    evaluate.main(["--ckpt", ckpt, "--data_dir", str(text), "--no_ppl", "--decoder", "greedy",
+                          "--L", "2", "--limit", "2"])
 
 
 def test_a_run_that_read_its_text_through_nanogen_data_evaluates(own_text, tmp_path, monkeypatch, capsys):
@@ -171,11 +167,12 @@ def test_a_run_that_read_its_text_through_nanogen_data_evaluates(own_text, tmp_p
     and without it says in one line where the text must be given."""
     out = tmp_path / "run"
     monkeypatch.setenv("NANOGEN_DATA", str(own_text))
-    assert train.main(["--dataset", "text", "--model", "lstm", "--d_model", "8", "--n_layer", "1",
+    train.main(["--dataset", "text", "--model", "lstm", "--d_model", "8", "--n_layer", "1",
                        "--batch_size", "8", "--max_iters", "1", "--eval_interval", "1", "--probe", "0",
-                       "--out_dir", str(out)]) == 0
+                       "--out_dir", str(out)])
     ckpt = str(out / "ckpt_best.pt")
-    assert evaluate.main(["--ckpt", ckpt, "--limit", "4"]) == 0 and "ppl" in capsys.readouterr().out
+    evaluate.main(["--ckpt", ckpt, "--limit", "4"])
+    assert "ppl" in capsys.readouterr().out
     monkeypatch.delenv("NANOGEN_DATA")
     rc, err = run_in_process(evaluate.main, ["--ckpt", ckpt], capsys)
     assert_one_line_error(rc, err, "--dataset text reads your own text: --data_dir DIR with DIR/train.txt")

@@ -13,8 +13,8 @@ import train
 from data.stories import (BOS, EOS, SEP, UNK, build_vocab, encode_story, keyword_positions, parse_story,
                           synthetic)
 from evaluate import bleu, in_order
-from checkpoint import load as load_checkpoint
-from cli import run_cli
+from train import load_checkpoint
+from conftest import run_cli
 
 LINE = "the pet bug <EOT> oliver spotted jar hoped safe <EOL> </s> oliver was playing . </s> he spotted a bug ."
 
@@ -93,17 +93,15 @@ def test_rocstories_splits(rocstories):
 
 def test_prepare_reports_rocstories(capsys, tmp_path, monkeypatch):
     """python -m data.prepare --dataset rocstories: its files found (or downloaded) and counted."""
-    from data import prepare
-    assert prepare.main(["--dataset", "rocstories"]) == 0
+    from data import UserError, prepare
+    prepare.main(["--dataset", "rocstories"])
     assert "9316 / 500 / 9816 stories" in capsys.readouterr().out
-    with pytest.raises(prepare.DataError, match="its own word vocabulary"):
-        prepare.main(["--dataset", "rocstories", "--vocab", "char"])
-    with pytest.raises(prepare.DataError, match="ROCStories dev is not in .*must hold rocstories/"):
+    with pytest.raises(UserError, match="ROCStories dev is not in .*must hold rocstories/"):
         prepare.main(["--dataset", "rocstories", "--data_dir", str(tmp_path)])  # a local copy, not a download
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path))
     monkeypatch.setenv("NANOGEN_OFFLINE", "1")
     monkeypatch.delenv("NANOGEN_DATA", raising=False)
-    with pytest.raises(prepare.DataError, match="not in the cache .* NANOGEN_OFFLINE is set"):
+    with pytest.raises(UserError, match="NANOGEN_OFFLINE is set"):
         prepare.main(["--dataset", "rocstories"])
 
 
@@ -120,27 +118,27 @@ def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys, monkey
     args = TINY + ["--model", model, "--dataset", "rocstories", "--task", task, "--out_dir", str(out)]
     if order != "random":
         args += ["--order", order]
-    assert train.main(args) == 0
+    train.main(args)
     log = [json.loads(line) for line in open(out / "log.jsonl")]
     assert [r["step"] for r in log] == [4, 8] and log[1]["val_loss"] < log[0]["val_loss"]
     ckpt = load_checkpoint(str(out / "ckpt_last.pt"))
-    assert ckpt["config"]["model"] == model and ckpt["data"]["vocab"][:5] == ["<pad>", "<bos>", "<eos>", "<sep>", "<unk>"]
+    assert ckpt["config"]["model"] == model and ckpt["vocab"][:5] == ["<pad>", "<bos>", "<eos>", "<sep>", "<unk>"]
     res, room = tmp_path / "res.json", []  # the story words each generation may write
     real_decode, real_generate = evaluate.decode, insnet.generate
     monkeypatch.setattr(evaluate, "decode", lambda m, x, L, **kw: room.append(L) or real_decode(m, x, L, **kw))
-    monkeypatch.setattr(insnet, "generate", lambda m, given, n, **kw: room.append(
-        n - (kw["slot_start"] + 1) - 1) or real_generate(m, given, n, **kw))  # (canvas: prefix, story, EOS)
-    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--split", "test", "--limit", "3", "--decoder",
-                          "greedy", "--out", str(res)]) == 0
+    monkeypatch.setattr(evaluate, "generate", lambda m, given, n, *a, **kw: room.append(
+        n - (a[3] + 1) - 1) or real_generate(m, given, n, *a, **kw))  # (canvas: prefix, story, EOS)
+    evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--split", "test", "--limit", "3", "--decoder",
+                          "greedy", "--out", str(res)])
     assert room == [2 * len(s["story"]) + 10 for s in rocstories["test"][:3]]  # the same for L2R and insertion
     r = json.load(open(res))
-    assert r["stories"] == 3 and r["nll_per_story"] > 0 and set(r["generation"]["bleu"]) == {"1", "2", "3", "4"}
+    assert r["sequences"] == 3 and r["nll_per_story"] > 0 and set(r["generation"]["bleu"]) == {"1", "2", "3", "4"}
     assert (r["nll_bound_per_story"] < r["nll_per_story"]) == (model != "gpt" and order == "random")
     if task == "storyline" and model == "insnet":
         assert r["generation"]["keyword_inclusion"] == 1.0  # by construction
     # resume continues where it stopped
-    assert train.main(args + ["--max_iters", "10", "--resume"]) == 0
-    assert load_checkpoint(str(out / "ckpt_last.pt"))["train_state"]["step"] == 10
+    train.main(args + ["--max_iters", "10", "--resume"])
+    assert load_checkpoint(str(out / "ckpt_last.pt"))["state"]["step"] == 10
 
 
 @pytest.mark.slow
@@ -150,20 +148,20 @@ def test_story_generation_stays_within_the_window(model, tmp_path, capsys):
     generated stories stop at the window (they were cut at twice the reference + 10 tokens, past
     it: an error); sample.py says which --L fits."""
     out, res = tmp_path / "run", tmp_path / "res.json"
-    assert train.main(TINY + ["--model", model, "--dataset", "rocstories", "--block_size", "120",
-                              "--max_iters", "2", "--out_dir", str(out)]) == 0
-    assert evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--split", "test", "--limit", "8",
-                          "--no_ppl", "--decoder", "greedy", "--out", str(res)]) == 0
+    train.main(TINY + ["--model", model, "--dataset", "rocstories", "--block_size", "120",
+                              "--max_iters", "2", "--out_dir", str(out)])
+    evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--split", "test", "--limit", "8",
+                          "--no_ppl", "--decoder", "greedy", "--out", str(res)])
     assert 0 < json.load(open(res))["generation"]["mean_length"] <= 120
     assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), "--title", "a day",
                                  "--L", "200"]) == 2
-    assert re.search(r"positions of the model: use --L \d+ or less|window of 120 tokens: use --L \d+ or "
-                     r"less", capsys.readouterr().err)
+    assert re.search(r"positions: a smaller --L|window of 120 tokens: use --L \d+ or less",
+                     capsys.readouterr().err)
     assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), "--title", "a day " * 60,
                                  "--L", "1"]) == 2  # no room left at all
-    assert re.search(r"use a shorter (--title or fewer --keywords|prompt)$", capsys.readouterr().err)
+    assert re.search(r"a smaller --L|use a shorter prompt", capsys.readouterr().err)
     keywords = [] if model == "gpt" else [(["--title", "a day", "--keywords", "<sep>"], "control token")]
-    for flags, msg in [(["--title", "   "], "take --title"), (["--title", "a <eos>"], "control token"),
+    for flags, msg in [(["--title", "   "], "takes --title"), (["--title", "a <eos>"], "control token"),
                        *keywords]:
         assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_best.pt"), *flags]) == 2
         assert msg in capsys.readouterr().err
@@ -177,13 +175,13 @@ def test_story_generation_stays_within_the_window(model, tmp_path, capsys):
 def test_synthetic_runs_all_three_models(tmp_path, capsys):
     for model in ("insnet", "insertion_transformer", "gpt"):
         out = tmp_path / model
-        assert train.main(["--model", model, "--dataset", "synthetic", "--synthetic_count", "2", "--n_layer", "1",
+        train.main(["--model", model, "--dataset", "synthetic", "--synthetic_count", "2", "--n_layer", "1",
                            "--d_model", "16", "--n_head", "2", "--batch_size", "7", "--max_iters", "2",
-                           "--out_dir", str(out), "--block_size", "200"]) == 0
+                           "--out_dir", str(out), "--block_size", "200"])
         assert os.path.exists(out / "ckpt_last.pt")
         # trained from <bos> alone: sample.py generates from it, and refuses a title
         capsys.readouterr()
-        assert sample.main(["--ckpt", str(out / "ckpt_last.pt"), "--L", "3"]) == 0
+        sample.main(["--ckpt", str(out / "ckpt_last.pt"), "--L", "3"])
         shown = capsys.readouterr().out
         assert ">>> w" in shown if model == "gpt" else shown.startswith("  0  p(terminate)=")
         assert run_cli(sample.main, ["--ckpt", str(out / "ckpt_last.pt"), "--title", "w5"]) == 2
@@ -193,17 +191,17 @@ def test_synthetic_runs_all_three_models(tmp_path, capsys):
 @pytest.mark.parametrize("args,pattern", [
     (["--model", "insnet", "--dataset", "wikitext2"], "trains on --dataset rocstories or synthetic"),
     (["--model", "lstm", "--dataset", "rocstories"], "is for --model insnet, insertion_transformer or gpt"),
-    (["--model", "insnet", "--dataset", "rocstories", "--head", "nmst"], "the story runs use the softmax head"),
-    (["--model", "insnet", "--dataset", "synthetic", "--task", "storyline"], "needs ROCStories' storylines"),
-    (["--model", "insnet", "--dataset", "rocstories", "--task", "stream"], "--task stream is for the recurrent"),
-    (["--model", "gpt", "--dataset", "rocstories", "--init_from", "gpt2"], "not for story runs"),
-    (["--model", "gpt", "--dataset", "rocstories", "--order", "l2r"], "--order is the insertion order"),
-    (["--model", "lstm", "--dataset", "wikitext2", "--order", "l2r"], "--order is the insertion order"),
-    (["--model", "lstm", "--dataset", "wikitext2", "--task", "story"], "is for the story data: --dataset rocstories or synthetic"),
-    (["--model", "insnet", "--dataset", "rocstories", "--max_tokens", "1000"], "not --max_tokens"),
-    (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20: use "
-                                                                             "--block_size 112 or more"),
-    (["--model", "gpt", "--dataset", "rocstories", "--block_size", "20"], "use --block_size 111 or more"),
+    (["--model", "insnet", "--dataset", "rocstories", "--head", "nmst"], "the story models have the softmax head"),
+    (["--model", "insnet", "--dataset", "synthetic", "--task", "storyline"], "needs the storylines of"),
+    (["--model", "insnet", "--dataset", "rocstories", "--task", "stream"], "--task stream is not for --dataset"),
+    (["--model", "gpt", "--dataset", "rocstories", "--init_from", "gpt2"], "on BPE data"),
+    (["--model", "gpt", "--dataset", "rocstories", "--order", "l2r"], "--order is for insnet"),
+    (["--model", "lstm", "--dataset", "wikitext2", "--order", "l2r"], "--order is for insnet"),
+    (["--model", "lstm", "--dataset", "wikitext2", "--task", "story"], "--task story is not for --dataset wikitext2"),
+    (["--model", "insnet", "--dataset", "rocstories", "--max_tokens", "1000"], "stories: --batch_size"),
+    (["--model", "insnet", "--dataset", "rocstories", "--block_size", "20"], "a story of 112 tokens exceeds "
+                                                                             "--block_size 20"),
+    (["--model", "gpt", "--dataset", "rocstories", "--block_size", "20"], "exceeds --block_size 20"),
 ])
 @pytest.mark.slow
 def test_story_bad_input(args, pattern, tmp_path, capsys):
@@ -215,11 +213,11 @@ def test_story_bad_input(args, pattern, tmp_path, capsys):
 @pytest.mark.slow
 def test_evaluate_story_bad_decoder(tmp_path, capsys):
     out = tmp_path / "run"
-    assert train.main(["--model", "insnet", "--dataset", "synthetic", "--synthetic_count", "1", "--n_layer", "1",
+    train.main(["--model", "insnet", "--dataset", "synthetic", "--synthetic_count", "1", "--n_layer", "1",
                        "--d_model", "16", "--n_head", "2", "--max_iters", "1", "--out_dir", str(out),
-                       "--block_size", "200"]) == 0
+                       "--block_size", "200"])
     assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "beam",
                                             "--beam_size", "2"]) == 2
     assert "choose from greedy, sample, topk" in capsys.readouterr().err
     assert run_cli(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "greedy"]) == 2
-    assert "scored against ROCStories references" in capsys.readouterr().err
+    assert "scored against ROCStories" in capsys.readouterr().err

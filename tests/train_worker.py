@@ -9,8 +9,6 @@ a subprocess or under torchrun; the production code carries no hook for any of t
     sigterm=N            rank 1 alone sends itself SIGTERM during its N-th training step
     sigterm_at_exit=N    sigterm=N, and every process gets SIGTERM again as its process group is
                          destroyed (a scheduler's second signal)
-    sigterm_in_vote=N    rank 0 alone gets SIGTERM while the N-th step's stop vote is under way
-                         (its own vote, "go on", already given)
 """
 import os
 import signal
@@ -18,8 +16,9 @@ import sys
 import time
 import types
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
 import train  # noqa: E402
 
 mode, rank = os.environ.get("NANOGEN_TEST_WORKER", ""), int(os.environ.get("RANK", "0"))
@@ -43,45 +42,21 @@ if mode == "fast_clock" and rank == 1:
     train.time = types.SimpleNamespace(time=lambda: t0 + 20 * (time.time() - t0))
 elif mode == "count_build":
     import data.prepare as prepare
-    build = prepare._build
-
-    def counted(*a, **k):
-        print(f"BUILD rank {rank}", flush=True)
-        return build(*a, **k)
-    prepare._build = counted
+    build = prepare.build
+    prepare.build = lambda *a, **k: print(f"BUILD rank {rank}", flush=True) or build(*a, **k)
 elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
-    if rank == 1:
-        train.accumulate = kill_on(int(mode.split("=")[1]), train.accumulate, sig=signal.SIGTERM)
+    if rank == 1:  # (train.score: one call a step here, and none in an evaluation before step 4)
+        train.score = kill_on(int(mode.split("=")[1]), train.score, sig=signal.SIGTERM)
     if mode.startswith("sigterm_at_exit="):
         import torch.distributed
         torch.distributed.destroy_process_group = kill_on(
             1, torch.distributed.destroy_process_group, sig=signal.SIGTERM)
-elif mode.startswith("sigterm_in_vote=") and rank == 0:
-    all_sum = cli.Dist.all_sum
-
-    def vote(self, values):
-        out = all_sum(self, values)
-        vote.calls += len(values) == 2  # runs.Run.should_stop's (limit, signal) vote
-        if vote.calls == int(mode[len("sigterm_in_vote="):]):
-            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this returns
-        return out
-    vote.calls = 0
-    cli.Dist.all_sum = vote
 elif mode.startswith("kill="):
     where, n = mode[len("kill="):].split(":")
-    if where == "step":
-        accumulate = train.accumulate
-
-        def step(*a, **k):
-            out = accumulate(*a, **k)
-            step.calls += 1
-            if step.calls == int(n):
-                os.kill(os.getpid(), signal.SIGKILL)
-            return out
-        step.calls = 0
-        train.accumulate = step
+    if where == "step":  # clipping: after the step's backward, before its update
+        torch.nn.utils.clip_grad_norm_ = kill_on(int(n), torch.nn.utils.clip_grad_norm_)
     elif where == "evaluation":
         train.validate = kill_on(int(n), train.validate)
     elif where == "checkpoint":
         os.replace = kill_on(int(n), os.replace, lambda src, dst: str(dst).endswith(".pt"))
-sys.exit(cli.run_cli(train.main, sys.argv[1:]))
+train.run(lambda: train.main(sys.argv[1:]))
