@@ -33,6 +33,54 @@ def read_log(path, step=math.inf):
     return records
 
 
+def check_out_dir(out_dir, tensorboard=False):
+    """A run's folder, made (or refused in one line, before anything is read); --tensorboard: the
+    package there."""
+    try:
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401 (is it installed?)
+        os.makedirs(out_dir, exist_ok=True)
+    except ImportError:
+        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") \
+            from None
+    except OSError as e:
+        raise UserError(f"cannot write to --out_dir {out_dir}: {e.strerror or e}") from None
+
+
+def start_logs(out_dir, args, step=0):
+    """log.jsonl and steps.jsonl: a fresh run (step 0) starts them, a resumed one keeps their
+    records up to its checkpoint's step; args.json: what the run is labelled by.  An interrupted
+    write's temporary file is removed."""
+    for name in os.listdir(out_dir):
+        if name.endswith((".pt.tmp", ".png.tmp")):
+            os.remove(os.path.join(out_dir, name))
+    for name in ("log.jsonl", "steps.jsonl"):
+        kept = read_log(os.path.join(out_dir, name), step) if step else []
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+    with open(os.path.join(out_dir, "args.json"), "w") as f:
+        json.dump(args, f)
+
+
+def append(path, *records):
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def log_evaluation(out_dir, record, tensorboard=False, draw=True):
+    """An evaluation's record: a line of log.jsonl, TensorBoard's scalars (--tensorboard), and
+    curves.png drawn again."""
+    append(os.path.join(out_dir, "log.jsonl"), record)
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+        with SummaryWriter(os.path.join(out_dir, "tensorboard")) as w:
+            for k, v in record.items():
+                if type(v) in (int, float):
+                    w.add_scalar(k, v, record["step"])
+    if draw:
+        draw_run(out_dir)
+
+
 def pyplot():
     """matplotlib.pyplot without a display (None, said, when matplotlib is not installed)."""
     try:

@@ -19,15 +19,15 @@ import torch
 
 import curves
 from data import UserError
-from data.loader import batchify, bptt_windows
+from data.loader import batchify, bptt_windows, load_data
 from data.stories import BOS, EOS, PAD, SEP
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
                     decode_stats, eos_probs, longest_continuation, sampling_generator)
 from heads import TERMINATION_HEADS, paper_name
 from insnet import generate
 from model import eval_mode
-from train import (INSERTION, INT0, INT1, POS, SEED, Parser, autocast, check_vocab, evaluate,
-                   get_device, load_checkpoint, load_data, model_from_checkpoint, number, run)
+from train import (INSERTION, INT0, INT1, POS, SEED, Parser, autocast, build_model, check_vocab,
+                   evaluate, get_device, load_checkpoint, number, run)
 
 STUDY_FLAGS = ("L", "k", "p", "beam_size", "temperature", "consistent", "length_penalty",
                "decode_batch", "examples", "traces")
@@ -101,6 +101,16 @@ def check_flags(a):
         os.makedirs(a.plot or os.path.dirname(os.path.abspath(a.out or ".")), exist_ok=True)
     except OSError as e:
         raise UserError(f"{a.plot or a.out} cannot be written: {e.strerror or e}") from None
+
+
+def model_from_checkpoint(ckpt, path):
+    try:
+        model = build_model(ckpt["config"])
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, RuntimeError, TypeError, ValueError) as e:
+        raise UserError(f"{path}: its weights do not fit its model config ({str(e)[:160]})") \
+            from None
+    return model
 
 
 def load_run(path, data_dir=None, device="cpu", sizes=None):

@@ -31,6 +31,7 @@ attention with is_causal and no mask (FlashAttention on a GPU) and the LSTM unpa
 """
 import contextlib
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from data import UserError
+from data.prepare import cache_dir, download
 from heads import Head
 
 MODELS = ("rnn", "lstm", "gcnn", "gpt")
@@ -433,3 +436,25 @@ def gpt_state_from_hf(hf_state, lm):
     if missing:
         raise ValueError(f"the GPT-2 weights lack {missing[0]} (and {len(missing) - 1} more)")
     return {**own, **out, "head.proj.weight": out["backbone.wte.weight"]}
+
+
+HF_HUB = "https://huggingface.co/{name}/resolve/main/model.safetensors"
+
+
+def gpt2_weights(name, path=None):
+    """GPT-2's HuggingFace state_dict from `path` (a file, or a folder holding model.safetensors or
+    pytorch_model.bin), else from the hub, downloaded into the cache once."""
+    if path is None and not os.path.exists(path := f"{cache_dir()}/hub/{name}/model.safetensors"):
+        download(HF_HUB.format(name=name), path, hint="pass --weights PATH to a local copy")
+    for file in ("model.safetensors", "pytorch_model.bin"):
+        path = os.path.join(path, file) if os.path.isfile(os.path.join(path, file)) else path
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path)
+        state = dict(torch.load(path, map_location="cpu", weights_only=True))
+        assert all(torch.is_tensor(v) for v in state.values()), "not a state_dict"
+        return state
+    except Exception as e:  # missing, truncated, not a weights file
+        raise UserError(f"--weights {path}: not a readable GPT-2 checkpoint ({type(e).__name__})") \
+            from None

@@ -22,9 +22,9 @@ from data.prepare import tokenizer
 from data.stories import BOS, EOS, PAD, SEP, SPECIALS, encode_story
 from decode import STORY_DECODERS, check_decoder_args, decode, decode_in_batches, eos_probs
 from decode import sampling_generator
-from evaluate import add_decoding_flags
 from insnet import generate
-from train import INSERTION, Parser, get_device, load_checkpoint, model_from_checkpoint, number, run
+from evaluate import add_decoding_flags, model_from_checkpoint
+from train import INSERTION, Parser, get_device, load_checkpoint, number, run
 
 
 def main(argv=None):

@@ -357,7 +357,8 @@ def usable(folder):
     """True when `folder` holds a complete, unchanged preparation; a damaged one is removed (with
     a note) so that it is built again."""
     meta = os.path.join(folder, "meta.json")
-    if not os.path.exists(meta):
+    if not os.path.exists(meta):  # none, or a damaged one (a preparation renames a whole folder)
+        shutil.rmtree(folder, ignore_errors=True)
         return False
     problem = check_prepared(folder, os.path.getmtime(meta))
     if problem and problem != "an older version":

@@ -171,7 +171,7 @@ def test_the_temperature_report_is_word_level(tmp_path, capsys):
 @pytest.mark.parametrize("args,msg", [
     (["--task", "stream", "--head", "nmst", "--model", "lstm"], "use it with --task completion"),
     (["--task", "stream", "--model", "gpt"], "--task stream is for --model rnn or lstm"),
-    (["--head", "softmax", "--loss_scaling", "--model", "lstm"], "use --head ct or ctmos"),
+    (["--head", "softmax", "--loss_scaling", "--model", "lstm"], "--loss_scaling needs --head ct or ctmos"),
     (["--head", "ct", "--temperature", "2", "--model", "lstm"], "constant --temperature"),
 ])
 def test_bad_flag_combinations(args, msg, tmp_path, capsys):

@@ -110,29 +110,29 @@ def test_train_init_from_hf_checkpoint(tmp_path):
 
 
 def test_hub_download_path(tmp_path, monkeypatch):
-    """train.gpt2_weights downloads into the cache (here from a file:// 'hub') and reuses it;
+    """model.gpt2_weights downloads into the cache (here from a file:// 'hub') and reuses it;
     offline with no cached copy it says to pass --weights."""
-    import train
+    import model
     from safetensors.torch import save_file
     hf, lm = pair(seed=2)
     (tmp_path / "hub" / "gpt2").mkdir(parents=True)
     save_file({k: v.clone() for k, v in hf.state_dict().items()}, tmp_path / "hub" / "gpt2" / "model.safetensors")
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(train, "HF_HUB", (tmp_path / "hub").as_uri() + "/{name}/model.safetensors")
+    monkeypatch.setattr(model, "HF_HUB", (tmp_path / "hub").as_uri() + "/{name}/model.safetensors")
     fresh = LanguageModel(lm.cfg)
-    fresh.load_state_dict(gpt_state_from_hf(train.gpt2_weights("gpt2"), fresh))
+    fresh.load_state_dict(gpt_state_from_hf(model.gpt2_weights("gpt2"), fresh))
     assert os.path.exists(tmp_path / "cache" / "hub" / "gpt2" / "model.safetensors")
     for k, v in lm.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v)
     monkeypatch.setenv("NANOGEN_OFFLINE", "1")
-    assert set(train.gpt2_weights("gpt2")) == set(hf.state_dict())  # cached: no network needed
+    assert set(model.gpt2_weights("gpt2")) == set(hf.state_dict())  # cached: no network needed
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "empty"))
     with pytest.raises(UserError, match="NANOGEN_OFFLINE is set: pass --weights PATH"):
-        train.gpt2_weights("gpt2")
+        model.gpt2_weights("gpt2")
     monkeypatch.delenv("NANOGEN_OFFLINE")
-    monkeypatch.setattr(train, "HF_HUB", (tmp_path / "nohub").as_uri() + "/{name}/model.safetensors")
+    monkeypatch.setattr(model, "HF_HUB", (tmp_path / "nohub").as_uri() + "/{name}/model.safetensors")
     with pytest.raises(UserError, match="^could not download file://.*offline\\? pass --weights PATH"):
-        train.gpt2_weights("gpt2")  # the hub unreachable: one sentence, one fix
+        model.gpt2_weights("gpt2")  # the hub unreachable: one sentence, one fix
 
 
 def test_missing_weights_are_said_before_the_data_is_read(tmp_path, monkeypatch):
