@@ -20,14 +20,16 @@ import torch
 import curves
 import evaluate
 import train
-from data.stories import story_batch, synthetic
+from data.loader import story_batch
+from data.stories import synthetic
 from decode import decode
 from model import LanguageModel, gpt_state_from_hf
 
 
 def cfg_for(model, head, V, **kw):
     return dict(dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=2,
-                     d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True), **kw)
+                     d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True),
+                **kw)
 
 
 def timed(fn, warmup, iters, device):
@@ -70,7 +72,7 @@ def train_step(model, x, y, t=None, ctx=None):
 
 def bench_train(args, device):
     """Tokens/s of a train step by head: ST / NMST cost what softmax costs."""
-    print(f"train step, device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"train step, {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"{'model':6s} {'V':>6s} {'tokens':>7s} " + " ".join(f"{h + ' tok/s':>13s}" for h in (
         "softmax", "st", "nmst")) + f" {'st/sm':>6s} {'nmst/sm':>7s}")
     for model, kw, V, B, T in (("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq),
@@ -116,10 +118,11 @@ def bench_train_hf(args, device, ctx=None):
         opt.step()
     sec = alternating({"nanogen": train_step(lm.train(), x[:, :T], x[:, 1:], ctx=ctx),
                        "HF": hf_step}, args.rounds, args.iters, device)
+    tps = {k: B * T / v for k, v in sec.items()}
     print(f"train step, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, V=50257, "
           f"batch {B} x {T}, dropout 0.1, {device}, medians of {args.rounds} alternating rounds\n"
-          f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s}\n{B * T / sec['nanogen']:14.0f} "
-          f"{B * T / sec['HF']:10.0f} {sec['HF'] / sec['nanogen']:8.2f}")
+          f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s}\n"
+          f"{tps['nanogen']:14.0f} {tps['HF']:10.0f} {tps['nanogen'] / tps['HF']:8.2f}")
 
 
 def bench_decode(args, device):
@@ -132,8 +135,9 @@ def bench_decode(args, device):
           f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} {'same tokens':>12s}")
     for name, beams in (("greedy", 1), ("beam-4", 4)):
         res = {}
-        ours = lambda: res.update(ours=decode(lm, prompts, N, "beam" if beams > 1 else "greedy",  # noqa: E731
-                                              beam_size=beams if beams > 1 else None))
+        ours = lambda: res.update(ours=decode(  # noqa: E731
+            lm, prompts, N, "beam" if beams > 1 else "greedy", beam_size=beams if beams > 1
+            else None))
         theirs = lambda: res.update(hf=hf.generate(  # noqa: E731
             prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=N, num_beams=beams,
             min_new_tokens=N if beams == 1 else 0, do_sample=False, pad_token_id=50256,
@@ -167,7 +171,8 @@ def bench_insnet(args, device):
         lines.append(f"{n:6d} {t[0]:9.2f} {t[1]:11.2f} {t[2]:9.2f} {t[0] / t[2]:11.2f} "
                      f"{t[1] / t[0]:10.1f}")
         print(lines[-1], flush=True)
-    if args.plot and (plt := curves.pyplot()):
+    if args.plot:
+        plt = curves.pyplot()
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
             ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
@@ -181,7 +186,7 @@ def bench_insnet(args, device):
 def epoch_time(name, cfg, n, args, device):
     data, it = synthetic(args.seqs, lengths=(n,), seed=n), name == "insertion_transformer"
     torch.manual_seed(0)
-    model = train.build_model(cfg).to(device).train()
+    model = train.INSERTION.get(cfg["model"], LanguageModel)(cfg).to(device).train()
     opt, bs, g = torch.optim.AdamW(model.parameters(), lr=1e-4), args.it_batch if it else \
         args.batch, torch.Generator().manual_seed(0)
 
@@ -208,13 +213,13 @@ def bench_arch(args, device):
     for model, n_layer, d_model in ARCH:
         shape = f"{n_layer}x{d_model}"
         with tempfile.TemporaryDirectory() as out:
-            train.main(["--model", model, "--dataset", "ptb", "--n_layer", str(n_layer), "--d_model",
-                        str(d_model), "--n_head", "4", "--block_size", "256", "--dropout", "0.1",
-                        "--batch_size", "32", "--lr", "2e-3", "--lr_schedule", "constant",
-                        "--max_iters", "0", "--max_minutes", str(args.budget / 60), "--probe",
-                        "0", "--no_curves", "--eval_interval", str(args.eval_every), "--eval_seqs",
-                        "300", "--out_dir", out, "--device", device])
-            ckpt, run, data, lm = evaluate.load_run(os.path.join(out, "ckpt_last.pt"), device=device)
+            train.main(["--model", model, "--dataset", "ptb", "--n_layer", str(n_layer),
+                        "--d_model", str(d_model), "--n_head", "4", "--block_size", "256",
+                        "--dropout", "0.1", "--batch_size", "32", "--lr", "2e-3", "--lr_schedule",
+                        "constant", "--max_iters", "0", "--max_minutes", str(args.budget / 60),
+                        "--probe", "0", "--no_curves", "--eval_interval", str(args.eval_every),
+                        "--eval_seqs", "300", "--out_dir", out, "--device", device])
+            ckpt, run, data, lm = evaluate.load_run(f"{out}/ckpt_last.pt", device=device)
             log = curves.read_log(os.path.join(out, "log.jsonl"))
         prompts = [torch.as_tensor(data["valid"].context(i), device=device) for i in range(16)]
         n = sum(map(len, decode(lm, prompts, 64)["tokens"]))  # (the warm-up; greedy: the same)

@@ -8,6 +8,7 @@ and the termination probe (NMST paper eq. 11: r_nt(L) of greedy continuations of
 contexts, and the mean p(eos) at the true end) when the run has one.
 """
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import sys
 import numpy as np
 
 from data import UserError
+from heads import TERMINATION_HEADS
 
 NOT_LABELS = ("out_dir", "data_dir", "weights", "resume", "device", "dtype", "compile",
               "peak_flops", "log_interval", "no_curves", "tensorboard")  # where and how, not what
@@ -33,16 +35,16 @@ def read_log(path, step=math.inf):
     return records
 
 
-def check_out_dir(out_dir, tensorboard=False):
-    """A run's folder, made (or refused in one line, before anything is read); --tensorboard: the
-    package there."""
+def check_out_dir(out_dir, tensorboard=False, resume=False):
+    """A run's folder, made (or refused in one line, before anything is read: a fresh run never
+    writes over another's checkpoints); --tensorboard: the package there."""
+    if not resume and any(os.path.exists(f"{out_dir}/ckpt_{n}.pt") for n in ("last", "best")):
+        raise UserError(f"{out_dir} already holds a run: continue it with --resume, or choose "
+                        f"another --out_dir")
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard")
     try:
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401 (is it installed?)
         os.makedirs(out_dir, exist_ok=True)
-    except ImportError:
-        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") \
-            from None
     except OSError as e:
         raise UserError(f"cannot write to --out_dir {out_dir}: {e.strerror or e}") from None
 
@@ -81,15 +83,11 @@ def log_evaluation(out_dir, record, tensorboard=False, draw=True):
         draw_run(out_dir)
 
 
-def pyplot():
-    """matplotlib.pyplot without a display (None, said, when matplotlib is not installed)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        print("note: figures need matplotlib (pip install matplotlib)", file=sys.stderr)
+def pyplot():  # matplotlib.pyplot without a display, imported when a figure is drawn
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 def save_figure(fig, path):
@@ -111,14 +109,14 @@ def ppl(loss):
 def draw_run(out_dir):
     """OUT_DIR/curves.png from the run's log.jsonl and steps.jsonl."""
     plt, log = pyplot(), read_log(os.path.join(out_dir, "log.jsonl"))
-    if plt is None or not log:
+    if not log:
         return
     probe = [r for r in log if "probe_r_nt" in r]
     fig, ax = plt.subplots(1, 3 if probe else 2, figsize=(12 if probe else 8.5, 3.4))
     steps = read_log(os.path.join(out_dir, "steps.jsonl"))
     ys = [r["loss"] for r in steps]  # every step's loss, as a running mean of 10
     ax[0].plot([r["step"] for r in steps], [ppl(np.mean(ys[max(0, i - 9):i + 1])) for i in
-                                            range(len(ys))], alpha=0.35, lw=1, label="train, each step")
+                                            range(len(ys))], alpha=0.35, lw=1, label="each step")
     for key, style, label in (("train_loss", "o-", "train"), ("val_loss", "s-", "validation")):
         ax[0].plot([r["step"] for r in log], [ppl(r[key]) for r in log], style, label=label)
     ax[0].set(yscale="log", xlabel="step", title="perplexity")
@@ -141,11 +139,11 @@ def labels(runs):
     """What tells each run apart: the flags whose values differ between the runs (eps only
     where a head reads it), or its folder."""
     args = [a for a, _ in runs]
+    reads = lambda a, k: k != "epsilon" or a.get("head") in TERMINATION_HEADS  # noqa: E731
     keys = [k for k in sorted({k for a in args for k in a} - set(NOT_LABELS))
-            if len({json.dumps(a.get(k)) for a in args if k != "epsilon" or
-                    a.get("head") in ("st", "nmst")}) > 1]
+            if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1]
     names = [" ".join(f"{a[k]}" if k in ("model", "head", "dataset", "task") else f"{k}={a.get(k)}"
-                      for k in keys if k in a and (k != "epsilon" or a.get("head") in ("st", "nmst")))
+                      for k in keys if k in a and reads(a, k))
              or os.path.basename(os.path.normpath(folder)) for a, folder in runs]
     if len(set(names)) < len(names):  # alike in every flag: told apart by their folders
         names = [f"{n} ({os.path.normpath(f)})" for n, (_, f) in zip(names, runs)]
@@ -167,24 +165,21 @@ def overlay(folders, path):
     names, plt = labels(runs), pyplot()
     rows = ["| run | best val ppl | at step | last r_nt(L) | last p(eos) at end |",
             "|---|---|---|---|---|"]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6)) if plt else (None, None)
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, (name, log) in enumerate(zip(names, logs)):
         best, probe = min(log, key=lambda r: r["val_loss"]), [r for r in log if "probe_r_nt" in r]
         rows.append(f"| {name} | {best['val_ppl']:.2f} | {best['step']} | " + (
             f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
             f"{probe[-1]['eos_prob_at_end']:.4f} |" if probe else "- | - |"))
-        if plt:
-            style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4],
-                         marker="os^D"[i % 4], fillstyle="none")
-            ax[0].plot([r["step"] for r in log], [ppl(r["val_loss"]) for r in log], label=name, **style)
-            ax[1].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe], **style)
-    if plt:
-        ax[0].set(yscale="log", xlabel="step", ylabel="validation perplexity")
-        ax[1].set(xlabel="step", ylabel="r_nt(L), greedy", ylim=(-0.02, 1.02),
-                  title="termination probe")
-        fig.legend(*ax[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(0, 0),
-                   fontsize=8)
-        save_figure(fig, path)
+        style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4], marker="os^D"[i % 4],
+                     fillstyle="none")
+        ax[0].plot([r["step"] for r in log], [ppl(r["val_loss"]) for r in log], label=name, **style)
+        ax[1].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe], **style)
+    ax[0].set(yscale="log", xlabel="step", ylabel="validation perplexity")
+    ax[1].set(xlabel="step", ylabel="r_nt(L), greedy", ylim=(-0.02, 1.02), title="the probe")
+    fig.legend(*ax[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(0, 0),
+               fontsize=8)
+    save_figure(fig, path)
     return rows
 
 

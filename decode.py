@@ -35,9 +35,7 @@ DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
 SAMPLING = ("sample", "topk", "nucleus")  # the decoders that draw (greedy and beam do not)
 
 
-# ---------------------------------------------------------------------------------------------
-# candidate sets V_t (eq. 13, eq. 15) as boolean masks over the vocabulary
-# ---------------------------------------------------------------------------------------------
+# --- candidate sets V_t (eq. 13, eq. 15) as boolean masks over the vocabulary -----------------
 def topk_mask(log_probs, k):
     """eq. 13: V_t = arg top-k p(y_t = v).  log_probs (N, V) -> bool (N, V) with exactly
     min(k, V) True per row (ties at the boundary broken by torch.topk; any choice satisfies
@@ -84,9 +82,7 @@ def filter_log_probs(log_probs, decoder, k=None, p=None, temperature=1.0, eos_id
     return lp - torch.logsumexp(lp, dim=-1, keepdim=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# steppers: how the next-token distribution of every active row is obtained
-# ---------------------------------------------------------------------------------------------
+# --- steppers: how the next-token distribution of every active row is obtained ----------------
 class CachedStepper:
     """One incremental forward per step through the model's state (the real decoder)."""
 
@@ -108,9 +104,7 @@ class CachedStepper:
         self.state = self.lm.reorder_state(self.state, index)
 
 
-# ---------------------------------------------------------------------------------------------
-# the decoders
-# ---------------------------------------------------------------------------------------------
+# --- the decoders -----------------------------------------------------------------------------
 @torch.no_grad()
 def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, temperature=1.0,
            consistent=False, length_penalty=0.0, generator=None):
@@ -147,7 +141,8 @@ def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **k
     evaluate.py's study and train.py's termination probe both run, batched the same way so that
     they decode the same.  -> decode()'s dict for all prompts."""
     tokens, lengths, terminated, scores = [], [], [], []
-    for lo in tqdm(range(0, len(prompts), batch), desc, disable=None if desc else True, leave=False):
+    for lo in tqdm(range(0, len(prompts), batch), desc, disable=None if desc else True,
+                   leave=False):
         res = decode(lm, prompts[lo:lo + batch], L, decoder, **kw)
         tokens += res["tokens"]
         lengths.append(res["lengths"])
@@ -318,9 +313,7 @@ def _result(tokens, lengths, terminated, scores):
                 lengths=lengths, terminated=terminated, scores=scores)
 
 
-# ---------------------------------------------------------------------------------------------
-# statistics of a set of decodes (NMST paper section 4, Table 2-4, Fig. 2, 7, 8)
-# ---------------------------------------------------------------------------------------------
+# --- statistics of a set of decodes (NMST paper section 4, Table 2-4, Fig. 2, 7, 8) -----------
 def non_termination_ratio(lengths, terminated, L):
     """eq. 11: r_nt(L) = q(|y| > L), estimated as the share of continuations with no eos within
     their first L tokens.  lengths / terminated from one decode run to max(L) >= L."""

@@ -2,7 +2,7 @@
 story checkpoints NLL, BLEU and storyline keyword inclusion.
 
     python evaluate.py --ckpt out/wikitext2-lstm-nmst/ckpt_best.pt --split valid --out res.json
-    python evaluate.py --ckpt CKPT --no_ppl --decoder greedy --L 10 100 1000 --plot figs/ --out g.json
+    python evaluate.py --ckpt CKPT --no_ppl --decoder greedy --L 10 100 1000 --plot figs/ --out g
     python evaluate.py --compare va.json st.json nmst.json --plot figs/   # overlay the studies
 
 The study (--decoder) continues every context once up to max(--L) tokens: r_nt(L) (NMST paper
@@ -25,23 +25,23 @@ from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode
                     decode_stats, eos_probs, longest_continuation, sampling_generator)
 from heads import TERMINATION_HEADS, paper_name
 from insnet import generate
-from model import eval_mode
-from train import (INSERTION, INT0, INT1, POS, SEED, Parser, autocast, build_model, check_vocab,
-                   evaluate, get_device, load_checkpoint, number, run)
+from model import LanguageModel, eval_mode
+from train import (INSERTION, INT0, INT1, POS, SEED, Parser, autocast, check_vocab, evaluate,
+                   get_device, load_checkpoint, number, run)
 
 STUDY_FLAGS = ("L", "k", "p", "beam_size", "temperature", "consistent", "length_penalty",
                "decode_batch", "examples", "traces")
 
 
 def parser():
-    p = Parser(description="Evaluate a nanogen checkpoint (perplexity, non-termination study, BLEU).")
+    p = Parser(description="Evaluate a checkpoint (perplexity, non-termination study, BLEU).")
     p.add_argument("--ckpt", help="a checkpoint of train.py (required unless --compare)")
     p.add_argument("--split", default="valid", choices=["train", "valid", "test"])
-    p.add_argument("--data_dir", help="the data (default: the run's, else $NANOGEN_DATA, else download)")
+    p.add_argument("--data_dir", help="the data (default: the run's, $NANOGEN_DATA, a download)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto)")
     p.add_argument("--batch_size", type=INT1, help="sequences per batch (default: the run's)")
     p.add_argument("--max_tokens", type=INT1, help="padded tokens per batch (default: the run's)")
-    p.add_argument("--limit", type=INT1, help="only the first N sequences (stream: tokens a column)")
+    p.add_argument("--limit", type=INT1, help="the first N sequences (stream: tokens a column)")
     p.add_argument("--out", help="the results as JSON")
     p.add_argument("--no_ppl", action="store_true", help="no perplexity pass")
     add_decoding_flags(p)
@@ -72,7 +72,7 @@ def add_decoding_flags(p):
 
 
 def check_flags(a):
-    """The flag combinations that would do nothing: one line each."""
+    """The flag combinations that would do nothing: one line each; -> the flags given."""
     given = {k for k, v in vars(a).items() if v != parser().get_default(k)}
     study = {k for k in STUDY_FLAGS if k in given}
     for wrong, message in [
@@ -101,11 +101,12 @@ def check_flags(a):
         os.makedirs(a.plot or os.path.dirname(os.path.abspath(a.out or ".")), exist_ok=True)
     except OSError as e:
         raise UserError(f"{a.plot or a.out} cannot be written: {e.strerror or e}") from None
+    return given
 
 
 def model_from_checkpoint(ckpt, path):
     try:
-        model = build_model(ckpt["config"])
+        model = INSERTION.get(ckpt["config"]["model"], LanguageModel)(ckpt["config"])
         model.load_state_dict(ckpt["model"])
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
         raise UserError(f"{path}: its weights do not fit its model config ({str(e)[:160]})") \
@@ -135,7 +136,7 @@ def load_run(path, data_dir=None, device="cpu", sizes=None):
 
 def main(argv=None):
     a = parser().parse_args(argv)
-    check_flags(a)
+    given = check_flags(a)
     if a.compare:
         return compare(a)
     device = get_device(a.device)
@@ -144,17 +145,17 @@ def main(argv=None):
     res = dict(ckpt=os.path.abspath(a.ckpt), split=a.split, dataset=args.dataset, model=args.model,
                head=args.head, epsilon=args.epsilon, step=ckpt["state"]["step"], task=args.task)
     story = args.task in ("story", "storyline")
-    if story and (a.tau_report or a.plot or given_any(a, "consistent", "L", "traces", "decode_batch")):
-        raise UserError("--tau_report / --plot / --consistent / --L / --traces / --decode_batch are "
-                        "for left-to-right text checkpoints; a story checkpoint reports its NLL and, "
-                        "with --decoder, the BLEU of its stories")
+    if story and (a.tau_report or a.plot or {"consistent", "L", "traces", "decode_batch"} & given):
+        raise UserError("--tau_report / --plot / --consistent / --L / --traces / --decode_batch "
+                        "are for left-to-right text checkpoints; a story checkpoint reports its "
+                        "NLL and, with --decoder, the BLEU of its stories")
     if a.decoder and args.task != "completion" and not story:
         raise UserError("--decoder continues the contexts of sequence-completion data; this is a "
                         f"--task {args.task} checkpoint")
     if not a.no_ppl:
         sizes = dict(batch_size=a.batch_size, max_tokens=a.max_tokens) if sizes else None
-        res.update(evaluate(args, model, data, a.split, a.limit, device, autocast(device, args.dtype),
-                            f"perplexity ({a.split})", sizes))
+        res.update(evaluate(args, model, data, a.split, a.limit, device,
+                            autocast(device, args.dtype), f"perplexity ({a.split})", sizes))
         print(report(args, res, a.split))
     if story and a.decoder:
         res["generation"] = story_generation(model, args, data, a, device)
@@ -168,10 +169,6 @@ def main(argv=None):
         res["tau_report"] = tau_report(model, args, data, a, device)
     if a.out:
         write_json(a.out, res)
-
-
-def given_any(a, *flags):
-    return any(getattr(a, f) != parser().get_default(f) for f in flags)
 
 
 def report(args, res, split):
@@ -200,9 +197,7 @@ def write_json(path, obj):
     os.replace(f"{path}.tmp", path)
 
 
-# --------------------------------------------------------------------------------------------
-# the decoding study (NMST paper section 4)
-# --------------------------------------------------------------------------------------------
+# --- the decoding study (NMST paper section 4) ------------------------------------------------
 def decoding_study(model, data, a, device):
     """Decode every context of the split once up to max(L): r_nt(L), its curve, the lengths,
     uniqueness and examples (NMST paper Table 2-4, Fig. 2, 7, 8)."""
@@ -228,11 +223,12 @@ def decoding_study(model, data, a, device):
         done, c = bool(result["terminated"][i]), int(split.contexts[i])
         if seen[done] < a.examples:
             seen[done] += 1
-            examples.append(dict(index=i, terminated=done, context=detok(split[i][:c].tolist()),
-                                 continuation=detok(toks[:200]) + (" ..." if len(toks) > 200 else ""),
-                                 ground_truth=detok(split[i][c:].tolist()[:200])))
-            print(f"\n[{'terminated' if done else 'NOT terminated'}] context: {examples[-1]['context']}"
-                  f"\n  continuation: {examples[-1]['continuation'][:400]}")
+            ex = dict(index=i, terminated=done, context=detok(split[i][:c].tolist()),
+                      continuation=detok(toks[:200]) + (" ..." if len(toks) > 200 else ""),
+                      ground_truth=detok(split[i][c:].tolist()[:200]))
+            examples.append(ex)
+            print(f"\n[{'terminated' if done else 'NOT terminated'}] context: {ex['context']}"
+                  f"\n  continuation: {ex['continuation'][:400]}")
     return dict(stats, r_nt_curve=decode_stats(result, curve)["r_nt"], examples=examples,
                 generated_lengths=[m if done else None for m, done in zip(
                     result["lengths"].tolist(), result["terminated"].tolist())],
@@ -253,22 +249,20 @@ def eos_traces(model, split, n):
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# the temperature report (CT paper Fig. 1, Tables 5-6)
-# --------------------------------------------------------------------------------------------
+# --- the temperature report (CT paper Fig. 1, Tables 5-6) -------------------------------------
 @torch.no_grad()
 def tau_report(model, args, data, a, device, top=10):
-    """The contextual temperature along the text: the model reads the 10 evaluation columns of
-    the split as a stream; at every position tau of the word that actually comes next, and the
-    mean tau of every vocabulary entry.  Sentences (lines) of 16-24 words are cut to their first,
-    middle and last 5 words, as in the paper, and tau at each of those 15 positions is averaged
-    (with a 95% interval)."""
+    """The contextual temperature along the text (the split's 10 evaluation columns read as a
+    stream): tau of the word that comes next at every position, and each word's mean tau.
+    Sentences of 16-24 words are cut to their first, middle and last 5 words, as in the paper,
+    and tau at each of those 15 positions is averaged (with a 95% interval)."""
     if args.head not in ("ct", "ctmos") or args.model not in ("rnn", "lstm") or \
             data["tokenizer"].kind != "word":
         raise UserError("--tau_report is the CT paper's word-level analysis: a ct / ctmos head on "
                         "an rnn / lstm, word-level data")
     cols = batchify(data["streams"][a.split], 10, a.split)[:, :a.limit and a.limit + 1]
-    spans = [(b, s, e) for b in range(10) for s, e in sentences(cols[b, 1:].tolist(), data["eos_id"])]
+    spans = [(b, s, e) for b in range(10)
+             for s, e in sentences(cols[b, 1:].tolist(), data["eos_id"])]
     if not spans:
         raise UserError("no sentence of 16-24 words here (or within --limit): nothing to report")
     tau_next = torch.zeros(10, cols.size(1) - 1, dtype=torch.float64)
@@ -287,13 +281,15 @@ def tau_report(model, args, data, a, device, top=10):
     word = lambda v: (data["tokenizer"].decode([int(v)]), (tau_sum[v] / n).item())  # noqa: E731
     rep = dict(sentences=len(rows), position_mean=mean.tolist(), position_ci95=half.tolist(),
                positions=[f"{part}-{i + 1}" for part in ("first", "mid", "last") for i in range(5)],
-               highest=[word(v) for v in order[:top]], lowest=[word(v) for v in order[-top:].flip(0)])
-    print(f"temperature of the next word by position ({rep['sentences']} sentences of 16-24 words):")
+               highest=[word(v) for v in order[:top]],
+               lowest=[word(v) for v in order[-top:].flip(0)])
+    print(f"temperature of the next word by position ({len(rows)} sentences of 16-24 words):")
     for name, m, c in zip(rep["positions"], rep["position_mean"], rep["position_ci95"]):
         print(f"  {name:8s} {m:.6f} +- {c:.6f}")
     print("highest mean tau:", ", ".join(f"{w} {t:.6f}" for w, t in rep["highest"]))
     print("lowest mean tau: ", ", ".join(f"{w} {t:.6f}" for w, t in rep["lowest"]))
-    if a.plot and (plt := curves.pyplot()):
+    if a.plot:
+        plt = curves.pyplot()
         fig, ax = plt.subplots(figsize=(7, 3.5))
         ax.errorbar(range(15), rep["position_mean"], yerr=rep["position_ci95"], fmt="o-", capsize=3)
         ax.set_xticks(range(15), rep["positions"], rotation=60, fontsize=7)
@@ -315,15 +311,12 @@ def sentences(column, eos_id):
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# stories: generation, BLEU, keyword inclusion (InsNet paper section 5)
-# --------------------------------------------------------------------------------------------
+# --- stories: generation, BLEU, keyword inclusion (InsNet paper section 5) --------------------
 def bleu(hypotheses, references, max_n=4):
-    """Corpus BLEU-max_n (Papineni et al. 2002), one reference per hypothesis, no smoothing, in
-    percent: BP * exp(mean_{n<=max_n} log p_n), p_n the clipped n-gram precision summed over the
-    corpus, BP = exp(1 - r/c) when the hypotheses are shorter in total (c < r); 0 when some
-    p_n = 0.  It equals sacrebleu's corpus_bleu with tokenize="none", smooth_method="none"
-    (tests), and nltk's corpus_bleu when every hypothesis has at least max_n tokens."""
+    """Corpus BLEU-max_n (Papineni et al. 2002), one reference a hypothesis, no smoothing, in
+    percent: BP * exp(mean_{n<=max_n} log p_n), p_n the clipped n-gram precision over the corpus,
+    BP = exp(1 - r/c) when c < r; 0 when some p_n = 0 (as sacrebleu's corpus_bleu, tokenize and
+    smoothing "none", and nltk's when every hypothesis has at least max_n tokens: tests)."""
     matches, totals, c, r = [0] * max_n, [0] * max_n, 0, 0
     for hyp, ref in zip(hypotheses, references, strict=True):
         c, r = c + len(hyp), r + len(ref)
@@ -360,12 +353,14 @@ def story_generation(model, args, data, a, device):
             hyp = [next(words) if given else vocab[t] for t, given in
                    zip(out["tokens"][len(prefix):-1], out["given"][len(prefix):-1])]
         else:
-            out = decode(model, [torch.tensor(prefix, device=device)], min(cap, longest_continuation(
-                model, len(prefix))), a.decoder, k=a.k, temperature=a.temperature, generator=g)
+            L = min(cap, longest_continuation(model, len(prefix)))
+            out = decode(model, [torch.tensor(prefix, device=device)], L, a.decoder, k=a.k,
+                         temperature=a.temperature, generator=g)
             hyp = [vocab[t] for t in out["tokens"][0] if t not in banned]
         hyps.append(hyp)
         refs.append(story["story"])
-        total, included = total + len(story["keywords"]), included + in_order(hyp, story["keywords"])
+        total += len(story["keywords"])
+        included += in_order(hyp, story["keywords"])
         if len(shown) < a.examples:
             shown.append(dict(title=" ".join(story["title"]), storyline=" ".join(story["keywords"]),
                               generated=" ".join(hyp), reference=" ".join(story["story"])))
@@ -374,8 +369,8 @@ def story_generation(model, args, data, a, device):
                mean_length=sum(map(len, hyps)) / max(len(hyps), 1), examples=shown,
                decoder=a.decoder, k=a.k, temperature=a.temperature)
     b, kw = gen["bleu"], gen["keyword_inclusion"]
-    print(f"generation ({a.decoder}): BLEU-1/2/3/4 {b[1]:.2f} / {b[2]:.2f} / {b[3]:.2f} / {b[4]:.2f}"
-          f", mean length {gen['mean_length']:.1f}" + (
+    print(f"generation ({a.decoder}): BLEU-1/2/3/4 {b[1]:.2f} / {b[2]:.2f} / {b[3]:.2f} / "
+          f"{b[4]:.2f}, mean length {gen['mean_length']:.1f}" + (
               f", storyline keywords included {100 * kw:.2f}%" if kw is not None else ""))
     for ex in shown:
         print(f"  [{ex['title']} | {ex['storyline']}] {ex['generated']}\n    reference: "
@@ -392,9 +387,7 @@ def in_order(words, keywords):
     return found
 
 
-# --------------------------------------------------------------------------------------------
-# studies side by side: the table and the figures
-# --------------------------------------------------------------------------------------------
+# --- studies side by side: the table and the figures ------------------------------------------
 def compare(a):
     """--compare: the studies of earlier --out files side by side (and overlaid with --plot)."""
     results = []
@@ -428,7 +421,8 @@ def print_study_table(results):
     the heads that read it)."""
     Ls = sorted({int(L) for r in results for L in r["decoding"]["r_nt"]})
     print(f"{'model':5s} {'head':8s} {'eps':>7s} {'decoder':12s} " + " ".join(
-        f"{'r_nt(%d)' % L:>11s}" for L in Ls) + f" {'mean len':>9s} {'uniq non-term':>13s} {'n':>6s}")
+        f"{'r_nt(%d)' % L:>11s}" for L in Ls) + f" {'mean len':>9s} {'uniq non-term':>13s} "
+        f"{'n':>6s}")
     for r in results:
         d, eps = r["decoding"], f"{r['epsilon']:.0e}" if r["head"] in TERMINATION_HEADS else "-"
         r_nt = {int(L): v for L, v in d["r_nt"].items()}
@@ -441,8 +435,6 @@ def plot_study(results, out_dir, files=None):
     """r_nt(L) (log-log, Fig. 2 / 7), the length histograms (Fig. 8) and p(eos) traces (Fig. 3),
     the runs labelled by what differs between them (head, eps, model, decoder, dataset)."""
     plt = curves.pyplot()
-    if plt is None:
-        return
     parts = [dict(head=paper_name(r["head"]), eps=f"eps={r['epsilon']:g}" if r["head"] in
                   TERMINATION_HEADS else "", model=r["model"], decoder=decoder_name(r["decoding"]),
                   dataset=r["dataset"]) for r in results]
@@ -454,8 +446,9 @@ def plot_study(results, out_dir, files=None):
     figs = {name: plt.subplots(figsize=(5.5, 4)) for name in ("r_nt", "lengths")}
     cut = [max(int(L) for L in r["decoding"]["r_nt"]) for r in results]
     bins = torch.linspace(0, max(cut) + 1, 41).tolist()
-    figs["lengths"][1].hist([min(m, max(cut)) for m in results[0]["decoding"]["ground_truth_lengths"]],
-                            bins=bins, alpha=0.4, color="gray", label="ground truth")
+    truth = results[0]["decoding"]["ground_truth_lengths"]
+    figs["lengths"][1].hist([min(m, max(cut)) for m in truth], bins=bins, alpha=0.4, color="gray",
+                            label="ground truth")
     traced = [{t["index"]: t["p_eos"] for t in r.get("eos_traces") or []} for r in results]
     shown = next((list(t)[:3] for t in traced if t), [])
     if shown:
@@ -466,15 +459,15 @@ def plot_study(results, out_dir, files=None):
         figs["r_nt"][1].plot([int(x) for x in curve], [max(y, 1e-4) for y in curve.values()],
                              label=label, **style)
         n_cut = sum(m is None for m in lengths)
-        figs["lengths"][1].hist([L if m is None else m for m in lengths], bins=bins, histtype="step",
-                                color=style["color"], label=f"{label} ({n_cut} non-terminated, drawn "
-                                f"at L={L})" if n_cut else label)
+        figs["lengths"][1].hist([L if m is None else m for m in lengths], bins=bins,
+                                histtype="step", color=style["color"], label=f"{label} ({n_cut} "
+                                f"non-terminated, drawn at L={L})" if n_cut else label)
         for ax, index in zip(figs["p_eos"][1][:, 0] if shown else [], shown):
             if index in traced[i]:
                 ax.plot(range(1, len(traced[i][index]) + 1), traced[i][index], label=label, **style)
                 ax.set(yscale="log", ylabel="p(eos)", title=f"sequence {index}")
     figs["r_nt"][1].set(xscale="log", yscale="log", xlabel="L", ylabel="r_nt(L)  (0 drawn at 1e-4)",
-                        title=f"non-termination ratio ({title})" if title else "non-termination ratio")
+                        title="non-termination ratio" + (f" ({title})" if title else ""))
     figs["lengths"][1].set(xlabel="continuation length", ylabel="count", yscale="log")
     os.makedirs(out_dir, exist_ok=True)
     for name, (fig, ax) in figs.items():

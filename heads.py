@@ -48,9 +48,7 @@ def paper_name(head):
     return PAPER_NAMES.get(head, head.upper())
 
 
-# ---------------------------------------------------------------------------------------------
-# numerics
-# ---------------------------------------------------------------------------------------------
+# --- numerics ---------------------------------------------------------------------------------
 def log1mexp(a):
     """log(1 - exp(a)) for a <= 0, stable everywhere (Maechler 2012): two branches at -log 2."""
     a = torch.clamp(a, max=0.0)
@@ -73,9 +71,7 @@ def _check_epsilon(epsilon):
         raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
 
 
-# ---------------------------------------------------------------------------------------------
-# the three parametrizations (pure functions)
-# ---------------------------------------------------------------------------------------------
+# --- the three parametrizations (pure functions) ----------------------------------------------
 def softmax_log_probs(logits):
     """VA, NMST paper eq. 2:  p(y_t = v) = exp(u_v^T h_t) / sum_v' exp(u_v'^T h_t).
     logits (..., V) -> log_probs (..., V)."""
@@ -182,9 +178,7 @@ def loss_scale(vocab_size, alpha, beta):
     return (1.0 / vocab_size + alpha) / beta
 
 
-# ---------------------------------------------------------------------------------------------
-# the loss path: log p(target) without the (B, T, V) log-probabilities
-# ---------------------------------------------------------------------------------------------
+# --- the loss path: log p(target) without the (B, T, V) log-probabilities ---------------------
 def log_softmax_at(h, W, targets, exclude=None, bias=None):
     """log softmax(U h + b)[targets], over the vocabulary without `exclude` when it is given
     (the non-eos factor of eq. 9 / 10).  The textbook way: linear, then cross_entropy.
@@ -196,9 +190,7 @@ def log_softmax_at(h, W, targets, exclude=None, bias=None):
                             reduction="none").view(targets.shape)
 
 
-# ---------------------------------------------------------------------------------------------
-# nn.Module wrapper: owns the output projection U (V, D), optionally tied to the embedding
-# ---------------------------------------------------------------------------------------------
+# --- nn.Module wrapper: owns the output projection U (V, D), optionally tied to the embedding ---
 def check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature):
     """A head's options, each read only by the heads that use it (their defaults: train.py)."""
     if kind not in HEADS:

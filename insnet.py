@@ -96,6 +96,21 @@ def canvas_steps(order, offsets=None):
     return canvas.scatter_(2, ranks, steps)[:, :, :n]
 
 
+def insertion_order(length, n_given, keyword_pos=(), mode="random", generator=None):
+    """One insertion order (length,) for a sequence BOS x_1 .. x_{length-2} EOS.
+    BOS (position 0) and EOS (position length-1) come first, then the given prefix positions
+    1 .. n_given-1 left to right (a conditioning title + separator: n_given counts BOS), then the
+    keyword positions (storyline constraints, left to right), then the rest: uniformly random
+    (mode 'random', the paper's training orders) or left to right (mode 'l2r', InsNet-l2r)."""
+    given = [0, length - 1, *range(1, n_given), *sorted(keyword_pos)]
+    rest = sorted(set(range(length)) - set(given))
+    if mode == "random":
+        rest = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
+    elif mode != "l2r":
+        raise ValueError(f"unknown insertion order '{mode}' (random or l2r)")
+    return torch.tensor(given + rest, dtype=torch.long)
+
+
 def slot_log_probs(gap_logits, end_logit, n_canvas, slot_start):
     """p(slot) over the valid gaps and the termination slot (InsNet section 3.3).
     gap_logits (..., G): logit of gap g (between canvas tokens g and g+1); end_logit (...);
@@ -161,7 +176,7 @@ class InsertionModel(nn.Module):
         return self.lm_head(self.ln_slot(F.gelu(slot)))
 
     def forward(self, **batch):
-        """The training call: sequence_log_probs of a data.stories.collate_insertions batch (through forward,
+        """The training call: sequence_log_probs of a collate_insertions batch (through forward,
         so that a DistributedDataParallel wrapper runs its forward and syncs the gradients)."""
         return self.sequence_log_probs(**batch)
 
@@ -357,7 +372,7 @@ class InsertionTransformer(InsertionModel):
 
 def start_canvas(model, given):
     """Decoding state for the initial canvas `given` (final order, BOS first, EOS last), inserted
-    in the training orders' sequence (data.stories.insertion_order): BOS, then EOS after it, then the rest left
+    in the training orders' sequence (insertion_order): BOS, then EOS after it, then the rest left
     to right, each just before EOS."""
     state = model.start()
     for j, tok in enumerate([given[0], given[-1], *given[1:-1]]):
@@ -417,3 +432,18 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
             trace.append((list(canvas), float(p_end)))
     return dict(tokens=canvas, given=is_given, inserted=len(canvas) - len(given),
                 terminated=terminated)
+
+
+def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device="cpu"):
+    """A training / scoring batch: seqs, list of 1-D token lists (BOS .. EOS in final order);
+    n_given[b]: BOS + the given prefix (title + separator: 1 when there is none); keyword_pos[b]:
+    positions given as keywords.  -> dict for InsertionModel.sequence_log_probs."""
+    tokens = torch.zeros(len(seqs), n := max(map(len, seqs)), dtype=torch.long)  # right-padded
+    order = torch.arange(n).repeat(len(seqs), 1)  # padding keeps order values >= the length
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = torch.as_tensor(s)
+        order[b, :len(s)] = insertion_order(len(s), n_given[b], keyword_pos[b], mode, generator)
+    batch = dict(tokens=tokens, order=order, lengths=torch.tensor([len(s) for s in seqs]),
+                 n_given=torch.tensor([1 + g + len(k) for g, k in zip(n_given, keyword_pos)]),
+                 slot_start=torch.tensor([g - 1 for g in n_given]))  # the gap after the prefix
+    return {k: v.to(device) for k, v in batch.items()}  # (n_given: BOS, EOS, prefix, keywords)

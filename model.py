@@ -39,8 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from data import UserError
-from data.prepare import cache_dir, download
+from data import UserError, cache_dir, download
 from heads import Head
 
 MODELS = ("rnn", "lstm", "gcnn", "gpt")
@@ -58,9 +57,7 @@ def eval_mode(module):
         module.train(was_training)
 
 
-# ---------------------------------------------------------------------------------------------
-# RNN / LSTM
-# ---------------------------------------------------------------------------------------------
+# --- RNN / LSTM -------------------------------------------------------------------------------
 class Recurrent(nn.Module):
     """Embedding -> dropout -> n_layer nn.RNN(tanh) / nn.LSTM (dropout between layers) -> dropout.
     d_model is both the embedding and the hidden size, so the output layer can be tied."""
@@ -117,9 +114,7 @@ class Recurrent(nn.Module):
         return state.index_select(1, index)
 
 
-# ---------------------------------------------------------------------------------------------
-# GPT-2
-# ---------------------------------------------------------------------------------------------
+# --- GPT-2 ------------------------------------------------------------------------------------
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head, dropout, bias):
         super().__init__()
@@ -256,9 +251,7 @@ class GPT(nn.Module):
                               next_pos=state.next_pos.index_select(0, index))
 
 
-# ---------------------------------------------------------------------------------------------
-# gated convolutional LM (the survey's chapter 4; Dauphin et al. 2017)
-# ---------------------------------------------------------------------------------------------
+# --- gated convolutional LM (the survey's chapter 4; Dauphin et al. 2017) ---------------------
 class GatedConv(nn.Module):
     """One gated convolutional layer, the survey's eq. 4.1:
         H(X) = (X * W + b) (x) sigmoid(X * V + c)
@@ -323,9 +316,7 @@ class GCNN(nn.Module):
         return [p.index_select(0, index) for p in past], pos.index_select(0, index), end
 
 
-# ---------------------------------------------------------------------------------------------
-# backbone + head
-# ---------------------------------------------------------------------------------------------
+# --- backbone + head --------------------------------------------------------------------------
 def build_backbone(cfg):
     """The backbone of a config dict (train.py's model_config writes it, checkpoints keep it)."""
     V, D = cfg["vocab_size"], cfg["d_model"]
@@ -413,9 +404,7 @@ class LanguageModel(nn.Module):
         return 6 * n + attn
 
 
-# ---------------------------------------------------------------------------------------------
-# GPT-2's pretrained weights (train.py --init_from gpt2)
-# ---------------------------------------------------------------------------------------------
+# --- GPT-2's pretrained weights (train.py --init_from gpt2) -----------------------------------
 HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -444,8 +433,9 @@ HF_HUB = "https://huggingface.co/{name}/resolve/main/model.safetensors"
 def gpt2_weights(name, path=None):
     """GPT-2's HuggingFace state_dict from `path` (a file, or a folder holding model.safetensors or
     pytorch_model.bin), else from the hub, downloaded into the cache once."""
-    if path is None and not os.path.exists(path := f"{cache_dir()}/hub/{name}/model.safetensors"):
-        download(HF_HUB.format(name=name), path, hint="pass --weights PATH to a local copy")
+    if path is None:  # (downloaded once)
+        path = download(HF_HUB.format(name=name), f"{cache_dir()}/hub/{name}/model.safetensors",
+                        hint="pass --weights PATH to a local copy")
     for file in ("model.safetensors", "pytorch_model.bin"):
         path = os.path.join(path, file) if os.path.isfile(os.path.join(path, file)) else path
     try:
@@ -453,7 +443,8 @@ def gpt2_weights(name, path=None):
             from safetensors.torch import load_file
             return load_file(path)
         state = dict(torch.load(path, map_location="cpu", weights_only=True))
-        assert all(torch.is_tensor(v) for v in state.values()), "not a state_dict"
+        if not all(torch.is_tensor(v) for v in state.values()):
+            raise TypeError("not a state_dict")
         return state
     except Exception as e:  # missing, truncated, not a weights file
         raise UserError(f"--weights {path}: not a readable GPT-2 checkpoint ({type(e).__name__})") \

@@ -6,14 +6,12 @@ the figures (PNG) and the raw numbers (JSON) into --out (default results/NAME-SC
     python reproduce.py nmst-table4 --scale cpu        # NMST Table 4: r_nt(L) x 6 decoders
     python reproduce.py ct-table3 --scale cpu          # CT Table 3: softmax / MoS / CT / CT-MoS
     python reproduce.py insnet-storyline --scale cpu   # InsNet Table 3 (BLEU, inclusion), Fig. 12
-    python reproduce.py all --scale cpu
 
-Scales (the table SCALES below says what each one trains):
-    tiny   seconds: the tests' end-to-end check of every command
-    cpu    a coursework preset: <= 10 minutes each on 2 CPU cores (README: measured times),
-           small models, several seeds, settings chosen so the paper's effect can show
-    paper  the papers' own settings (GPU days; the README gives the expected time)
+Scales (each *_settings function says what it trains): tiny (seconds: the tests' end-to-end
+check), cpu (a coursework preset: <= 10 minutes each on 2 CPU cores, small models, several
+seeds), paper (the papers' own settings: GPU days).
 """
+import itertools
 import json
 import math
 import os
@@ -29,11 +27,10 @@ from heads import HEADS as HEADS_AVAILABLE
 from heads import TERMINATION_HEADS, paper_name
 
 RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
+SMOKE = ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."]
 
 
-# --------------------------------------------------------------------------------------------
-# the settings of every result at every scale (flags of train.py / evaluate.py)
-# --------------------------------------------------------------------------------------------
+# --- the settings of every result at every scale (flags of train.py / evaluate.py) ------------
 def nmst_settings(scale, table):
     """NMST paper: Table 1 / Fig. 2, 7 (RNN, LSTM on WikiText-2) and Table 4 (GPT-2 finetuned
     on WikiText-103).  cpu: PTB (a 10k vocabulary is cheaper than WikiText-2's 33k), small
@@ -61,12 +58,12 @@ PAPER_TABLE1 = {("rnn", "softmax"): "178.6 ± 6.3", ("rnn", "st"): "180.4 ± 3.3
                 ("lstm", "st"): "104.5 ± 1.4", ("lstm", "nmst"): "101.5 ± 0.8"}
 TABLE4 = ("topk-2", "topk-4", "nucleus-0.2", "nucleus-0.4", "beam-2", "beam-4")
 PAPER_TABLE4 = {  # r_nt(1000) in the paper's Table 4, in the order of TABLE4
-    "softmax": ("0.0 ± 0.0", "0.0 ± 0.0", "0.25 ± 0.08", "0.14 ± 0.05", "0.05 ± 0.02",
-                "0.03 ± 0.01"),
-    "st": ("0.0 ± 0.0", "0.0 ± 0.0", "0.73 ± 0.11", "0.55 ± 0.15", "0.29 ± 0.10",
-           "0.15 ± 0.07"),
-    "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02",
-             "0.01 ± 0.01")}
+    "softmax": ("0.0 ± 0.0", "0.0 ± 0.0",
+                "0.25 ± 0.08", "0.14 ± 0.05", "0.05 ± 0.02", "0.03 ± 0.01"),
+    "st": ("0.0 ± 0.0", "0.0 ± 0.0",
+           "0.73 ± 0.11", "0.55 ± 0.15", "0.29 ± 0.10", "0.15 ± 0.07"),
+    "nmst": ("0.0 ± 0.0", "0.0 ± 0.0",
+             "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02", "0.01 ± 0.01")}
 HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
 
 
@@ -76,9 +73,7 @@ def decoder_flags(name):
     return ["--decoder", kind] + ([flag, value] if flag else [])
 
 
-# --------------------------------------------------------------------------------------------
-# running: train (or reuse), evaluate (or reuse)
-# --------------------------------------------------------------------------------------------
+# --- running: train (or reuse), evaluate (or reuse) -------------------------------------------
 def train_once(out_dir, flags):
     """Train into out_dir, or go on with a run stopped there, or reuse a finished one."""
     resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt_last.pt")) else []
@@ -110,27 +105,8 @@ def evaluate_once(ckpt, flags, path):
 def mean_std(values, digits=1):
     """mean ± std over seeds; one seed: the value alone (one run has no spread to show)."""
     values = [v for v in values if v is not None and not math.isnan(v)]
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
-
-
-class Progress:
-    """One line per stage of a reproduce.py command: k of n, elapsed, and time left (the mean
-    time of the stages done so far; a reused stage costs nothing)."""
-
-    def __init__(self, total):
-        self.total, self.done, self.t0 = total, 0, time.time()
-
-    def step(self, what):
-        self.done += 1
-        spent = time.time() - self.t0
-        left = spent / max(self.done - 1, 1) * (self.total - self.done + 1) if self.done > 1 \
-            else None
-        print(f"[{self.done}/{self.total}] {what}  ({spent / 60:.1f} min elapsed"
-              + (f", ~{left / 60:.1f} min left)" if left is not None else ")"), flush=True)
+    return "-" if not values else f"{values[0]:.{digits}f}" if len(values) == 1 else \
+        f"{statistics.mean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
 
 
 EVAL_SEQS = 400  # the validation sequences of a run's own evaluations (tiny and cpu scales)
@@ -149,9 +125,7 @@ def base_flags(cfg, model, head, seed, eps):
             "--seed", str(seed), *cfg["models"][model], *steps]
 
 
-# --------------------------------------------------------------------------------------------
-# NMST Table 1 + Fig. 2 / 7, NMST Table 4
-# --------------------------------------------------------------------------------------------
+# --- NMST Table 1 + Fig. 2 / 7, NMST Table 4 --------------------------------------------------
 def nmst_runs(table, args):
     """Train every (model, head, seed), evaluate perplexity and decode every context with every
     decoder (sampling decoders: the run's seed).  -> {(model, head): [per-seed results]}."""
@@ -161,11 +135,12 @@ def nmst_runs(table, args):
     plan = [(f"{model}-{head}-s{seed}", base_flags(cfg, model, head, seed, cfg["eps"]),
              (model, head), seed)
             for model in cfg["models"] for head in args.heads for seed in range(cfg["seeds"])]
-    runs, progress = {}, Progress(2 * len(plan))
-    for name, train_flags, key, seed in plan:
-        progress.step(f"training {name}")
+    runs = {}
+    for k, (name, train_flags, key, seed) in enumerate(plan):
+        print(f"[{k + 1}/{len(plan)}] training {name}", flush=True)
         ckpt = train_once(os.path.join(args.runs, name), train_flags)
-        progress.step(f"evaluating {name} (perplexity, {len(cfg['decoders'])} decoders)")
+        print(f"[{k + 1}/{len(plan)}] evaluating {name} (perplexity, {len(cfg['decoders'])} "
+              f"decoders)", flush=True)
         ppl_flags = ["--split", "valid"] + (limit if args.scale == "tiny" else [])
         r = dict(ppl=evaluate_once(ckpt, ppl_flags,
                                    os.path.join(args.out, f"{name}-ppl.json"))["ppl"])
@@ -217,7 +192,7 @@ def verdict_table1(cfg, runs, args):
     """The paper's qualitative claim, checked on these numbers (said plainly either way); at the
     tiny scale (a smoke test: a few steps, one seed) no conclusion is drawn."""
     if args.scale == "tiny":
-        return ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."]
+        return SMOKE
     out, L = [""], cfg["L"]
     others = [h for h in args.heads if h in TERMINATION_HEADS]  # the heads the claim is about
     for m in cfg["models"]:
@@ -229,7 +204,7 @@ def verdict_table1(cfg, runs, args):
                 "softmax and st or nmst)."
         elif looping and not any(any(rates[h]) for h in others):
             verdict = "the paper's effect shows (VA continuations that never end; none for " \
-                f"{' and '.join(paper_name(h) for h in others)})."
+                f"{' and '.join(map(paper_name, others))})."
         else:
             verdict = "the paper's effect does NOT show at this scale" + (
                 " (no VA continuation loops here: a small, briefly trained VA model need not)"
@@ -253,50 +228,36 @@ def report_table4(cfg, runs, args):
         cells = [f"{mean_std(r_nt(runs[model, h], d, cfg['L']), 3)} ({paper.get(d, '-')})"
                  for d in decs]
         lines.append(f"| {paper_name(h)} | " + " | ".join(cells) + " |")
-    lines.append("")
     if args.scale == "tiny":
-        return lines + ["- smoke test (tiny scale: a few steps, one seed): no conclusion."]
-    for h in args.heads:
-        worst = max(statistics.mean(r_nt(runs[model, h], d, cfg["L"])) for d in decs)
-        lines.append(f"- {paper_name(h)}: the largest r_nt({cfg['L']}) over these decoders is "
-                     f"{worst:.3f}" + (" (Theorem 3: NMST terminates under all of them)"
-                                       if h == "nmst" else ""))
-    return lines
-
-
-STYLES = {"softmax": ("tab:red", ":", "o"), "st": ("tab:green", "--", "s"),
-          "nmst": ("tab:blue", "-", "^")}  # other heads: the next colours of the cycle
+        return lines + SMOKE
+    worst = {h: max(statistics.mean(r_nt(runs[model, h], d, cfg["L"])) for d in decs)
+             for h in args.heads}
+    return lines + ["", *(f"- {paper_name(h)}: the largest r_nt({cfg['L']}) over these decoders "
+                          f"is {worst[h]:.3f}" for h in args.heads)]
 
 
 def plot_nmst(cfg, runs, args):
-    """Fig. 2 / 7 (Table 4: the same per decoder): r_nt(L) against L (log-log), mean ± std over
-    seeds, one panel per decoder and model.  r_nt = 0 cannot be drawn on a log axis: it is drawn
-    at the 1e-3 floor (a grey line, said in the axis label), with markers so that heads sharing
-    a curve stay visible."""
-    plt = curves.pyplot()
-    if plt is None:
-        return
-    models, decs = list(cfg["models"]), cfg["decoders"]
+    """Fig. 2 / 7 (Table 4: the same per decoder): r_nt(L) against L (log-log), the mean over
+    seeds and its std as a band, a panel per model and decoder.  r_nt = 0 cannot be drawn on a
+    log axis: it is drawn at the 1e-3 floor (said in the axis label), markers telling apart heads
+    that share a curve."""
+    plt, models, decs = curves.pyplot(), list(cfg["models"]), cfg["decoders"]
     fig, axes = plt.subplots(len(models), len(decs), figsize=(3.2 * len(decs), 2.8 * len(models)),
                              squeeze=False)
-    for i, m in enumerate(models):
-        for j, d in enumerate(decs):
-            ax = axes[i, j]
-            ax.axhline(1e-3, color="0.7", lw=0.8)
-            for k, h in enumerate(args.heads):
-                color, ls, marker = STYLES.get(h, (f"C{k + 3}", "-.", "D"))
-                per_seed = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
-                Ls = sorted(int(L) for L in per_seed[0])
-                ys = [[max(c[str(L)], 1e-3) for c in per_seed] for L in Ls]
-                mean = [statistics.mean(y) for y in ys]
-                sd = [statistics.pstdev(y) for y in ys]
-                ax.plot(Ls, mean, ls, color=color, marker=marker, markersize=max(5 - k, 2),
-                        fillstyle="none", label=paper_name(h))
-                ax.fill_between(Ls, [max(a - b, 1e-3) for a, b in zip(mean, sd)],
-                                [a + b for a, b in zip(mean, sd)], color=color, alpha=0.15)
-            ax.set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}",
-                   xlabel="L" if i == len(models) - 1 else None,
-                   ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None)
+    for (i, m), (j, d), (k, h) in itertools.product(enumerate(models), enumerate(decs),
+                                                    enumerate(args.heads)):
+        per_seed = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
+        Ls = sorted(int(L) for L in per_seed[0])
+        ys = [[max(c[str(L)], 1e-3) for c in per_seed] for L in Ls]
+        mean, sd = [statistics.mean(y) for y in ys], [statistics.pstdev(y) for y in ys]
+        axes[i, j].plot(Ls, mean, ("-", "--", ":", "-.")[k % 4], color=f"C{k}",
+                        marker="o^sD"[k % 4], markersize=max(5 - k, 2), fillstyle="none",
+                        label=paper_name(h))
+        axes[i, j].fill_between(Ls, [max(a - b, 1e-3) for a, b in zip(mean, sd)],
+                                [a + b for a, b in zip(mean, sd)], color=f"C{k}", alpha=0.15)
+        axes[i, j].set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}",
+                       xlabel="L" if i == len(models) - 1 else None,
+                       ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None)
     axes[0, 0].legend(fontsize=7)
     curves.save_figure(fig, os.path.join(args.out, "r_nt.png"))
 
@@ -307,10 +268,9 @@ def over_training(cfg, args):
     lines = []
     for model in cfg["models"]:
         folders = [os.path.join(args.runs, f"{model}-{h}-s0") for h in args.heads]
-        path = os.path.join(args.out, f"training-{model}.png")
-        rows = curves.overlay(folders, path)
+        rows = curves.overlay(folders, os.path.join(args.out, f"training-{model}.png"))
         seqs = f"the first {EVAL_SEQS}" if cfg["steps"] else "all"
-        lines += ["", f"Over training ({model}, seed 0; {os.path.basename(path)}): the runs' own "
+        lines += ["", f"Over training ({model}, seed 0; training-{model}.png): the runs' own "
                       f"evaluations (perplexity on {seqs} validation sequences); the probe "
                       f"greedy-decodes 64 validation contexts at each evaluation.", "", *rows]
     return lines
@@ -320,14 +280,10 @@ def run_nmst(table, args):
     cfg, runs = nmst_runs(table, args)
     lines = report_table1(cfg, runs, args) if table == 1 else report_table4(cfg, runs, args)
     plot_nmst(cfg, runs, args)
-    lines += over_training(cfg, args)
-    raw = {f"{m}/{h}": res for (m, h), res in runs.items()}
-    return lines, raw
+    return lines + over_training(cfg, args), {f"{m}/{h}": res for (m, h), res in runs.items()}
 
 
-# --------------------------------------------------------------------------------------------
-# CT Table 3
-# --------------------------------------------------------------------------------------------
+# --- CT Table 3 -------------------------------------------------------------------------------
 CT_ROWS = (("softmax", "softmax", []), ("MoS (tau = 0.5)", "mos", ["--temperature", "0.5"]),
            ("MoS (tau = 1.0)", "mos", []), ("MoS (tau = 4.0)", "mos", ["--temperature", "4"]),
            ("CT", "ct", []), ("CT-MoS", "ctmos", []))
@@ -359,11 +315,10 @@ def run_ct(args):
     plan = [(f"{head}{extra[1] if extra else ''}-s{seed}",
              [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)], label)
             for label, head, extra in CT_ROWS for seed in range(cfg["seeds"])]
-    runs, progress = {}, Progress(2 * len(plan))
-    for name, flags, label in plan:
-        progress.step(f"training {name}")
+    runs = {}
+    for k, (name, flags, label) in enumerate(plan):
+        print(f"[{k + 1}/{len(plan)}] training and evaluating {name}", flush=True)
         ckpt = train_once(os.path.join(args.runs, name), flags)
-        progress.step(f"evaluating {name} (valid, test)")
         ppl = {split: evaluate_once(ckpt, ["--split", split, *cfg["limit"]],
                                     os.path.join(args.out, f"{name}-{split}.json"))["ppl"]
                for split in ("valid", "test")}
@@ -376,8 +331,7 @@ def run_ct(args):
         lines.append(f"| {label} | {mean_std([r['valid'] for r in runs[label]])} | "
                      f"{mean_std([r['test'] for r in runs[label]])} | {PAPER_CT[label]} |")
     if args.scale == "tiny":
-        return lines + ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."], \
-            runs
+        return lines + SMOKE, runs
     valid = {label: statistics.mean(r["valid"] for r in runs[label]) for label in runs}
     best = min(valid, key=valid.get)
     holds = all(valid["CT-MoS"] < valid[label] for label, head, _ in CT_ROWS if head == "mos")
@@ -387,9 +341,7 @@ def run_ct(args):
     return lines, runs
 
 
-# --------------------------------------------------------------------------------------------
-# InsNet: storyline-constrained generation (Table 3) and Fig. 12
-# --------------------------------------------------------------------------------------------
+# --- InsNet: storyline-constrained generation (Table 3) and Fig. 12 ---------------------------
 def insnet_settings(scale):
     """InsNet Table 3 (golden storylines): InsNet-full vs L2R-PNW on ROCStories.  cpu: 2x64
     models, 500 steps, greedy decoding of 100 test stories; the paper: base size, 80k steps."""
@@ -413,11 +365,10 @@ def run_insnet(args):
     plan = [(f"{model}-s{seed}", ["--model", model, "--dataset", "rocstories", "--task",
                                   "storyline", "--seed", str(seed), *cfg["flags"]], model)
             for model in ("insnet", "gpt") for seed in range(cfg["seeds"])]
-    runs, progress = {}, Progress(2 * len(plan) + 1)
-    for name, flags, model in plan:
-        progress.step(f"training {name}")
+    runs = {}
+    for k, (name, flags, model) in enumerate(plan):
+        print(f"[{k + 1}/{len(plan)}] training {name} and generating its stories", flush=True)
         ckpt = train_once(os.path.join(args.runs, name), flags)
-        progress.step(f"generating {name}'s stories")
         runs.setdefault(model, []).append(evaluate_once(
             ckpt, ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
             os.path.join(args.out, f"{name}-generation.json"))["generation"])
@@ -431,7 +382,6 @@ def run_insnet(args):
         bleu = [mean_std([r["bleu"][str(n)] for r in g], 2) for n in range(1, 5)]
         inc = mean_std([100 * r["keyword_inclusion"] for r in g], 1)
         lines.append(f"| {label} | " + " | ".join(bleu) + f" | {inc} % | {PAPER_INSNET[model]} |")
-    progress.step("Fig. 12 (bench.py insnet)")
     lines += fig12(cfg, args)
     return lines, runs
 
@@ -439,17 +389,17 @@ def run_insnet(args):
 def fig12(cfg, args):
     """Fig. 12 (bench.py insnet): seconds per epoch by length, InsNet / IT-vanilla / L2R (cpu: a
     2 x 256 model, so that the output layer weighs as in a real one)."""
-    flags = [*f"--gpt_layers 2 --gpt_dim {64 if args.scale == 'tiny' else 256} --gpt_heads 4 "
-             f"--seqs {4 if args.scale == 'tiny' else 16} --batch {8 if args.scale == 'tiny' else 16} "
-             f"--it_batch {2 if args.scale == 'tiny' else 4} --iters {1 if args.scale == 'tiny' else 2}"
-             .split(), "--lengths", *map(str, cfg["lengths"]), "--plot", os.path.join(args.out, "fig12.png")]
+    sizes = "64 4 8 2 1" if args.scale == "tiny" else "256 16 16 4 2"
+    flags = [*"--gpt_layers 2 --gpt_dim {} --gpt_heads 4 --seqs {} --batch {} --it_batch {} "
+             "--iters {}".format(*sizes.split()).split(), "--lengths", *map(str, cfg["lengths"]),
+             "--plot", os.path.join(args.out, "fig12.png")]
     bench_args = bench.parser().parse_args(["insnet", *flags])
     lines = bench.bench_insnet(bench_args, train.get_device("cpu"))
     return ["", f"Fig. 12 (python bench.py insnet {' '.join(flags)}):", "", "```", *lines, "```"]
 
 
 # --------------------------------------------------------------------------------------------
-def build_parser():
+def main(argv=None):
     p = train.Parser(description="Reproduce a paper result in one command: train (or reuse the "
                                   "runs), evaluate, write the paper's table beside nanogen's.")
     p.add_argument("what", choices=[*RESULTS, "all"])
@@ -459,11 +409,7 @@ def build_parser():
     p.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS_AVAILABLE,
                    help="nmst-table1 / nmst-table4: the output heads compared (default "
                         "softmax st nmst)")
-    return p
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = p.parse_args(argv)
     if len(set(args.heads)) < len(args.heads):  # one run would count as two seeds
         raise UserError("--heads names a head twice: give each head once")
     if args.heads != list(HEADS) and args.what in ("ct-table3", "insnet-storyline"):
@@ -480,17 +426,15 @@ def main(argv=None):
         except OSError as e:
             raise UserError(f"--runs {args.runs} cannot be made: {e.strerror or e}") from None
         t0 = time.time()
-        job = {"nmst-table1": lambda: run_nmst(1, args), "nmst-table4": lambda: run_nmst(4, args),
-               "ct-table3": lambda: run_ct(args), "insnet-storyline": lambda: run_insnet(args)}
-        lines, raw = job[name]()
+        lines, raw = run_nmst(int(name[-1]), args) if name.startswith("nmst") else \
+            run_ct(args) if name == "ct-table3" else run_insnet(args)
         minutes = (time.time() - t0) / 60
         lines += ["", f"({name}, scale {args.scale}: {minutes:.1f} min on this machine)"]
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         evaluate.write_json(os.path.join(args.out, "results.json"),
                             dict(result=name, scale=args.scale, minutes=minutes, runs=raw))
-        print("\n".join(lines))
-        print(f"wrote {os.path.join(args.out, 'table.md')} and results.json")
+        print("\n".join(lines) + f"\nwrote {os.path.join(args.out, 'table.md')} and results.json")
     return 0
 
 

@@ -1,16 +1,12 @@
 """Continue your own text with a trained checkpoint, and watch where (and why) it stops.
 
     python sample.py --ckpt out/ptb-lstm-nmst/ckpt_best.pt --prompt "the company said it"
-    python sample.py --ckpt CKPT --prompt_file prompts.txt --decoder topk --k 4 --show_eos
-    python sample.py --ckpt out/rocstories-storyline-insnet/ckpt_best.pt --title "the big game" \\
-        --keywords team practiced won
+    python sample.py --ckpt STORYLINE_CKPT --title "the big game" --keywords team practiced won
 
-A continuation ends in [eos] when the model chose eos, or is cut at --L tokens (not terminated);
---show_eos prints p(eos) at every step, the quantity the NMST paper is about.  Insertion
-checkpoints print the canvas after every insertion, with p(terminate).  No data is read: the
-checkpoint carries its vocabulary.  Word-level prompts are written as the data is (PTB is
-lower-cased; punctuation stands apart: "rose ," and "company 's"); --allow_unk reads unknown
-words as <unk>.  A char-level prompt is read as whole words and a space, as training contexts.
+A continuation ends in [eos] when the model chose eos, or is cut at --L tokens; --show_eos
+prints p(eos) at every step.  Insertion checkpoints print the canvas after every insertion, with
+p(terminate).  The checkpoint carries its vocabulary.  Word-level prompts are written as the data
+is (PTB: lower case; "rose ," and "company 's"); --allow_unk reads unknown words as <unk>.
 """
 import math
 import sys
@@ -20,8 +16,8 @@ import torch
 from data import UserError
 from data.prepare import tokenizer
 from data.stories import BOS, EOS, PAD, SEP, SPECIALS, encode_story
-from decode import STORY_DECODERS, check_decoder_args, decode, decode_in_batches, eos_probs
-from decode import sampling_generator
+from decode import (STORY_DECODERS, check_decoder_args, decode, decode_in_batches, eos_probs,
+                    sampling_generator)
 from insnet import generate
 from evaluate import add_decoding_flags, model_from_checkpoint
 from train import INSERTION, Parser, get_device, load_checkpoint, number, run
@@ -35,8 +31,8 @@ def main(argv=None):
     p.add_argument("--title", help="story checkpoints: the title")
     p.add_argument("--keywords", nargs="*", default=[], help="storyline checkpoints: its keywords")
     add_decoding_flags(p)
-    p.add_argument("--L", type=number(int, lambda v: 1 <= v <= 10 ** 6, "in [1, 10^6]"), default=100,
-                   help="the length cap: tokens generated")
+    p.add_argument("--L", type=number(int, lambda v: 1 <= v <= 10 ** 6, "in [1, 10^6]"),
+                   default=100, help="the length cap: tokens generated")
     p.add_argument("--show_eos", action="store_true", help="print p(eos) at every step")
     p.add_argument("--allow_unk", action="store_true", help="read unknown words as <unk>")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto)")
@@ -45,22 +41,20 @@ def main(argv=None):
     if args.seed is None and args.decoder in ("sample", "topk", "nucleus"):
         args.seed = int(torch.randint(2 ** 31, ()))  # a fresh one, said: the sample can be repeated
         print(f"seed {args.seed} (--seed {args.seed} repeats this sample)", file=sys.stderr)
-    ckpt = load_checkpoint(args.ckpt)
-    device = get_device(args.device)
+    ckpt, device = load_checkpoint(args.ckpt), get_device(args.device)
     model = model_from_checkpoint(ckpt, args.ckpt).to(device)
     g = sampling_generator(device, args.seed or 0)
     if ckpt["args"]["task"] in ("story", "storyline"):
         return sample_story(args, ckpt, model, g, device)
     if args.title or args.keywords:
-        raise UserError("--title / --keywords are for story checkpoints; this one continues --prompt")
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        try:  # a BOM is not text
-            text = sys.stdin.read() if args.prompt_file == "-" else open(
-                args.prompt_file, encoding="utf-8").read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--prompt_file {args.prompt_file}: {e}") from None
-        prompts += [line for line in text.lstrip("\ufeff").splitlines() if line.strip()]
+        raise UserError("--title / --keywords are for story checkpoints; this one continues "
+                        "--prompt")
+    try:  # (a BOM is not text)
+        text = "" if not args.prompt_file else sys.stdin.read() if args.prompt_file == "-" else \
+            open(args.prompt_file, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--prompt_file {args.prompt_file}: {e}") from None
+    prompts = args.prompt + [ln for ln in text.lstrip("\ufeff").splitlines() if ln.strip()]
     if not prompts or not all(x.strip() for x in prompts):
         raise UserError("give some text to continue: --prompt TEXT, or --prompt_file FILE")
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
@@ -75,7 +69,7 @@ def main(argv=None):
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
         body = tok.decode([t for t in toks if t != model.eos_id]).strip()
         ended = "[eos]" if done else f"[length cap {args.L}: not terminated]"
-        print(" ".join(part for part in (text, ">>>", body, ended) if part) + why(model, done, args))
+        print(" ".join(x for x in (text, ">>>", body, ended) if x) + why(model, done, args))
         for t, (token, p_eos) in enumerate(zip(toks, eos_probs(model, x, toks)) if args.show_eos
                                            else [], start=1):
             print(f"    t={t:4d}  p(eos)={p_eos:.4f}  {tok.decode([token])!r}")
@@ -94,8 +88,7 @@ def encode(tok, text, allow_unk):
 
 
 def check_known(words, stoi, allow_unk):
-    """Unknown words are an error naming them (and what they miss of the data's writing: its
-    lower case), unless they may be read as <unk>."""
+    """Unknown words are an error naming them (and the data's lower case), unless read as <unk>."""
     unknown = sorted({w for w in words if w not in stoi})
     if unknown and not allow_unk:
         lower = "; the data is lower-cased" if any(w.lower() in stoi for w in unknown) else ""
@@ -103,9 +96,7 @@ def check_known(words, stoi, allow_unk):
                         f"{lower} (--allow_unk reads them as <unk>)")
 
 
-def why(model, done, args):
-    """An ST / NMST continuation cut before its guaranteed end: p(eos) passes 1/2 by
-    t = ln 2 / eps at the latest (NMST paper Theorem 3)."""
+def why(model, done, args):  # NMST Theorem 3: ST / NMST's p(eos) passes 1/2 by t = ln 2 / eps
     head, eps = model.cfg["head"], model.cfg["epsilon"]
     bound = math.log(2) / -math.log1p(-eps) if head in ("st", "nmst") else 0
     return f"  ({head.upper()}: p(eos) passes 1/2 by t = ln 2 / eps = {bound:,.0f}; --L {args.L} " \
@@ -115,7 +106,8 @@ def why(model, done, args):
 def sample_story(args, ckpt, model, g, device):
     """L2R continues "title [storyline]"; an insertion model fills the canvas BOS title SEP
     [keywords] EOS and prints it as given and after every insertion.  synthetic: from <bos>."""
-    synthetic, task, vocab = ckpt["args"]["dataset"] == "synthetic", ckpt["args"]["task"], ckpt["vocab"]
+    task, vocab = ckpt["args"]["task"], ckpt["vocab"]
+    synthetic = ckpt["args"]["dataset"] == "synthetic"
     if args.prompt or args.prompt_file or args.show_eos or args.consistent:
         raise UserError("--prompt / --prompt_file / --show_eos / --consistent are for text "
                         "checkpoints; a story checkpoint takes --title (and --keywords)")
@@ -146,7 +138,8 @@ def sample_story(args, ckpt, model, g, device):
         raise UserError(f"{given} given tokens + --L {args.L} exceed the model's "
                         f"{model.max_canvas()} positions: a smaller --L")
     out = generate(model, [*prefix, *kws, EOS], given + args.L, args.decoder, args.k,
-                   args.temperature, len(prefix) - 1, (PAD, BOS, EOS, SEP), generator=g, trace=trace)
+                   args.temperature, len(prefix) - 1, (PAD, BOS, EOS, SEP), generator=g,
+                   trace=trace)
     for step, (canvas, p_end) in enumerate(trace):  # step 0: the given canvas
         print(f"{step:3d}  p(terminate)={p_end:.3f}  {' '.join(vocab[t] for t in canvas[1:-1])}")
     print(f"[{'terminated' if out['terminated'] else f'length cap {args.L}'} after "

@@ -19,19 +19,20 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import curves
 from data import UserError
-from data.loader import batchify, epoch_batches, get_batch, load_data
+from data.loader import batchify, check_fits, epoch_batches, get_batch, load_data
 from data.prepare import DATASETS, VOCABS
 from decode import decode_in_batches, longest_continuation, non_termination_ratio
 from heads import HEADS, TERMINATION_HEADS, loss_scale
 from insnet import InsertionTransformer, InsNet
 from model import MODELS, WINDOWED, LanguageModel, eval_mode, gpt2_weights, gpt_state_from_hf
 
-# ----- flags: their defaults, the recipe of the --model over them (NMST paper section 4 and -------
-# appendix D; InsNet paper section 4.3; gcnn and gpt from scratch: nanogen's), what you type over both
+# ----- flags: their defaults, the --model's recipe over them (NMST paper section 4 and app. D;
+# InsNet paper section 4.3; gcnn and gpt from scratch: nanogen's), what you type over both -------
 INSERTION = {"insnet": InsNet, "insertion_transformer": InsertionTransformer}
 STORY_DATASETS = ("rocstories", "synthetic")
 GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
@@ -39,7 +40,8 @@ GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large"
 RECURRENT = dict(n_layer=2, d_model=512, dropout=0.5, lr=1e-3, lr_schedule="plateau", batch_size=32,
                  max_iters=0, eval_interval=0, weight_decay=0.01, decay_steps=500_000, warmup=0)
 GPT = dict(n_layer=12, d_model=768, dropout=0.1, lr=6e-4, lr_schedule="linear", max_tokens=1024,
-           max_iters=300_000, eval_interval=2000, weight_decay=0.01, decay_steps=300_000, warmup=2000)
+           max_iters=300_000, eval_interval=2000, weight_decay=0.01, decay_steps=300_000,
+           warmup=2000)
 RECIPES = {"rnn": dict(RECURRENT, d_model=256, dropout=0.3), "lstm": RECURRENT,
            "gcnn": dict(RECURRENT, n_layer=8, dropout=0.1), "gpt": GPT,  # nanoGPT's
            "gpt_finetune": dict(GPT, lr=5e-5, decay_steps=500_000, warmup=0),  # NMST section 4.2
@@ -52,10 +54,11 @@ def number(kind, ok, words):
     """An argparse type: a finite number of `kind` for which ok(value) holds."""
     def parse(text):
         try:
-            assert math.isfinite(value := kind(text)) and ok(value)
-        except (ValueError, AssertionError):
-            raise argparse.ArgumentTypeError(f"must be {words} ({kind.__name__}), got {text}") \
-                from None
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"must be {words} ({kind.__name__}), got {text}")
         return value
     return parse
 
@@ -85,23 +88,22 @@ FLAGS = [  # (flag, default (None: the recipe's), type (a tuple: the choices; bo
     ("kernel_size", 4, INT1, "gcnn"), ("no_tie", False, bool, ""), ("no_bias", False, bool, "gpt"),
     ("n_experts", 4, INT1, "mos / ctmos: K"), ("ct_alpha", 1.0, NONNEG, "CT eq. 6"),
     ("ct_beta", 0.5, POS, "CT eq. 6"), ("ct_rank", 0, INT0, "ct: rank of W_tau (0: full)"),
-    ("temperature", 1.0, POS, "softmax / mos: a constant one"),
+    ("temperature", 1.0, POS, "softmax / mos: a constant one"), ("max_offset", 256, INT1, "insnet"),
     ("locked_dropout", False, bool, "rnn / lstm: a dropout mask per sequence (AWD-LSTM)"),
-    ("order", "random", ("random", "l2r"), "insertion order"), ("max_offset", 256, INT1, "insnet"),
-    ("min_count", 2, INT1, "rocstories: rarer words are <unk>"),
-    ("synthetic_count", 200, INT1, "synthetic: sequences per length"), ("lr", None, POS, ""),
+    ("order", "random", ("random", "l2r"), "insertion order"), ("lr", None, POS, ""),
+    ("min_count", 2, INT1, "rocstories: rarer words are <unk>"), ("warmup", None, INT0, ""),
+    ("synthetic_count", 200, INT1, "synthetic: sequences per length"), ("max_epochs", 70, INT1, ""),
     ("beta1", 0.9, FRACTION, ""), ("beta2", 0.99, FRACTION, ""), ("weight_decay", None, NONNEG, ""),
     ("grad_clip", 1.0, NONNEG, "0: off"), ("lr_schedule", None, ("plateau", "linear", "constant"),
      "plateau: x --lr_decay at an evaluation that does not improve; linear: up for --warmup "
-     "steps, down to 0 at --decay_steps"), ("decay_steps", None, INT1, ""), ("warmup", None, INT0, ""),
+     "steps, down to 0 at --decay_steps"), ("decay_steps", None, INT1, ""),
     ("lr_decay", 0.5, number(float, lambda v: 0 < v <= 1, "in (0, 1]"), ""),
     ("patience", 10, INT1, "evaluations without improvement"), ("batch_size", None, INT1, ""),
     ("max_tokens", None, INT1, "padded tokens a batch"), ("bptt", 70, INT1, "stream: its window"),
     ("loss_scaling", False, bool, "CT eq. 8's LS"), ("ar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"),
-    ("tar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"), ("max_epochs", 70, INT1, ""),
+    ("tar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"), ("max_iters", None, INT0, "0: none"),
     ("grad_accum", None, INT1, "batches a step over all processes (default: one a process)"),
-    ("max_iters", None, INT0, "0: none"), ("max_minutes", 0.0, NONNEG, "evaluations count; 0: none"),
-    ("eval_interval", None, INT0, "steps (0: at each epoch's end)"),
+    ("max_minutes", 0.0, NONNEG, "0: none"), ("eval_interval", None, INT0, "0: at epoch ends"),
     ("log_interval", 10, INT1, "steps between the reads of the losses and the stop checks"),
     ("eval_seqs", 0, INT0, "validate on the first N (0: all)"), ("train_seqs", 0, INT0, "0: all"),
     ("probe", 64, INT0, "termination probe: greedy-decode N validation contexts (0: off)"),
@@ -163,7 +165,8 @@ def get_args(argv=None):
 def run_name(a):
     if a["dataset"] in STORY_DATASETS:
         return f"{a['dataset']}-{a['task']}-{a['model']}" + ("-l2r" if a["order"] == "l2r" else "")
-    return f"{a['dataset']}{'-' + a['vocab'] if a['vocab'] != 'word' else ''}-{a['model']}-{a['head']}"
+    vocab = "" if a["vocab"] == "word" else "-" + a["vocab"]
+    return f"{a['dataset']}{vocab}-{a['model']}-{a['head']}"
 
 
 def check_args(a):
@@ -177,7 +180,7 @@ def check_args(a):
             (story and a.head != "softmax", "the story models have the softmax head: drop --head"),
             (story != (a.task in ("story", "storyline")), f"--task {a.task} is not for --dataset "
              f"{a.dataset} (stories: story or storyline; text: completion or stream)"),
-            (a.task == "storyline" and a.dataset != "rocstories", "--task storyline needs rocstories"),
+            (a.task == "storyline" and a.dataset != "rocstories", "--task storyline: rocstories"),
             (a.task == "stream" and a.model not in ("rnn", "lstm"), "--task stream is for --model "
              "rnn or lstm (the CT paper's continuous LM), on one process"),
             (a.task == "stream" and a.head in TERMINATION_HEADS, f"--head {a.head} models the end "
@@ -210,12 +213,7 @@ def model_config(args, data):
         vocab_size=data["vocab_size"], eos_id=data["eos_id"])
 
 
-def build_model(cfg):
-    """InsNet, IT-vanilla, or a LanguageModel (backbone + head), from a config dict."""
-    return INSERTION.get(cfg["model"], LanguageModel)(cfg)
-
-
-# ----- the loss: one call of the model --------------------------------------------------------------
+# ----- the loss: one call of the model -------------------------------------------------------
 def score(model, batch, state=None):
     """One call of the model -> (log p of every predicted token or event (B, T), the mask of those
     that count, the stream's state).  Insertion models (InsNet paper): log p(slot) +
@@ -227,10 +225,10 @@ def score(model, batch, state=None):
     log_p, state = model(batch["inputs"], batch["t"], state, targets=batch["targets"])
     if "start" not in batch:  # not a stream: every batch starts afresh
         return log_p.float(), batch["mask"], None
-    return log_p.float(), torch.ones_like(log_p, dtype=torch.bool), state
+    return log_p.float(), torch.ones_like(log_p, dtype=torch.bool), state  # (a stream: all count)
 
 
-# ----- evaluation: perplexity (completion, stream), the stories' NLL; the termination probe -------
+# ----- evaluation: perplexity (completion, stream), the stories' NLL; the termination probe ---
 @torch.no_grad()
 def evaluate(args, model, data, split="valid", limit=None, device="cpu", ctx=nullcontext(),
              desc=None, sizes=None):
@@ -242,8 +240,7 @@ def evaluate(args, model, data, split="valid", limit=None, device="cpu", ctx=nul
     limit, stream, story = limit or args.eval_seqs or None, args.task == "stream", \
         args.task in ("story", "storyline")
     if stream:  # the usual 10 evaluation columns (or the first `limit` tokens of each)
-        data = dict(data, **{split: batchify(data["streams"][split], 10, split)[:, :limit and
-                                                                               limit + 1]})
+        data = {**data, split: batchify(data["streams"][split], 10, split)[:, :limit and limit + 1]}
     (rank, procs), keys = world(), epoch_batches(args, data, 0, split, limit, sizes)
     sums, state = torch.zeros(5, dtype=torch.float64, device=device), None  # nll n eos seqs n!
     with eval_mode(model):
@@ -271,8 +268,7 @@ def evaluate(args, model, data, split="valid", limit=None, device="cpu", ctx=nul
 def probe(args, model, data):
     """The termination probe (NMST paper eq. 11): greedy continuations of the first --probe
     validation contexts up to --probe_L tokens, as `evaluate.py --decoder greedy --limit --L`."""
-    split, t0 = data["valid"], time.time()
-    n = min(args.probe, len(split))
+    split, t0, n = data["valid"], time.time(), min(args.probe, len(data["valid"]))
     cap = longest_continuation(model, int(split.contexts[:n].max(initial=0)))
     if n == 0 or (L := args.probe_L if cap is None else min(args.probe_L, cap)) < 1:
         return {}
@@ -281,14 +277,14 @@ def probe(args, model, data):
     text = tok.decode([t for t in tokens if t != data["eos_id"]])
     rec = dict(probe_r_nt=non_termination_ratio(res["lengths"], res["terminated"], L), probe_L=L,
                probe_n=n, probe_mean_length=float(res["lengths"].double().mean()))
+    end = f"eos at t={len(tokens)}" if ended else f"cut at L={L}: not terminated"
     print(f"        probe: r_nt({L}) {rec['probe_r_nt']:.3f} over {n} contexts | mean length "
           f"{rec['probe_mean_length']:.1f} | \"{tok.decode(split.context(0).tolist())}\" >>> "
-          f"\"{text[:120]}{'...' if len(text) > 120 else ''}\" [" + (
-              f"eos at t={len(tokens)}]" if ended else f"cut at L={L}: not terminated]"), flush=True)
+          f"\"{text[:120]}{'...' if len(text) > 120 else ''}\" [{end}]", flush=True)
     return dict(rec, probe_seconds=time.time() - t0)
 
 
-# ----- what every command shares: the device, one-line errors, checkpoints --------------------------
+# ----- what every command shares: the device, one-line errors, checkpoints -------------------
 def get_device(name, local_rank=None):
     """--device -> 'cpu' or 'cuda:N', this process's; on CUDA with TF32 and without cuDNN's
     attention, which builds a plan for every new (B, T), and nanogen's batches come in many."""
@@ -314,21 +310,19 @@ def autocast(device, dtype):
     return torch.autocast("cuda", dtype=dt) if device.startswith("cuda") and dt else nullcontext()
 
 
-def world():
-    """(this process's rank, the number of processes): torchrun's, or (0, 1)."""
+def world():  # (this process's rank, the number of processes): torchrun's, or (0, 1)
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def all_sum(values, device):
-    """A list of numbers summed over the processes (one collective), or as it is."""
+def all_sum(values, device):  # a list of numbers summed over the processes (one collective)
     if dist.is_initialized():
         dist.all_reduce(values := torch.tensor(values, dtype=torch.float64, device=device))
     return values.tolist() if torch.is_tensor(values) else values
 
 
 def run(main):
-    """A command's entry point: a UserError is one line `error: ...` (one write: torchrun's
-    processes never run together), exit status 2 (Ctrl-C: 130); anything else keeps its traceback."""
+    """A command's entry point: a UserError is one line `error: ...`, exit status 2 (Ctrl-C: 130);
+    a bug keeps its traceback."""
     try:
         sys.exit(main())
     except (UserError, KeyboardInterrupt) as e:
@@ -360,14 +354,13 @@ def load_checkpoint(path):
     return ckpt
 
 
-def check_vocab(ckpt, data, path):
-    """No silently wrong number: a checkpoint reads data of its own vocabulary alone."""
+def check_vocab(ckpt, data, path):  # no silently wrong number: a model reads its own vocabulary
     if ckpt["vocab"] != data["vocab"] or ckpt["config"]["eos_id"] != data["eos_id"]:
-        raise UserError(f"{path} was trained on another vocabulary than the {ckpt['args']['dataset']}"
-                        f" data here (point --data_dir at the data it was trained on)")
+        raise UserError(f"{path} was trained on another vocabulary than the "
+                        f"{ckpt['args']['dataset']} data here (point --data_dir at its data)")
 
 
-# ----- the run: set-up (data, model, DDP, resume), then the loop ---------------------------------
+# ----- the run: set-up (data, model, DDP, resume), then the loop ------------------------------
 STOP = []  # the signals that asked this process to stop (on_signal appends, at any moment)
 
 
@@ -381,16 +374,14 @@ def on_signal(signum, frame):
 
 def main(argv=None):
     args, ckpt = get_args(argv)
-    if not args.resume and any(os.path.exists(f"{args.out_dir}/ckpt_{n}.pt") for n in ("last", "best")):
-        raise UserError(f"{args.out_dir} already holds a run: continue it with --resume, or choose "
-                        f"another --out_dir")
-    curves.check_out_dir(args.out_dir, args.tensorboard)
+    curves.check_out_dir(args.out_dir, args.tensorboard, args.resume)
     rank, procs = world()
     device = get_device(args.device, int(os.environ["LOCAL_RANK"]) if procs > 1 else None)
     if procs > 1:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     torch.manual_seed(args.seed + rank)  # before the model is built: its initial weights
-    weights = args.init_from != "scratch" and not ckpt and gpt2_weights(args.init_from, args.weights)
+    weights = args.init_from != "scratch" and not ckpt and gpt2_weights(args.init_from,
+                                                                         args.weights)
     data = load_data(args) if rank == 0 else None  # rank 0 prepares the data, then the others
     if procs > 1:  # read it
         dist.barrier()
@@ -415,10 +406,10 @@ def build(args, ckpt, data, weights, device):
     if ckpt:  # --resume: the checkpoint's vocabulary and model
         check_vocab(ckpt, data, f"{args.out_dir}/ckpt_last.pt")
         if k := next((k for k in cfg if cfg[k] != ckpt["config"].get(k)), None):
-            raise UserError(f"the checkpoint in {args.out_dir} has {k}={ckpt['config'].get(k)}, not "
-                            f"{cfg[k]}: drop that flag, or use another --out_dir for a new run")
+            raise UserError(f"the checkpoint in {args.out_dir} has {k}={ckpt['config'].get(k)}, "
+                            f"not {cfg[k]}: drop that flag, or use another --out_dir for a new run")
     check_fits(args, data)
-    model = build_model(cfg)
+    model = INSERTION.get(cfg["model"], LanguageModel)(cfg)  # InsNet, IT-vanilla, backbone + head
     if weights:
         try:
             model.load_state_dict(gpt_state_from_hf(weights, model))
@@ -430,7 +421,8 @@ def build(args, ckpt, data, weights, device):
          dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
         lr=args.lr, betas=(args.beta1, args.beta2), fused=True)
     ctx = autocast(device, args.dtype)
-    scaler = torch.amp.GradScaler(device[:4], enabled=getattr(ctx, "fast_dtype", 0) == torch.float16)
+    scaler = torch.amp.GradScaler(device[:4], enabled=getattr(ctx, "fast_dtype", 0) ==
+                                  torch.float16)
     st = dict(step=0, epoch=0, batch_in_epoch=0, best_val=math.inf, bad_evals=0, lr=args.lr,
               elapsed=0.0)
     if ckpt:  # the model, optimizer, counters, scaler, and this process's RNG (saved by another
@@ -454,8 +446,7 @@ def build(args, ckpt, data, weights, device):
     if args.compile:
         compile_model(model)
     if dist.is_initialized():
-        from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[device] if device[:4] == "cuda" else None)
+        model = DDP(model, device_ids=[device] if device.startswith("cuda") else None)
     return model, optimizer, scaler, ctx, st
 
 
@@ -466,12 +457,11 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
     accum = args.grad_accum // procs
     ls = loss_scale(data["vocab_size"], args.ct_alpha, args.ct_beta) if args.loss_scaling else 1.0
     t0, pending, stop = time.time() - st["elapsed"], [], None
-    since = dict(nll=torch.zeros((), dtype=torch.float64, device=device), n=0, tokens=0,
-                 t0=time.time())
+    since = dict(nll=0.0, n=0, tokens=0, t0=time.time())  # (nll: summed on the device)
     hidden, why = to(hidden, device), limit_reached(args, st)
     if why:
         return print(f"{args.out_dir}: this run already finished ({why}); raise the limit to go on")
-    while not why:
+    while not (why or stop):
         keys = epoch_batches(args, data, st["epoch"])
         n_steps = len(keys) // args.grad_accum  # (the last len % grad_accum batches are skipped)
         for s in tqdm(range(st["batch_in_epoch"], n_steps), f"epoch {st['epoch']}", n_steps,
@@ -514,28 +504,26 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
                                pending, since) or why
             if why or stop:
                 break
-        if stop:
-            sync(args, pending, device, st)
-            save(args, raw, optimizer, scaler, data, st, hidden)
-            if rank == 0:
-                print(f"stopped by {stop} after step {st['step']}; {args.out_dir}/ckpt_last.pt "
-                      f"written: the same command with --resume goes on")
-            return
-        if not why:  # the epoch's end: without --eval_interval (or at the end) an evaluation
+        else:  # the epoch's end: without --eval_interval (or at the end) an evaluation
             st.update(epoch=st["epoch"] + 1, batch_in_epoch=0)
             if not args.eval_interval or (why := limit_reached(args, st)):
                 why = validate(args, model, optimizer, scaler, ctx, data, st, hidden, device,
                                pending, since) or why
+    if stop:
+        sync(args, pending, device, st)
+        save(args, raw, optimizer, scaler, data, st, hidden)
     if rank == 0:
-        print(f"done ({why}) after {st['step']} steps; best validation loss {st['best_val']:.4f} "
-              f"(ppl {math.exp(min(st['best_val'], 700)):.2f}); checkpoints in {args.out_dir}")
+        print(f"stopped by {stop} after step {st['step']}; {args.out_dir}/ckpt_last.pt written: "
+              f"the same command with --resume goes on" if stop else f"done ({why}) after "
+              f"{st['step']} steps; best validation loss {st['best_val']:.4f} (ppl "
+              f"{math.exp(min(st['best_val'], 700)):.2f}); checkpoints in {args.out_dir}")
 
 
 def validate(args, model, optimizer, scaler, ctx, data, st, hidden, device, pending, since):
-    """Evaluate, log, probe, lower a plateau lr, checkpoint; -> why the run stops early, or None."""
+    """Evaluate, log, probe, lower a plateau lr, checkpoint; -> why the run stops now, or None."""
     sync(args, pending, device, st)
     raw, rank = getattr(model, "module", model), world()[0]
-    nll, n, tokens = all_sum([since["nll"].item(), since["n"], since["tokens"]], device)
+    nll, n, tokens = all_sum([float(since["nll"]), since["n"], since["tokens"]], device)
     tok_per_s = tokens / max(time.time() - since["t0"], 1e-9)
     val = evaluate(args, raw, data, "valid", device=device, ctx=ctx)
     if not math.isfinite(val["nll"]):
@@ -559,14 +547,13 @@ def validate(args, model, optimizer, scaler, ctx, data, st, hidden, device, pend
             rec.update(probe(args, raw, data))
         curves.log_evaluation(args.out_dir, rec, args.tensorboard, not args.no_curves)
     save(args, raw, optimizer, scaler, data, st, hidden, best=improved)
-    since.update(nll=since["nll"] * 0, n=0, tokens=0, t0=time.time())  # (tok/s: after the writing)
-    return f"early stop: no improvement in {args.patience} evaluations" \
-        if st["bad_evals"] >= args.patience else None
+    since.update(nll=0.0, n=0, tokens=0, t0=time.time())  # (tok/s: counted after the writing)
+    return limit_reached(args, st)  # (an early stop, say)
 
 
 def sync(args, pending, device, st):
-    """The pending steps' losses (each the mean over its micro-batches and processes) and the stop
-    flags, in one collective and one read, into steps.jsonl; -> None, or (signal, time limit)."""
+    """The pending steps' losses and the stop flags, in one collective and one read, into
+    steps.jsonl; -> None, or (signal, time limit)."""
     rank, procs = world()
     late = args.max_minutes and st["elapsed"] >= 60 * args.max_minutes
     flags = torch.tensor([float(bool(STOP)), float(late)], device=device)
@@ -605,55 +592,36 @@ def save(args, model, optimizer, scaler, data, st, hidden, best=False):
             os.replace(f"{last}.tmp", last)
 
 
-def to(state, device, detach=False):
-    """A recurrent state (a tensor, a tuple of them, or None) on `device`, maybe detached."""
+def to(state, device, detach=False):  # a recurrent state (tensor, tuple, None) on device
     if isinstance(state, tuple):
         return tuple(to(s, device, detach) for s in state)
     return state if state is None else (state.detach() if detach else state).to(device)
 
 
 def limit_reached(args, st):
-    """-> why the run stops now, or None (--max_minutes under torchrun: decided together, in sync)."""
-    for reached, why in ((args.max_iters and st["step"] >= args.max_iters, "--max_iters"),
-                         (st["epoch"] >= args.max_epochs, "--max_epochs"),
-                         (args.max_minutes and st["elapsed"] >= 60 * args.max_minutes and
-                          not dist.is_initialized(), "--max_minutes")):
-        if reached:
-            return f"reached {why} {getattr(args, why[2:]):g}"
+    """-> why the run stops now, or None (--max_minutes under torchrun: decided in sync)."""
+    if args.max_iters and st["step"] >= args.max_iters:
+        return f"reached --max_iters {args.max_iters}"
+    if st["epoch"] >= args.max_epochs:
+        return f"reached --max_epochs {args.max_epochs}"
+    if args.max_minutes and st["elapsed"] >= 60 * args.max_minutes and not dist.is_initialized():
+        return f"reached --max_minutes {args.max_minutes:g}"
     if st["bad_evals"] >= args.patience:
         return f"early stop: no improvement in {args.patience} evaluations"
 
 
 def learning_rate(args, st):
-    """plateau / constant: the current lr (plateau lowers it at evaluations); linear: a warm-up
-    over --warmup steps times a decay to 0 at --decay_steps."""
+    """plateau / constant: the current lr (plateau: lowered at evaluations); linear: warm-up,
+    then a decay to 0 at --decay_steps."""
     if args.lr_schedule != "linear":
         return st["lr"]
     warm = min(1.0, (st["step"] + 1) / args.warmup) if args.warmup else 1.0
     return args.lr * warm * max(0.0, 1.0 - st["step"] / args.decay_steps)
 
 
-def check_fits(args, data):
-    """A run that would silently do nothing is an error: no step, nothing to validate on."""
-    if (n := len(epoch_batches(args, data, 0))) < args.grad_accum:
-        raise UserError(f"an epoch here has {n} batch(es), fewer than --grad_accum {args.grad_accum}"
-                        f": no step would run (sequence completion needs lines of more than 10 "
-                        f"tokens, the first 10 being the context; a --block_size window may hold "
-                        f"none of them)")
-    if args.task == "stream":
-        batchify(data["streams"]["valid"], 10, "valid")  # (an error when too short)
-    if args.task == "completion" and not epoch_batches(args, data, 0, "valid", args.eval_seqs):
-        raise UserError(f"no validation sequence fits the --block_size {args.block_size} window "
-                        f"(or the split holds none): raise --block_size")
-    longest = max((len(s["tokens"]) for k in ("train", "valid") for s in data[k]), default=0) \
-        if args.task in ("story", "storyline") else 0
-    if longest - (args.model not in INSERTION) > args.block_size:
-        raise UserError(f"a story of {longest} tokens exceeds --block_size {args.block_size}")
-
-
 def compile_model(model, backend="inductor"):
     """torch.compile in place, dynamic shapes (ever new (B, T)), no matmul padding (on a GPU it
-    bakes the first batch's T into the backward's strides: RESULTS.md, "On a GPU")."""
+    bakes the first batch's T into the backward's strides)."""
     model.compile(dynamic=True, backend=backend,
                   options={"shape_padding": False} if backend == "inductor" else None)
 

@@ -1,17 +1,11 @@
-"""A run's data and its batches: the prepared sequences (data/prepare.py) by length, a stream's
-columns, stories (data/stories.py).
-
-A sequence s = (x_1..x_c, y_1..y_T) with y_T = eos and c its context length (10 tokens; at char
-level the characters of its first 10 words).  The model reads s[:-1] and predicts s[1:]: position
-i predicts s[i+1], so the continuation targets y_1..y_T sit at positions c-1 .. len-2, and
-position i is continuation step t = i - c + 2: t = 1 at y_1 (NMST eq. 10), t <= 0 on the
-context.  `collate` builds t and the loss mask once for the whole batch: only continuation targets
-enter the loss (NMST paper eq. 3), context targets and padding never do.
-
-Batches are length-bucketed: sequences sorted by length (ties in a random order), cut into
-batches of `batch_size` sequences (RNN/LSTM; paper: 32) or of at most `max_tokens` padded tokens
-(GPT; paper: 1024), the batch order shuffled.  The order is a pure function of (seed, epoch), so
-a resumed run replays it exactly without storing any RNG state.
+"""A run's data and its batches: the prepared sequences (data/prepare.py), a stream's columns,
+stories (data/stories.py).  A sequence s = (x_1..x_c, y_1..y_T), y_T = eos, c its context length.
+The model reads s[:-1] and predicts s[1:]: the continuation targets y_1..y_T sit at positions
+c-1 .. len-2, and position i is continuation step t = i - c + 2 (t = 1 at y_1, NMST eq. 10;
+t <= 0 on the context).  `collate` builds t and the loss mask: only continuation targets enter
+the loss (NMST eq. 3).  Batches are length-bucketed (sorted by length, ties random), of
+`batch_size` sequences (RNN/LSTM; paper: 32) or at most `max_tokens` padded tokens (GPT; paper:
+1024), shuffled; the order is a pure function of (seed, epoch): a resumed run replays it.
 """
 import os
 
@@ -19,8 +13,9 @@ import numpy as np
 import torch
 
 from data import UserError
-from data.prepare import CONTEXT_LEN, SPLITS, load_meta, prepare, tokenizer
-from data.stories import EOS, load_sequences, story_batch
+from data.prepare import SPLITS, load_meta, prepare, tokenizer
+from data.stories import EOS, load_sequences
+from insnet import collate_insertions
 
 
 class CompletionSplit:
@@ -30,9 +25,7 @@ class CompletionSplit:
         self.tokens = memmap(os.path.join(folder, f"{split}.bin"), meta["dtype"])
         self.offsets = np.fromfile(os.path.join(folder, f"{split}.idx"), dtype=np.int64)
         self.lengths = np.diff(self.offsets)  # (N,) tokens, eos included
-        ctx = os.path.join(folder, f"{split}.ctx")
-        self.contexts = np.fromfile(ctx, dtype=np.int32).astype(np.int64) if os.path.exists(ctx) \
-            else np.full(len(self.lengths), CONTEXT_LEN, dtype=np.int64)
+        self.contexts = np.fromfile(os.path.join(folder, f"{split}.ctx"), np.int32).astype(np.int64)
 
     def __len__(self):
         return len(self.lengths)
@@ -40,13 +33,12 @@ class CompletionSplit:
     def __getitem__(self, i):
         return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
 
-    def context(self, i):
-        """The context x of sequence i: what a decoder is prompted with."""
+    def context(self, i):  # the context x of sequence i: what a decoder is prompted with
         return self[i][:self.contexts[i]]
 
 
 def memmap(path, dtype):
-    """A read-only memmap (an empty file, a split of your own text that kept no line: empty)."""
+    """A read-only memmap (an empty file: a split of your own text that kept no line)."""
     return np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
@@ -58,18 +50,16 @@ def load(dataset, data_dir=None, vocab="word", verbose=True):
 
 
 def load_data(args, verbose=True):
-    """A run's data: dict(vocab, vocab_size, eos_id, and per split what its task reads: a
-    CompletionSplit; stories; a stream's training columns, its evaluation ones from "streams")."""
+    """A run's data: dict(vocab, vocab_size, eos_id, and per split what its task reads)."""
     if args.task in ("story", "storyline"):
         d = load_sequences(args.dataset, args.task, args.model, args.data_dir, args.min_count,
                            args.synthetic_count, verbose=verbose)
-        return dict(d.splits, train=d.splits["train"][:args.train_seqs or None], vocab=d.vocab,
-                    vocab_size=len(d.vocab), eos_id=EOS, stories=d.stories, note=d.note)
+        return dict(d, train=d["train"][:args.train_seqs or None], vocab_size=len(d["vocab"]),
+                    eos_id=EOS)
     meta, splits, streams = load(args.dataset, args.data_dir, args.vocab, verbose)
-    data = dict(splits, vocab=meta["vocab"], vocab_size=meta["vocab_size"], eos_id=meta["eos_id"],
-                tokenizer=tokenizer(meta["vocab"]), streams=streams)
-    return dict(data, train=batchify(streams["train"], args.batch_size)) if args.task == "stream" \
-        else data
+    return dict(splits, vocab=meta["vocab"], vocab_size=meta["vocab_size"], eos_id=meta["eos_id"],
+                tokenizer=tokenizer(meta["vocab"]), streams=streams, **(dict(train=batchify(
+                    streams["train"], args.batch_size)) if args.task == "stream" else {}))
 
 
 def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
@@ -97,10 +87,41 @@ def get_batch(args, data, key, device, split="train"):
         return dict(inputs=to_device(cols[:, i:i + L], device), t=None, mask=None, start=i,
                     targets=to_device(cols[:, i + 1:i + 1 + L], device), n=cols[:, :L].numel(),
                     n_inputs=cols[:, :L].numel())
-    if args.task in ("story", "storyline"):  # (the story models: the L2R GPT, insertion models)
+    if args.task in ("story", "storyline"):
         return story_batch([data[split][i] for i in key[0]], args.model != "gpt", args.order,
                            torch.Generator().manual_seed(key[1]), device)
-    return dict(batch := collate(data[split], key, device), n=batch["n_targets"])
+    return collate(data[split], key, device)
+
+
+def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
+    """A batch of encoded stories.  An insertion model's: one insertion order per sequence
+    (collate_insertions); the L2R baseline's: a batch as pad_batch's, the given prefix its context
+    (its loss on the tokens after the prefix, EOS included).  n: the predicted events (tokens;
+    insertions and the termination), n_inputs: the tokens read, both host ints."""
+    toks, n_given = [s["tokens"] for s in seqs], [s["n_given"] for s in seqs]
+    if not insertion:
+        return pad_batch(toks, np.array(n_given), device)
+    kws, n_inputs = [s["keyword_pos"] for s in seqs], sum(map(len, toks))
+    given = sum(1 + g + len(k) for g, k in zip(n_given, kws))  # BOS, EOS, the prefix, keywords
+    return dict(collate_insertions(toks, n_given, kws, order, generator, device),
+                n=n_inputs - given + len(seqs), n_inputs=n_inputs)
+
+
+def check_fits(args, data):
+    """A run that would silently do nothing is an error: no step, nothing to validate on."""
+    if (n := len(epoch_batches(args, data, 0))) < args.grad_accum:
+        raise UserError(f"an epoch here has {n} batch(es), fewer than --grad_accum "
+                        f"{args.grad_accum}: no step would run (sequence completion needs lines of "
+                        f"more than 10 tokens that fit the window)")
+    if args.task == "stream":
+        batchify(data["streams"]["valid"], 10, "valid")  # (an error when too short)
+    if args.task == "completion" and not epoch_batches(args, data, 0, "valid", args.eval_seqs):
+        raise UserError(f"no validation sequence fits the --block_size {args.block_size} window "
+                        f"(or the split holds none): raise --block_size")
+    stories = args.task in ("story", "storyline")
+    longest = max(len(s["tokens"]) for k in ("train", "valid") for s in data[k]) if stories else 0
+    if longest - (args.model == "gpt") > args.block_size:  # (L2R: reads all tokens but the last)
+        raise UserError(f"a story of {longest} tokens exceeds --block_size {args.block_size}")
 
 
 def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, epoch=0, limit=None,
@@ -127,26 +148,28 @@ def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, ep
 
 
 def collate(split, index, device="cpu"):
-    """index -> one right-padded batch: inputs and targets (B, L-1), t (B, L-1) the continuation
-    step of every input position (0 on padding), mask (B, L-1) True where the target is a
-    continuation token, lengths (B,); n_targets (the mask's count) and n_inputs as host ints, so
-    that the loss reads nothing back.  Built on the host, copied once."""
-    seqs = [split[i] for i in index]
+    return pad_batch([split[i] for i in index], split.contexts[np.asarray(index)], device)
+
+
+def pad_batch(seqs, ctx, device="cpu"):
+    """Sequences and their context lengths -> one right-padded batch: inputs and targets (B, L-1),
+    t (B, L-1) the continuation step of every input position (0 on padding), mask (B, L-1) True
+    where the target is a continuation token, lengths (B,); n (the mask's count) and n_inputs as
+    host ints, so that the loss reads nothing back.  Built on the host, copied once."""
     tokens = np.zeros((len(seqs), max(map(len, seqs))), dtype=np.int64)
     for b, s in enumerate(seqs):
         tokens[b, :len(s)] = s
-    n, ctx = np.array([len(s) for s in seqs]), split.contexts[np.asarray(index)]
+    n = np.array([len(s) for s in seqs])
     t, mask = continuation_steps(torch.from_numpy(ctx), torch.from_numpy(n), tokens.shape[1] - 1)
     host = dict(tokens=torch.from_numpy(tokens), lengths=torch.from_numpy(n), t=t, mask=mask)
     batch = {k: to_device(v, device) for k, v in host.items()}
     return dict(batch, inputs=batch["tokens"][:, :-1], targets=batch["tokens"][:, 1:],
-                n_targets=int(np.maximum(n - np.maximum(ctx, 1), 0).sum()), n_inputs=int((n - 1).sum()))
+                n=int(np.maximum(n - np.maximum(ctx, 1), 0).sum()), n_inputs=int((n - 1).sum()))
 
 
 def continuation_steps(contexts, lengths, T):
-    """contexts, lengths (B,) -> t (B, T): position i of a row is continuation step
-    i - context + 2 (1 at the first continuation target), 0 on padding; and the loss mask (B, T):
-    positions context-1 .. length-2, whose targets are continuation tokens."""
+    """contexts, lengths (B,) -> t (B, T): position i is continuation step i - context + 2 (0 on
+    padding); and the loss mask (B, T): positions context-1 .. length-2 (continuation targets)."""
     pos = torch.arange(T, device=lengths.device)
     real = pos < (lengths - 1).unsqueeze(1)
     t = torch.where(real, pos - contexts.unsqueeze(1) + 2, 0)
@@ -160,8 +183,7 @@ def to_device(x, device):
 
 
 def batchify(stream, bsz, split="train"):
-    """Continuous LM (CT paper, as AWD-LSTM): the stream cut into bsz equal columns, the N % bsz
-    tail dropped.  (N,) -> LongTensor (bsz, N // bsz); row b is one contiguous piece."""
+    """Continuous LM (CT paper, AWD-LSTM): the stream (N,) cut into bsz columns (bsz, N // bsz)."""
     if (n := len(stream) // bsz) < 2:  # every column needs an input and a target
         raise UserError(f"the {split} split is too short for a stream of {bsz} columns: "
                         f"{len(stream)} tokens (a smaller --batch_size, or more text)")
@@ -169,7 +191,6 @@ def batchify(stream, bsz, split="train"):
 
 
 def bptt_windows(n_cols, bptt):
-    """Truncated-BPTT windows over (bsz, n_cols) columns: (start, length) pairs whose inputs
-    [start, start+length) and targets [start+1, start+length+1) cover the targets 1 .. n_cols-1
-    exactly once."""
+    """Truncated-BPTT windows over (bsz, n_cols) columns: (start, length) pairs whose targets
+    [start+1, start+length+1) cover the targets 1 .. n_cols-1 exactly once."""
     return [(i, min(bptt, n_cols - 1 - i)) for i in range(0, n_cols - 1, bptt)]

