@@ -172,8 +172,7 @@ def bench_insnet(args, device):
                      f"{t[1] / t[0]:10.1f}")
         print(lines[-1], flush=True)
     if args.plot:
-        plt = curves.pyplot()
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+        fig, ax = curves.pyplot().subplots(figsize=(5, 3.5))
         for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
             ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
         ax.set(xlabel="sequence length", ylabel="seconds per epoch", yscale="log",
@@ -207,9 +206,9 @@ def bench_arch(args, device):
     """The survey's recurrent, convolutional and attention backbones at comparable sizes (each
     body ~16 D^2 weights) trained on PTB for the same --budget seconds: parameters, training and
     greedy-decoding tokens/s, validation perplexity."""
-    print(f"PTB, word level, {args.budget:g} s of training each (batch 32, lr 2e-3, dropout 0.1), "
-          f"{device}, threads {torch.get_num_threads()}\n{'model':5s} {'shape':8s} {'params':>10s}"
-          f" {'train tok/s':>11s} {'decode tok/s':>12s} {'steps':>6s} {'val ppl':>8s}")
+    rows = [f"PTB, word level, {args.budget:g} s of training each (batch 32, lr 2e-3, dropout "
+            f"0.1), {device}, threads {torch.get_num_threads()}\n{'model':5s} {'shape':8s} "
+            f"{'params':>10s} {'train tok/s':>11s} {'decode tok/s':>12s} {'steps':>6s} val ppl"]
     for model, n_layer, d_model in ARCH:
         shape = f"{n_layer}x{d_model}"
         with tempfile.TemporaryDirectory() as out:
@@ -225,9 +224,10 @@ def bench_arch(args, device):
         n = sum(map(len, decode(lm, prompts, 64)["tokens"]))  # (the warm-up; greedy: the same)
         tps = n / timed(lambda: decode(lm, prompts, 64), 0, 3, device)
         ppl = train.evaluate(run, lm, data, "valid", 1000, device)["ppl"]
-        print(f"{model:5s} {shape:8s} {sum(p.numel() for p in lm.parameters()):10,d} "
-              f"{statistics.median(r['tokens_per_s'] for r in log):11.0f} {tps:12.0f} "
-              f"{ckpt['state']['step']:6d} {ppl:8.1f}")
+        rows.append(f"{model:5s} {shape:8s} {sum(p.numel() for p in lm.parameters()):10,d} "
+                    f"{statistics.median(r['tokens_per_s'] for r in log):11.0f} {tps:12.0f} "
+                    f"{ckpt['state']['step']:6d} {ppl:8.1f}")
+    print("\n".join(rows))  # (the table after the runs' own lines)
 
 
 def bench_gpu(args, device):

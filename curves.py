@@ -8,7 +8,7 @@ and the termination probe (NMST paper eq. 11: r_nt(L) of greedy continuations of
 contexts, and the mean p(eos) at the true end) when the run has one.
 """
 import argparse
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -36,23 +36,28 @@ def read_log(path, step=math.inf):
 
 
 def check_out_dir(out_dir, tensorboard=False, resume=False):
-    """A run's folder, made (or refused in one line, before anything is read: a fresh run never
-    writes over another's checkpoints); --tensorboard: the package there."""
+    """A run's folder, checked before anything is read (start_logs makes it): writable, and a
+    fresh run never writes over another's checkpoints; --tensorboard: the package there."""
     if not resume and any(os.path.exists(f"{out_dir}/ckpt_{n}.pt") for n in ("last", "best")):
         raise UserError(f"{out_dir} already holds a run: continue it with --resume, or choose "
                         f"another --out_dir")
-    if tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard")
     try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot write to --out_dir {out_dir}: {e.strerror or e}") from None
+        importlib.import_module("torch.utils.tensorboard") if tensorboard else None
+    except ImportError:
+        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") \
+            from None
+    parent = os.path.abspath(out_dir)
+    while not os.path.lexists(parent):  # (a dangling link is not a folder)
+        parent = os.path.dirname(parent)
+    if not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+        raise UserError(f"cannot write to --out_dir {out_dir}: {parent} is not a writable folder")
 
 
 def start_logs(out_dir, args, step=0):
     """log.jsonl and steps.jsonl: a fresh run (step 0) starts them, a resumed one keeps their
     records up to its checkpoint's step; args.json: what the run is labelled by.  An interrupted
     write's temporary file is removed."""
+    os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):
         if name.endswith((".pt.tmp", ".png.tmp")):
             os.remove(os.path.join(out_dir, name))
@@ -140,9 +145,11 @@ def labels(runs):
     where a head reads it), or its folder."""
     args = [a for a, _ in runs]
     reads = lambda a, k: k != "epsilon" or a.get("head") in TERMINATION_HEADS  # noqa: E731
-    keys = [k for k in sorted({k for a in args for k in a} - set(NOT_LABELS))
-            if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1]
-    names = [" ".join(f"{a[k]}" if k in ("model", "head", "dataset", "task") else f"{k}={a.get(k)}"
+    what = ("model", "head", "dataset", "task")  # their values stand alone; they come first
+    keys = [k for k in sorted({k for a in args for k in a} - set(NOT_LABELS),
+                              key=lambda k: (k not in what, k))
+            if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1] or ["head"]
+    names = [" ".join(f"{a[k]}" if k in what else f"{k}={a.get(k)}"
                       for k in keys if k in a and reads(a, k))
              or os.path.basename(os.path.normpath(folder)) for a, folder in runs]
     if len(set(names)) < len(names):  # alike in every flag: told apart by their folders

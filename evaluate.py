@@ -20,7 +20,7 @@ import torch
 import curves
 from data import UserError
 from data.loader import batchify, bptt_windows, load_data
-from data.stories import BOS, EOS, PAD, SEP
+from data.stories import BOS, EOS, PAD, SEP, keyword_positions
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
                     decode_stats, eos_probs, longest_continuation, sampling_generator)
 from heads import TERMINATION_HEADS, paper_name
@@ -109,8 +109,8 @@ def model_from_checkpoint(ckpt, path):
         model = INSERTION.get(ckpt["config"]["model"], LanguageModel)(ckpt["config"])
         model.load_state_dict(ckpt["model"])
     except (KeyError, RuntimeError, TypeError, ValueError) as e:
-        raise UserError(f"{path}: its weights do not fit its model config ({str(e)[:160]})") \
-            from None
+        why = " ".join(str(e).split())[:160]
+        raise UserError(f"{path}: its weights do not fit its model config ({why})") from None
     return model
 
 
@@ -118,6 +118,7 @@ def load_run(path, data_dir=None, device="cpu", sizes=None):
     """A checkpoint's run: its arguments (on all of its data), its data (checked to carry the
     checkpoint's vocabulary) and its model.  -> (ckpt, args, data, model)."""
     ckpt = load_checkpoint(path)
+    model = model_from_checkpoint(ckpt, path)  # (before the data is read)
     args = argparse.Namespace(**dict(ckpt["args"], train_seqs=0, eval_seqs=0))
     if data_dir or (args.data_dir and not os.path.isdir(args.data_dir)):
         if not data_dir and args.dataset == "text":
@@ -131,7 +132,7 @@ def load_run(path, data_dir=None, device="cpu", sizes=None):
         args.batch_size, args.max_tokens = sizes
     data = load_data(args, verbose=False)
     check_vocab(ckpt, data, path)
-    return ckpt, args, data, model_from_checkpoint(ckpt, path).to(device)
+    return ckpt, args, data, model.to(device)
 
 
 def main(argv=None):
@@ -289,8 +290,7 @@ def tau_report(model, args, data, a, device, top=10):
     print("highest mean tau:", ", ".join(f"{w} {t:.6f}" for w, t in rep["highest"]))
     print("lowest mean tau: ", ", ".join(f"{w} {t:.6f}" for w, t in rep["lowest"]))
     if a.plot:
-        plt = curves.pyplot()
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig, ax = curves.pyplot().subplots(figsize=(7, 3.5))
         ax.errorbar(range(15), rep["position_mean"], yerr=rep["position_ci95"], fmt="o-", capsize=3)
         ax.set_xticks(range(15), rep["positions"], rotation=60, fontsize=7)
         ax.set(ylabel="tau of the next word", title=f"contextual temperature by position "
@@ -360,7 +360,7 @@ def story_generation(model, args, data, a, device):
         hyps.append(hyp)
         refs.append(story["story"])
         total += len(story["keywords"])
-        included += in_order(hyp, story["keywords"])
+        included += len(keyword_positions(hyp, story["keywords"]))  # found in order
         if len(shown) < a.examples:
             shown.append(dict(title=" ".join(story["title"]), storyline=" ".join(story["keywords"]),
                               generated=" ".join(hyp), reference=" ".join(story["story"])))
@@ -376,15 +376,6 @@ def story_generation(model, args, data, a, device):
         print(f"  [{ex['title']} | {ex['storyline']}] {ex['generated']}\n    reference: "
               f"{ex['reference']}")
     return gen
-
-
-def in_order(words, keywords):
-    """How many keywords occur in `words` as a subsequence, matched greedily left to right."""
-    found, start = 0, 0
-    for k in keywords:
-        if k in words[start:]:
-            start, found = words.index(k, start) + 1, found + 1
-    return found
 
 
 # --- studies side by side: the table and the figures ------------------------------------------

@@ -16,8 +16,8 @@ import torch
 from data import UserError
 from data.prepare import tokenizer
 from data.stories import BOS, EOS, PAD, SEP, SPECIALS, encode_story
-from decode import (STORY_DECODERS, check_decoder_args, decode, decode_in_batches, eos_probs,
-                    sampling_generator)
+from decode import (DECODERS, SAMPLING, STORY_DECODERS, check_decoder_args, decode,
+                    decode_in_batches, eos_probs, sampling_generator)
 from insnet import generate
 from evaluate import add_decoding_flags, model_from_checkpoint
 from train import INSERTION, Parser, get_device, load_checkpoint, number, run
@@ -38,13 +38,17 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto)")
     args = p.parse_args(argv)
     args.decoder, args.keywords = args.decoder or "greedy", " ".join(args.keywords).split()
-    if args.seed is None and args.decoder in ("sample", "topk", "nucleus"):
+    ckpt, device = load_checkpoint(args.ckpt), get_device(args.device)
+    story = ckpt["args"]["task"] in ("story", "storyline")
+    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
+                       args.consistent and not story, args.length_penalty,
+                       STORY_DECODERS if story else DECODERS)
+    if args.seed is None and args.decoder in SAMPLING:
         args.seed = int(torch.randint(2 ** 31, ()))  # a fresh one, said: the sample can be repeated
         print(f"seed {args.seed} (--seed {args.seed} repeats this sample)", file=sys.stderr)
-    ckpt, device = load_checkpoint(args.ckpt), get_device(args.device)
     model = model_from_checkpoint(ckpt, args.ckpt).to(device)
     g = sampling_generator(device, args.seed or 0)
-    if ckpt["args"]["task"] in ("story", "storyline"):
+    if story:
         return sample_story(args, ckpt, model, g, device)
     if args.title or args.keywords:
         raise UserError("--title / --keywords are for story checkpoints; this one continues "
@@ -57,8 +61,6 @@ def main(argv=None):
     prompts = args.prompt + [ln for ln in text.lstrip("\ufeff").splitlines() if ln.strip()]
     if not prompts or not all(x.strip() for x in prompts):
         raise UserError("give some text to continue: --prompt TEXT, or --prompt_file FILE")
-    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
-                       args.consistent, args.length_penalty)
     tok = tokenizer(ckpt["vocab"])
     ids = [encode(tok, text, args.allow_unk) for text in prompts]
     out = decode_in_batches(model, [torch.tensor(x, device=device) for x in ids], args.L,
@@ -114,8 +116,6 @@ def sample_story(args, ckpt, model, g, device):
     if synthetic == bool(args.title or args.keywords) or not synthetic and not args.title.strip():
         raise UserError("a synthetic checkpoint generates from <bos> alone; a story checkpoint "
                         "takes --title TEXT (and --keywords for a storyline one)")
-    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
-                       length_penalty=args.length_penalty, allowed=STORY_DECODERS)
     insertion, stoi = ckpt["config"]["model"] in INSERTION, {w: i for i, w in enumerate(vocab)}
     if not insertion and bool(args.keywords) != (task == "storyline"):  # its training prefix
         raise UserError(f"this L2R checkpoint was trained on --task {task}: "

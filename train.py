@@ -56,9 +56,9 @@ def number(kind, ok, words):
         try:
             value = kind(text)
         except ValueError:
-            value = math.nan
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
         if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"must be {words} ({kind.__name__}), got {text}")
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
         return value
     return parse
 
@@ -154,6 +154,9 @@ def get_args(argv=None):
         if not os.path.exists(path := os.path.join(a["out_dir"], "ckpt_last.pt")):
             raise UserError(f"--resume: no checkpoint in {a['out_dir']}; start without --resume")
         ckpt = load_checkpoint(path)
+        if k := next((k for k in SHAPE if k in typed and typed[k] != ckpt["args"][k]), None):
+            raise UserError(f"the checkpoint in {a['out_dir']} has {k}={ckpt['args'][k]}, not "
+                            f"{typed[k]}: drop that flag, or use another --out_dir for a new run")
         a = {**ckpt["args"], **typed, "out_dir": a["out_dir"]}
         if a["data_dir"] and not os.path.isdir(a["data_dir"]):
             raise UserError(f"the run's --data_dir {a['data_dir']} is not there (moved?): give "
@@ -180,7 +183,8 @@ def check_args(a):
             (story and a.head != "softmax", "the story models have the softmax head: drop --head"),
             (story != (a.task in ("story", "storyline")), f"--task {a.task} is not for --dataset "
              f"{a.dataset} (stories: story or storyline; text: completion or stream)"),
-            (a.task == "storyline" and a.dataset != "rocstories", "--task storyline: rocstories"),
+            (a.task == "storyline" and a.dataset != "rocstories", "--task storyline needs the "
+             "storylines of rocstories"),
             (a.task == "stream" and a.model not in ("rnn", "lstm"), "--task stream is for --model "
              "rnn or lstm (the CT paper's continuous LM), on one process"),
             (a.task == "stream" and a.head in TERMINATION_HEADS, f"--head {a.head} models the end "
@@ -204,13 +208,15 @@ def check_args(a):
             raise UserError(message)
 
 
+SHAPE = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout",
+         "kernel_size", "locked_dropout", "n_experts", "ct_alpha", "ct_beta", "ct_rank",
+         "temperature", "max_offset", "no_tie", "no_bias")  # the flags of a model's shape
+
+
 def model_config(args, data):
     """The architecture, the plain dict a checkpoint keeps (model.py reads what it needs)."""
-    return dict({k: getattr(args, k) for k in (
-        "model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout",
-        "kernel_size", "locked_dropout", "n_experts", "ct_alpha", "ct_beta", "ct_rank",
-        "temperature", "max_offset")}, tie=not args.no_tie, bias=not args.no_bias,
-        vocab_size=data["vocab_size"], eos_id=data["eos_id"])
+    return dict({k: getattr(args, k) for k in SHAPE[:-2]}, tie=not args.no_tie,
+                bias=not args.no_bias, vocab_size=data["vocab_size"], eos_id=data["eos_id"])
 
 
 # ----- the loss: one call of the model -------------------------------------------------------
@@ -393,8 +399,8 @@ def main(argv=None):
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         train(args, model, optimizer, scaler, ctx, data, st, ckpt and ckpt["hidden"], device)
-    finally:
-        for s, handler in handlers.items():
+    finally:  # (stopped by a signal: a second one as the process leaves is no kill)
+        for s, handler in handlers.items() if not STOP else ():
             signal.signal(s, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -403,11 +409,8 @@ def main(argv=None):
 def build(args, ckpt, data, weights, device):
     """The model (new, GPT-2's, the checkpoint's), AdamW, the float16 scaler, autocast, counters."""
     cfg, (rank, procs) = model_config(args, data), world()
-    if ckpt:  # --resume: the checkpoint's vocabulary and model
+    if ckpt:  # --resume: the checkpoint's vocabulary (its shape: get_args)
         check_vocab(ckpt, data, f"{args.out_dir}/ckpt_last.pt")
-        if k := next((k for k in cfg if cfg[k] != ckpt["config"].get(k)), None):
-            raise UserError(f"the checkpoint in {args.out_dir} has {k}={ckpt['config'].get(k)}, "
-                            f"not {cfg[k]}: drop that flag, or use another --out_dir for a new run")
     check_fits(args, data)
     model = INSERTION.get(cfg["model"], LanguageModel)(cfg)  # InsNet, IT-vanilla, backbone + head
     if weights:

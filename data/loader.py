@@ -115,7 +115,8 @@ def check_fits(args, data):
                         f"more than 10 tokens that fit the window)")
     if args.task == "stream":
         batchify(data["streams"]["valid"], 10, "valid")  # (an error when too short)
-    if args.task == "completion" and not epoch_batches(args, data, 0, "valid", args.eval_seqs):
+    if args.task == "completion" and not epoch_batches(args, data, 0, "valid",
+                                                       args.eval_seqs or None):
         raise UserError(f"no validation sequence fits the --block_size {args.block_size} window "
                         f"(or the split holds none): raise --block_size")
     stories = args.task in ("story", "storyline")
@@ -176,8 +177,7 @@ def continuation_steps(contexts, lengths, T):
     return t, real & (t >= 1)
 
 
-def to_device(x, device):
-    """A host tensor on `device`: pinned and non-blocking when that is a GPU."""
+def to_device(x, device):  # a host tensor on `device`: pinned and non-blocking on a GPU
     return x.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" \
         else x.to(device)
 

@@ -103,7 +103,7 @@ def run_in_process(main, argv, capsys):
     try:
         run(lambda: main(argv))
     except SystemExit as e:  # (run always exits; argparse's errors too)
-        return e.code, capsys.readouterr().err
+        return e.code or 0, capsys.readouterr().err  # (sys.exit(None): status 0)
     raise AssertionError("train.run returned without exiting")
 
 

@@ -203,8 +203,8 @@ def test_runs_that_would_do_nothing_are_errors(tmp_path, capsys):
         (["--grad_accum", "20"], "fewer than --grad_accum 20: no step would run"),
         (["--model", "gpt", "--n_head", "2", "--block_size", "8", "--batch_size", "8"],
          "fewer than --grad_accum 1"),  # (no training sequence fits either)
-        (["--model", "gpt", "--n_head", "2", "--block_size", "13", "--batch_size", "8", "--train_seqs", "0"],
-         "no validation sequence fits the --block_size 13 window"),
+        (["--model", "gpt", "--n_head", "2", "--block_size", "11", "--batch_size", "8", "--train_seqs", "0"],
+         "no validation sequence fits the --block_size 11 window"),  # (PTB: train inputs of 11, valid 12+)
         (["--lr_decay", "-0.5"], "argument --lr_decay: must be in (0, 1], got -0.5"),
         (["--warmup", "-3", "--lr_schedule", "linear"], "argument --warmup: must be >= 0, got -3"),
         (["--decay_steps", "0", "--lr_schedule", "linear"], "argument --decay_steps: must be >= 1, got 0"),
@@ -227,6 +227,7 @@ def test_no_tracebacks(tmp_path, capsys, monkeypatch):
         os.remove(os.path.join(prepare("ptb", verbose=False), name))
         check_prepared.cache_clear()
         assert len(load("ptb", verbose=False)[1]["valid"]) == 2863
+    assert "is damaged" in capsys.readouterr().err  # (said, and rebuilt)
     lines = "\n".join(" ".join(f"w{i}" for i in range(12)) for _ in range(50)) + "\n"
     bad_crc = tmp_path / "crc"
     bad_crc.mkdir()
