@@ -46,11 +46,11 @@ def check_out_dir(out_dir, tensorboard=False, resume=False):
     except ImportError:
         raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") \
             from None
-    parent = os.path.abspath(out_dir)
-    while not os.path.lexists(parent):  # (a dangling link is not a folder)
-        parent = os.path.dirname(parent)
-    if not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
-        raise UserError(f"cannot write to --out_dir {out_dir}: {parent} is not a writable folder")
+    try:  # made and removed: nothing is written before the data is read (start_logs makes it)
+        made = not os.path.isdir(out_dir) and os.makedirs(out_dir) is None
+        os.rmdir(out_dir) if made else None
+    except OSError as e:
+        raise UserError(f"cannot write to --out_dir {out_dir}: {e.strerror or e}") from None
 
 
 def start_logs(out_dir, args, step=0):

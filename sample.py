@@ -43,6 +43,12 @@ def main(argv=None):
     check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
                        args.consistent and not story, args.length_penalty,
                        STORY_DECODERS if story else DECODERS)
+    if story and (args.prompt or args.prompt_file or args.show_eos or args.consistent):
+        raise UserError("--prompt / --prompt_file / --show_eos / --consistent are for text "
+                        "checkpoints; a story checkpoint takes --title (and --keywords)")
+    if not story and (args.title or args.keywords):
+        raise UserError("--title / --keywords are for story checkpoints; this one continues "
+                        "--prompt")
     if args.seed is None and args.decoder in SAMPLING:
         args.seed = int(torch.randint(2 ** 31, ()))  # a fresh one, said: the sample can be repeated
         print(f"seed {args.seed} (--seed {args.seed} repeats this sample)", file=sys.stderr)
@@ -50,9 +56,6 @@ def main(argv=None):
     g = sampling_generator(device, args.seed or 0)
     if story:
         return sample_story(args, ckpt, model, g, device)
-    if args.title or args.keywords:
-        raise UserError("--title / --keywords are for story checkpoints; this one continues "
-                        "--prompt")
     try:  # (a BOM is not text)
         text = "" if not args.prompt_file else sys.stdin.read() if args.prompt_file == "-" else \
             open(args.prompt_file, encoding="utf-8").read()
@@ -110,9 +113,6 @@ def sample_story(args, ckpt, model, g, device):
     [keywords] EOS and prints it as given and after every insertion.  synthetic: from <bos>."""
     task, vocab = ckpt["args"]["task"], ckpt["vocab"]
     synthetic = ckpt["args"]["dataset"] == "synthetic"
-    if args.prompt or args.prompt_file or args.show_eos or args.consistent:
-        raise UserError("--prompt / --prompt_file / --show_eos / --consistent are for text "
-                        "checkpoints; a story checkpoint takes --title (and --keywords)")
     if synthetic == bool(args.title or args.keywords) or not synthetic and not args.title.strip():
         raise UserError("a synthetic checkpoint generates from <bos> alone; a story checkpoint "
                         "takes --title TEXT (and --keywords for a storyline one)")

@@ -332,7 +332,7 @@ def run(main):
     try:
         sys.exit(main())
     except (UserError, KeyboardInterrupt) as e:
-        sys.stderr.write(f"error: {e or 'interrupted (Ctrl-C)'}\n")
+        sys.stderr.write(f"error: {e if isinstance(e, UserError) else 'interrupted (Ctrl-C)'}\n")
         sys.exit(2 if isinstance(e, UserError) else 130)
 
 
@@ -399,8 +399,8 @@ def main(argv=None):
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         train(args, model, optimizer, scaler, ctx, data, st, ckpt and ckpt["hidden"], device)
-    finally:  # (stopped by a signal: a second one as the process leaves is no kill)
-        for s, handler in handlers.items() if not STOP else ():
+    finally:  # (stopped, or under torchrun: a second signal as the process leaves is no kill)
+        for s, handler in handlers.items() if not (STOP or dist.is_initialized()) else ():
             signal.signal(s, handler)
         if dist.is_initialized():
             dist.destroy_process_group()

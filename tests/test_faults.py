@@ -22,7 +22,7 @@ WORKER = os.path.join(ROOT, "tests", "train_worker.py")
 
 ARGS = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "wikitext2", "--d_model", "32",
         "--dropout", "0.3", "--batch_size", "8", "--lr", "3e-3", "--train_seqs", "120", "--eval_seqs", "24",
-        "--max_iters", "16", "--eval_interval", "4", "--seed", "5"]
+        "--max_iters", "16", "--eval_interval", "4", "--seed", "5", "--probe", "8", "--probe_L", "20"]
 
 
 def losses(out_dir):
