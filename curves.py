@@ -8,7 +8,7 @@ and the termination probe (NMST paper eq. 11: r_nt(L) of greedy continuations of
 contexts, and the mean p(eos) at the true end) when the run has one.
 """
 import argparse
-import importlib
+import importlib.util
 import json
 import math
 import os
@@ -41,11 +41,8 @@ def check_out_dir(out_dir, tensorboard=False, resume=False):
     if not resume and any(os.path.exists(f"{out_dir}/ckpt_{n}.pt") for n in ("last", "best")):
         raise UserError(f"{out_dir} already holds a run: continue it with --resume, or choose "
                         f"another --out_dir")
-    try:
-        importlib.import_module("torch.utils.tensorboard") if tensorboard else None
-    except ImportError:
-        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") \
-            from None
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard")
     try:  # made and removed: nothing is written before the data is read (start_logs makes it)
         made = not os.path.isdir(out_dir) and os.makedirs(out_dir) is None
         os.rmdir(out_dir) if made else None

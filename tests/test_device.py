@@ -4,6 +4,7 @@ compiled models that stop recompiling, float32 eos terms under autocast, devices
 state and of sampling generators, the MFU arithmetic."""
 import json
 import math
+import sys
 import types
 
 import pytest
@@ -74,6 +75,17 @@ def test_a_missing_gpu_or_an_unknown_device_is_a_user_error(one_fake_gpu):
         train.get_device("cuda:1")
     with pytest.raises(train.UserError, match="--device mps: unknown device"):  # (MPS has no float64)
         train.get_device("mps")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's heap")
+def test_a_cpu_keeps_freed_memory_in_the_heap(monkeypatch):
+    """On a CPU, large freed tensors stay in glibc's heap (M_MMAP_MAX = 0, M_TRIM_THRESHOLD high):
+    a step does not page-fault its (B*T, V) tensors in anew."""
+    calls = []
+    monkeypatch.setattr(train.ctypes, "CDLL", lambda name: types.SimpleNamespace(
+        mallopt=lambda option, value: calls.append((option, value))))
+    assert train.get_device("cpu") == "cpu"
+    assert calls == [(-4, 0), (-1, 2 ** 31 - 1)]
 
 
 @pytest.mark.slow

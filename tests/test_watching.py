@@ -2,6 +2,7 @@
 redrawn at every evaluation (a figure that cannot be written is a warning), TensorBoard gets the
 same scalars, runs side by side are labelled by the flags that differ, and a resumed run leaves
 the logs of an uninterrupted one."""
+import importlib.machinery
 import json
 import shutil
 import sys
@@ -94,13 +95,15 @@ def test_tensorboard_gets_the_logged_scalars(tmp_path, monkeypatch):
         def __exit__(self, *exc):
             pass
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    monkeypatch.setitem(sys.modules, "tensorboard", types.SimpleNamespace(
+        __spec__=importlib.machinery.ModuleSpec("tensorboard", None)))  # (installed)
     train.main(TINY + ["--head", "nmst", "--max_iters", "2", "--eval_interval", "2", "--tensorboard",
                               "--out_dir", str(tmp_path / "run")])
     assert {"val_ppl", "train_loss", "lr", "probe_r_nt"} <= {k for k, _ in scalars}
 
 
 def test_tensorboard_missing_is_refused_before_anything_is_read(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # (not installed)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # (not installed)
     rc, err = run_in_process(train.main, TINY + ["--tensorboard", "--out_dir", str(tmp_path / "run")],
                              capsys)
     assert_one_line_error(rc, err, "--tensorboard needs the tensorboard package: pip install")
