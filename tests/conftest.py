@@ -58,6 +58,12 @@ def wikitext2():
     return load("wikitext2", verbose=False)[:2]
 
 
+@pytest.fixture(scope="session")
+def ptb():
+    from data.loader import load
+    return load("ptb", verbose=False)[:2]
+
+
 class RecomputeStepper:
     """Re-encodes the whole prefix at every step: slow, the reference the cached decoders are tested against (monkeypatch it over decode.CachedStepper)."""
 

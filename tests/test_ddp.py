@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow
-ARGS = ["--model", "lstm", "--head", "st", "--epsilon", "1e-3", "--dataset", "wikitext2", "--d_model", "32",
+ARGS = ["--model", "lstm", "--head", "st", "--epsilon", "1e-3", "--dataset", "ptb", "--d_model", "32",
         "--dropout", "0", "--batch_size", "4", "--grad_accum", "2", "--lr", "3e-3", "--train_seqs", "200",
         "--eval_seqs", "40", "--probe", "5", "--probe_L", "24", "--no_curves", "--max_iters", "8",
         "--eval_interval", "4", "--seed", "3"]

@@ -6,6 +6,7 @@ a subprocess or under torchrun; the production code carries no hook for any of t
     kill=evaluation:N    SIGKILL as the N-th evaluation starts
     kill=checkpoint:N    SIGKILL inside the N-th checkpoint write: the temporary file is
                          complete, the rename not done
+    sigint=N             SIGINT (a Ctrl-C) during the N-th training step, after its backward
     sigterm=N            rank 1 alone sends itself SIGTERM during its N-th training step
     sigterm_at_exit=N    sigterm=N, and every process gets SIGTERM again as its process group is
                          destroyed (a scheduler's second signal)
@@ -51,6 +52,9 @@ elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
         import torch.distributed
         torch.distributed.destroy_process_group = kill_on(
             1, torch.distributed.destroy_process_group, sig=signal.SIGTERM)
+elif mode.startswith("sigint="):
+    torch.nn.utils.clip_grad_norm_ = kill_on(int(mode[len("sigint="):]), torch.nn.utils.clip_grad_norm_,
+                                             sig=signal.SIGINT)
 elif mode.startswith("kill="):
     where, n = mode[len("kill="):].split(":")
     if where == "step":  # clipping: after the step's backward, before its update
