@@ -239,11 +239,10 @@ def score(model, batch, state=None):
 @torch.no_grad()
 def evaluate(args, model, data, split="valid", limit=None, device="cpu", ctx=nullcontext(),
              desc=None, sizes=None):
-    """A split's figures: dict(nll per predicted token or event, ppl, ...).  Completion (NMST
-    paper): the continuation tokens' (eos included), and the mean p(eos) at the true end; stream
-    (CT paper): every token's, the state carried across windows; stories: per story too, and a
-    bound on -log p(story).  limit: the first N sequences (stream: tokens of each column).  Under
-    torchrun each process scores every world-th batch and the sums are added."""
+    """A split's figures: dict(nll per predicted token or event, ppl, ...).  Completion (NMST):
+    the continuation's tokens (eos included), the mean p(eos) at the true end; stream (CT): every
+    token, the state carried on; stories: per story too, a bound on -log p(story).  limit: the
+    first N sequences (stream: tokens a column).  torchrun: each process every world-th batch."""
     limit, stream, story = limit or args.eval_seqs or None, args.task == "stream", \
         args.task in ("story", "storyline")
     if stream:  # the usual 10 evaluation columns (or the first `limit` tokens of each)
@@ -330,8 +329,7 @@ def all_sum(values, device):  # a list of numbers summed over the processes (one
 
 
 def run(main):
-    """A command's entry point: a UserError is one line `error: ...`, exit status 2 (Ctrl-C: 130);
-    a bug keeps its traceback."""
+    """A command's entry point: a UserError is one line `error: ...` (exit 2), a bug a traceback."""
     try:
         sys.exit(main())
     except (UserError, KeyboardInterrupt) as e:
@@ -617,8 +615,7 @@ def limit_reached(args, st):
 
 
 def learning_rate(args, st):
-    """plateau / constant: the current lr (plateau: lowered at evaluations); linear: warm-up,
-    then a decay to 0 at --decay_steps."""
+    """plateau / constant: the lr (plateau: lowered at evaluations); linear: warm-up, then to 0."""
     if args.lr_schedule != "linear":
         return st["lr"]
     warm = min(1.0, (st["step"] + 1) / args.warmup) if args.warmup else 1.0
