@@ -39,3 +39,16 @@ def test_the_survey_comparison_trains_each_architecture(capsys, monkeypatch):
     rows = capsys.readouterr().out.strip().splitlines()[-4:]
     assert [r.split()[0] for r in rows] == ["rnn", "lstm", "gcnn", "gpt"]
     assert all(a[a.index("--probe") + 1] == "0" and "--no_curves" in a for a in argvs)
+
+
+def test_the_timed_train_step_runs_the_compiled_model():
+    """bench.py gpu compiles the model as train.py --compile does and times bench.train_step:
+    that step must go through the compiled forward (dynamo's CompileCounter counts its frames)."""
+    from torch._dynamo.testing import CompileCounter
+    train.torch._dynamo.reset()
+    lm = bench.LanguageModel(bench.cfg_for("gpt", "softmax", 64, n_layer=1, d_model=16, n_head=2)).train()
+    counter = CompileCounter()
+    train.compile_model(lm, backend=counter)
+    x = train.torch.randint(0, 63, (2, 9))
+    bench.train_step(lm, x[:, :8], x[:, 1:])()
+    assert counter.frame_count >= 1

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from heads import Head, log1mexp, nmst_log_probs, softmax_log_probs, st_log_probs
+from heads import HEADS, Head, log1mexp, nmst_log_probs, softmax_log_probs, st_log_probs
 from conftest import steps
 
 torch.manual_seed(0)
@@ -151,7 +151,7 @@ def test_gradients_finite_at_extremes():
 
 
 def test_head_target_log_probs_equal_gather():
-    """bias=False takes the fused CPU path (LinearLogSoftmax), bias=True the plain one; gradients too."""
+    """With and without a bias, values and gradients."""
     torch.manual_seed(1)
     h = torch.randn(3, 12, 16, dtype=torch.float64, requires_grad=True)
     for kind, eos, bias in itertools.product(("softmax", "st", "nmst"), (0, 9, 29), (True, False)):
@@ -195,3 +195,20 @@ def test_math_constants():
     t_half = math.ceil(math.log(0.5) / math.log1p(-eps))
     p = nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half, 0, eps)[0, 0].exp()
     assert p > 0.5 and nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half - 1, 0, eps)[0, 0].exp() < 0.5
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_every_head_keeps_the_contract(kind):
+    """What every head in HEADS must do (a head added to HEADS is checked too): log-probs finite
+    and normalised at every position -- context and padding ones (t <= 0) included, which the
+    decoders and analyses read though the loss does not -- and finite gradients."""
+    torch.manual_seed(0)
+    head = Head(kind, 8, 12, 3, 1e-3, n_experts=2, ct_alpha=1.0, ct_beta=0.5)
+    h = torch.randn(2, 7, 8, requires_grad=True)
+    t = torch.tensor([-3, -1, 0, 1, 2, 10 ** 3, 10 ** 6]).expand(2, 7)
+    log_p, _ = head(h, t)
+    part, _ = head.target_log_probs(h, torch.randint(0, 12, (2, 7)), t)
+    assert torch.isfinite(log_p).all() and torch.isfinite(part).all(), kind
+    torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(2, 7), atol=1e-5, rtol=0)
+    part.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in [h, *head.parameters()] if p.grad is not None)
