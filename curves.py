@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from data import UserError
-from heads import TERMINATION_HEADS
+from heads import EPSILON_HEADS
 
 NOT_LABELS = ("out_dir", "data_dir", "weights", "resume", "device", "dtype", "compile",
               "peak_flops", "log_interval", "no_curves", "tensorboard")  # where and how, not what
@@ -141,7 +141,7 @@ def labels(runs):
     """What tells each run apart: the flags whose values differ between the runs (eps only
     where a head reads it), or its folder."""
     args = [a for a, _ in runs]
-    reads = lambda a, k: k != "epsilon" or a.get("head") in TERMINATION_HEADS  # noqa: E731
+    reads = lambda a, k: k != "epsilon" or a.get("head") in EPSILON_HEADS  # noqa: E731
     what = ("model", "head", "dataset", "task")  # their values stand alone; they come first
     keys = [k for k in sorted({k for a in args for k in a} - set(NOT_LABELS),
                               key=lambda k: (k not in what, k))

@@ -23,7 +23,7 @@ from data.loader import batchify, bptt_windows, load_data
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
                     decode_stats, eos_probs, longest_continuation, sampling_generator)
-from heads import TERMINATION_HEADS, paper_name
+from heads import EPSILON_HEADS, paper_name
 from insnet import generate
 from model import LanguageModel, eval_mode
 from train import (INSERTION, INT0, INT1, POS, SEED, Parser, autocast, check_vocab, evaluate,
@@ -415,7 +415,7 @@ def print_study_table(results):
         f"{'r_nt(%d)' % L:>11s}" for L in Ls) + f" {'mean len':>9s} {'uniq non-term':>13s} "
         f"{'n':>6s}")
     for r in results:
-        d, eps = r["decoding"], f"{r['epsilon']:.0e}" if r["head"] in TERMINATION_HEADS else "-"
+        d, eps = r["decoding"], f"{r['epsilon']:.0e}" if r["head"] in EPSILON_HEADS else "-"
         r_nt = {int(L): v for L, v in d["r_nt"].items()}
         print(f"{r['model']:5s} {r['head']:8s} {eps:>7s} {decoder_name(d):12s} " + " ".join(
             f"{r_nt.get(L, math.nan):11.4f}" for L in Ls) + f" {d['mean_length']:9.1f} "
@@ -427,7 +427,7 @@ def plot_study(results, out_dir, files=None):
     the runs labelled by what differs between them (head, eps, model, decoder, dataset)."""
     plt = curves.pyplot()
     parts = [dict(head=paper_name(r["head"]), eps=f"eps={r['epsilon']:g}" if r["head"] in
-                  TERMINATION_HEADS else "", model=r["model"], decoder=decoder_name(r["decoding"]),
+                  EPSILON_HEADS else "", model=r["model"], decoder=decoder_name(r["decoding"]),
                   dataset=r["dataset"]) for r in results]
     varying = [k for k in parts[0] if len({p[k] for p in parts}) > 1] or ["head"]
     labels = [" ".join(p[k] for k in varying if p[k]) for p in parts]

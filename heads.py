@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos")
 TERMINATION_HEADS = ("st", "nmst")  # the heads that model the end of a sequence: they read t
+EPSILON_HEADS = ("st", "nmst")  # the heads with an epsilon (eq. 9, 10)
 PAPER_NAMES = dict(softmax="VA+", st="ST+", nmst="NMST+", mos="MoS", ct="CT", ctmos="CT-MoS")
 
 
@@ -195,7 +196,7 @@ def check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature)
     """A head's options, each read only by the heads that use it (their defaults: train.py)."""
     if kind not in HEADS:
         raise ValueError(f"unknown head '{kind}' (choose from {', '.join(HEADS)})")
-    if kind in ("st", "nmst"):  # eq. 9, 10: epsilon in (0, 1)
+    if kind in EPSILON_HEADS:  # eq. 9, 10: epsilon in (0, 1)
         _check_epsilon(epsilon)
     if n_experts < 1:
         raise ValueError(f"--n_experts must be >= 1, got {n_experts}")

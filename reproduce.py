@@ -24,7 +24,7 @@ import evaluate
 import train
 from data import UserError
 from heads import HEADS as HEADS_AVAILABLE
-from heads import TERMINATION_HEADS, paper_name
+from heads import EPSILON_HEADS, paper_name
 
 RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
 SMOKE = ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."]
@@ -120,7 +120,7 @@ def base_flags(cfg, model, head, seed, eps):
         every = cfg["steps"] if cfg["steps"] < 20 else cfg["steps"] // 4
         steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(every), "--eval_seqs",
                  str(EVAL_SEQS)]
-    eps = ["--epsilon", str(eps)] if head in TERMINATION_HEADS else []  # (eq. 9, 10)
+    eps = ["--epsilon", str(eps)] if head in EPSILON_HEADS else []  # (eq. 9, 10)
     return ["--model", model, "--head", head, *eps, "--dataset", cfg["dataset"],
             "--seed", str(seed), *cfg["models"][model], *steps]
 
@@ -166,7 +166,7 @@ def report_table1(cfg, runs, args):
              "| head | eps | " + " | ".join(m.upper() for m in models) + " |",
              "|---|---|" + "---|" * len(models)]
     for h in args.heads:
-        eps = f"{cfg['eps']:g}" if h in TERMINATION_HEADS else "-"
+        eps = f"{cfg['eps']:g}" if h in EPSILON_HEADS else "-"
         cells = [f"{mean_std([r['ppl'] for r in runs[m, h]])} ({PAPER_TABLE1.get((m, h), '-')})"
                  for m in models]
         lines.append(f"| {paper_name(h)} | {eps} | " + " | ".join(cells) + " |")
@@ -194,7 +194,7 @@ def verdict_table1(cfg, runs, args):
     if args.scale == "tiny":
         return SMOKE
     out, L = [""], cfg["L"]
-    others = [h for h in args.heads if h in TERMINATION_HEADS]  # the heads the claim is about
+    others = [h for h in args.heads if h in EPSILON_HEADS]  # the heads the claim is about
     for m in cfg["models"]:
         rates = {h: r_nt(runs[m, h], "greedy", L) for h in args.heads}
         va = rates.get("softmax", [])

@@ -46,6 +46,10 @@ def test_two_processes_match_one(tmp_path):
         assert abs(a["train_loss"] - b["train_loss"]) < 1e-4 * abs(a["train_loss"])
         assert abs(a["val_loss"] - b["val_loss"]) < 1e-4 * abs(a["val_loss"])
     assert one[1]["val_loss"] < one[0]["val_loss"]
+    steps_one, steps_two = log(tmp_path / "one", "steps.jsonl"), log(tmp_path / "two", "steps.jsonl")
+    assert len(steps_one) == len(steps_two) == 8  # each step's loss: the mean over every micro-batch
+    for a, b in zip(steps_one, steps_two):  # and process, whatever the process count
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * abs(a["loss"])
     assert (tmp_path / "two" / "curves.png").stat().st_size > 10_000  # drawn by rank 0
 
 

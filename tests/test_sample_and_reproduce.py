@@ -323,6 +323,8 @@ def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
     assert verdict(dict(softmax=[0.2, 0.0], st=[0.0, 0.0], nmst=[0.0, 0.0])).endswith(
         "the paper's effect shows (VA continuations that never end; none for ST+ and NMST+).")
     assert "effect shows" in verdict(dict(softmax=[0.2], nmst=[0.0], mos=[0.3]))
+    assert "effect shows" in verdict(dict(softmax=[0.2], nmst=[0.0], logt=[0.3]))  # (exercise 1's
+    # head reads t but is not one of the claim's: it adds a row, never changes the verdict)
     assert "does NOT show" in verdict(dict(softmax=[0.2], nmst=[0.1]))
     for rates in (dict(softmax=[0.2]), dict(softmax=[0.2], mos=[0.0]), dict(nmst=[0.0])):
         assert verdict(rates).endswith("no conclusion (the paper's claim compares VA+ with ST+ / "
