@@ -60,7 +60,7 @@ def test_numbers_at_the_edge_of_floating_point(lstm_run, capsys):
         assert_one_line_error(*run_in_process(main, flags, capsys), msg)
 
 
-def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
+def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys, tmp_path):
     for main, flags, msg in (
             (sample.main, ["--decoder", "topk"], "top-k needs --k"),  # (synthetic: no title)
             (sample.main, ["--decoder", "sample", "--p", "0.5"], "does not use --p"),
@@ -72,7 +72,7 @@ def test_story_checkpoints_check_their_decoder_flags(story_ckpt, capsys):
             (evaluate.main, ["--decoder", "topk", "--no_ppl"], "top-k needs --k"),
             (evaluate.main, ["--decoder", "beam", "--beam_size", "2"], "--decoder beam is not for this checkpoint (choose from greedy, sample, topk)"),
             (evaluate.main, ["--tau_report"], "are for left-to-right text checkpoints"),
-            (evaluate.main, ["--decoder", "greedy", "--plot", "figs"], "are for left-to-right text checkpoints"),
+            (evaluate.main, ["--decoder", "greedy", "--plot", str(tmp_path / "figs")], "are for left-to-right text checkpoints"),
             (evaluate.main, ["--decoder", "greedy", "--L", "5"], "are for left-to-right text checkpoints"),
             (evaluate.main, ["--decoder", "greedy", "--traces", "2"], "are for left-to-right text"),
             (evaluate.main, ["--no_ppl"], "--no_ppl leaves nothing to do")):
