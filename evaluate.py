@@ -126,8 +126,7 @@ def load_run(path, data_dir=None, device="cpu", sizes=None):
                             f"--data_dir DIR where its text is now")
         args.data_dir = data_dir
     if sizes and args.task == "stream":
-        raise UserError("a stream checkpoint's perplexity reads 10 columns: drop --batch_size / "
-                        "--max_tokens")
+        raise UserError("a stream checkpoint reads 10 columns: drop --batch_size / --max_tokens")
     if sizes:
         args.batch_size, args.max_tokens = sizes
     data = load_data(args, verbose=False)
@@ -151,8 +150,7 @@ def main(argv=None):
                         "are for left-to-right text checkpoints; a story checkpoint reports its "
                         "NLL and, with --decoder, the BLEU of its stories")
     if a.decoder and args.task != "completion" and not story:
-        raise UserError("--decoder continues the contexts of sequence-completion data; this is a "
-                        f"--task {args.task} checkpoint")
+        raise UserError(f"--decoder continues completion contexts, not a --task {args.task} run")
     if not a.no_ppl:
         sizes = dict(batch_size=a.batch_size, max_tokens=a.max_tokens) if sizes else None
         res.update(evaluate(args, model, data, a.split, a.limit, device,

@@ -11,6 +11,7 @@ Scales (each *_settings function says what it trains): tiny (seconds: the tests'
 check), cpu (a coursework preset: <= 10 minutes each on 2 CPU cores, small models, several
 seeds), paper (the papers' own settings: GPU days).
 """
+import argparse
 import itertools
 import json
 import math
@@ -58,12 +59,10 @@ PAPER_TABLE1 = {("rnn", "softmax"): "178.6 ± 6.3", ("rnn", "st"): "180.4 ± 3.3
                 ("lstm", "st"): "104.5 ± 1.4", ("lstm", "nmst"): "101.5 ± 0.8"}
 TABLE4 = ("topk-2", "topk-4", "nucleus-0.2", "nucleus-0.4", "beam-2", "beam-4")
 PAPER_TABLE4 = {  # r_nt(1000) in the paper's Table 4, in the order of TABLE4
-    "softmax": ("0.0 ± 0.0", "0.0 ± 0.0",
-                "0.25 ± 0.08", "0.14 ± 0.05", "0.05 ± 0.02", "0.03 ± 0.01"),
-    "st": ("0.0 ± 0.0", "0.0 ± 0.0",
-           "0.73 ± 0.11", "0.55 ± 0.15", "0.29 ± 0.10", "0.15 ± 0.07"),
-    "nmst": ("0.0 ± 0.0", "0.0 ± 0.0",
-             "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02", "0.01 ± 0.01")}
+    "softmax": ("0.0 ± 0.0", "0.0 ± 0.0", "0.25 ± 0.08", "0.14 ± 0.05", "0.05 ± 0.02",
+                "0.03 ± 0.01"),
+    "st": ("0.0 ± 0.0", "0.0 ± 0.0", "0.73 ± 0.11", "0.55 ± 0.15", "0.29 ± 0.10", "0.15 ± 0.07"),
+    "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02", "0.01 ± 0.01")}
 HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
 
 
@@ -277,6 +276,10 @@ def over_training(cfg, args):
 
 
 def run_nmst(table, args):
+    cfg = nmst_settings(args.scale, table)  # a --heads subset keeps the rows of finished heads
+    done = [h for h in HEADS_AVAILABLE if h not in args.heads and all(os.path.exists(
+        f"{args.out}/{m}-{h}-s{s}-ppl.json") for m in cfg["models"] for s in range(cfg["seeds"]))]
+    args = argparse.Namespace(**{**vars(args), "heads": args.heads + done})
     cfg, runs = nmst_runs(table, args)
     lines = report_table1(cfg, runs, args) if table == 1 else report_table4(cfg, runs, args)
     plot_nmst(cfg, runs, args)

@@ -134,7 +134,7 @@ def test_stream_training_on_real_ptb(head, tmp_path, capsys):
     assert r["task"] == "stream" and r["tokens"] == (73_760 // 10 * 10 - 10 if head == "ct" else 5000)
     assert os.path.exists(out / "ckpt_last.pt")
     capsys.readouterr()
-    for flags, msg in ((["--decoder", "greedy"], "contexts of sequence-completion data"),
+    for flags, msg in ((["--decoder", "greedy"], "--decoder continues completion contexts, not a --task stream run"),
                        (["--tau_report"], "a ct / ctmos head")):
         if head == "mos" or "--decoder" in flags:
             rc, err = run_in_process(evaluate.main, ["--ckpt", str(out / "ckpt_best.pt"), *flags], capsys)

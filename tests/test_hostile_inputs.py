@@ -241,4 +241,4 @@ def test_batching_flags_on_a_stream_checkpoint_are_refused(tmp_path, capsys):
                        "--batch_size", "4", "--bptt", "10", "--max_iters", "1", "--eval_seqs", "50",
                        "--out_dir", str(out)])
     rc, err = run_in_process(evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), "--batch_size", "7"], capsys)
-    assert_one_line_error(rc, err, "a stream checkpoint's perplexity reads 10 columns")
+    assert_one_line_error(rc, err, "a stream checkpoint reads 10 columns: drop --batch_size")

@@ -198,6 +198,10 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys, monkeypatch)
     reproduce.main(["nmst-table1", "--scale", "tiny", "--out", str(out / "nmst-table1-tiny")])
     again = capsys.readouterr().out
     assert "done (reached" not in again and "already finished" in again
+    reproduce.main(["nmst-table1", "--scale", "tiny", "--heads", "softmax", "--out", str(out / "nmst-table1-tiny")])
+    table = (out / "nmst-table1-tiny" / "table.md").read_text()  # a --heads subset keeps the
+    assert all(f"| {h} |" in table for h in ("VA+", "ST+", "NMST+"))  # finished heads' rows
+    assert "done (reached" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("result, dataset", [("nmst-table1", "wikitext2"), ("nmst-table4", "wikitext103"),
