@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from data import UserError
-from heads import EPSILON_HEADS
+from heads import EPSILON_HEADS, paper_name
 
 NOT_LABELS = ("out_dir", "data_dir", "weights", "resume", "device", "dtype", "compile",
               "peak_flops", "log_interval", "no_curves", "tensorboard")  # where and how, not what
@@ -138,16 +138,16 @@ def draw_run(out_dir):
 
 
 def labels(runs):
-    """What tells each run apart: the flags whose values differ between the runs (eps only
-    where a head reads it), or its folder."""
+    """What tells each run apart: the flags whose values differ between the runs (a head by the
+    papers' name, as in every figure; eps only where a head has one), or its folder."""
     args = [a for a, _ in runs]
     reads = lambda a, k: k != "epsilon" or a.get("head") in EPSILON_HEADS  # noqa: E731
     what = ("model", "head", "dataset", "task")  # their values stand alone; they come first
     keys = [k for k in sorted({k for a in args for k in a} - set(NOT_LABELS),
                               key=lambda k: (k not in what, k))
             if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1] or ["head"]
-    names = [" ".join(f"{a[k]}" if k in what else f"{k}={a.get(k)}"
-                      for k in keys if k in a and reads(a, k))
+    names = [" ".join((paper_name(a[k]) if k == "head" else str(a[k])) if k in what else
+                      f"{k}={a.get(k)}" for k in keys if k in a and reads(a, k))
              or os.path.basename(os.path.normpath(folder)) for a, folder in runs]
     if len(set(names)) < len(names):  # alike in every flag: told apart by their folders
         names = [f"{n} ({os.path.normpath(f)})" for n, (_, f) in zip(names, runs)]
@@ -175,7 +175,7 @@ def overlay(folders, path):
         rows.append(f"| {name} | {best['val_ppl']:.2f} | {best['step']} | " + (
             f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
             f"{probe[-1]['eos_prob_at_end']:.4f} |" if probe else "- | - |"))
-        style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4], marker="os^D"[i % 4],
+        style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4], marker="o^sD"[i % 4],
                      fillstyle="none")
         ax[0].plot([r["step"] for r in log], [ppl(r["val_loss"]) for r in log], label=name, **style)
         ax[1].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe], **style)

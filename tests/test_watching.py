@@ -119,7 +119,7 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys, monkey
     capsys.readouterr()
     curves.main([*folders, "--out", str(tmp_path / "cmp.png")])
     out = capsys.readouterr().out
-    assert "| softmax |" in out and "| nmst |" in out  # (eps: read by nmst alone, not a label)
+    assert "| VA+ |" in out and "| NMST+ |" in out  # (the papers' names; eps: nmst's alone, no label)
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
     assert run_cli(curves.main, [*folders, "--out", str(tmp_path / "cmp.pdf")]) == 2  # not a PNG
     assert "is a PNG: name it .png" in capsys.readouterr().err and not (tmp_path / "cmp.pdf").exists()
@@ -134,7 +134,7 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys, monkey
     again = str(tmp_path / "again")  # the same flags, another folder: labelled by the folders
     shutil.copytree(folders[1], again)
     rows = curves.overlay([folders[1], again], str(tmp_path / "cmp5.png"))
-    assert [r.split(" |")[0] for r in rows[2:]] == [f"| nmst ({folders[1]})", f"| nmst ({again})"]
+    assert [r.split(" |")[0] for r in rows[2:]] == [f"| NMST+ ({folders[1]})", f"| NMST+ ({again})"]
 
 
 def test_a_label_names_every_flag_that_differs():
@@ -142,13 +142,13 @@ def test_a_label_names_every_flag_that_differs():
                  lr_schedule="linear", out_dir=f"out/{t}") for t in (0.5, 1.0, 4.0)]
     runs[0].update(head="ct", loss_scaling=True, lr_schedule="constant")
     assert curves.labels([(r, "run") for r in runs]) == [  # not out_dir: where a run is, not what
-        "ct loss_scaling=True lr_schedule=constant temperature=0.5",
-        "mos loss_scaling=False lr_schedule=linear temperature=1.0",
-        "mos loss_scaling=False lr_schedule=linear temperature=4.0"]
+        "CT loss_scaling=True lr_schedule=constant temperature=0.5",
+        "MoS loss_scaling=False lr_schedule=linear temperature=1.0",
+        "MoS loss_scaling=False lr_schedule=linear temperature=4.0"]
     heads = [dict(head="softmax", epsilon=1e-5)] + [dict(head=h, epsilon=1e-3) for h in ("st", "nmst")]
-    assert curves.labels([(h, "run") for h in heads]) == ["softmax", "st", "nmst"]  # eps alike where read
+    assert curves.labels([(h, "run") for h in heads]) == ["VA+", "ST+", "NMST+"]  # eps alike where read
     assert curves.labels([(h, "run") for h in heads + [dict(head="nmst", epsilon=1e-4)]])[2:] == [
-        "nmst epsilon=0.001", "nmst epsilon=0.0001"]
+        "NMST+ epsilon=0.001", "NMST+ epsilon=0.0001"]
     assert curves.labels([({}, "out/a"), ({}, "out/b")]) == ["a", "b"]  # no args.json: the folders
 
 
