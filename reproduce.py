@@ -183,7 +183,8 @@ def rnt_rows(cfg, runs, args):
         for dec in cfg["decoders"]:
             cells = [mean_std(r_nt(res, dec, L), 3) for L in Ls]
             length = mean_std([r[dec]["decoding"]["mean_length"] for r in res])
-            lines.append(f"| {m} | {h} | {dec} | " + " | ".join(cells) + f" | {length} |")
+            lines.append(f"| {m} | {paper_name(h)} | {dec} | " + " | ".join(cells)
+                         + f" | {length} |")
     return lines + verdict_table1(cfg, runs, args)
 
 
