@@ -212,6 +212,12 @@ def verdict_table1(cfg, runs, args):
         out.append(f"- {m.upper()}, greedy: " + ", ".join(
             f"{paper_name(h)} r_nt({L}) = {statistics.mean(rates[h]):.3f}" for h in args.heads)
             + (f" (VA > 0 in {looping} of {len(va)} seeds): " if va else ": ") + verdict)
+        ppl = [[r["ppl"] for r in runs[m, h]] for h in args.heads]
+        gap, sd = max(map(statistics.mean, ppl)) - min(map(statistics.mean, ppl)), max(map(
+            statistics.pstdev, ppl))  # (the caveat: do the heads' perplexities differ at all?)
+        out.append(f"  Perplexity: the heads' means lie {gap:.1f} apart, the seeds' std is up to "
+                   f"{sd:.1f}: " + ("under two std, so these runs do not order the heads." if
+                                     gap < 2 * sd else "more than two std apart."))
     return out
 
 
@@ -272,7 +278,9 @@ def over_training(cfg, args):
         seqs = f"the first {EVAL_SEQS}" if cfg["steps"] else "all"
         lines += ["", f"Over training ({model}, seed 0; training-{model}.png): the runs' own "
                       f"evaluations (perplexity on {seqs} validation sequences); the probe "
-                      f"greedy-decodes 64 validation contexts at each evaluation.", "", *rows]
+                      f"greedy-decodes 64 validation contexts at each evaluation (to L = 200; "
+                      f"ST / NMST ensure an end by t½ = ln 2/eps = {math.log(2) / cfg['eps']:.0f})."
+                      , "", *rows]
     return lines
 
 

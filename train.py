@@ -387,8 +387,7 @@ def main(argv=None):
     if procs > 1:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     torch.manual_seed(args.seed + rank)  # before the model is built: its initial weights
-    weights = args.init_from != "scratch" and not ckpt and gpt2_weights(args.init_from,
-                                                                         args.weights)
+    weights = not ckpt and "gpt2" in args.init_from and gpt2_weights(args.init_from, args.weights)
     data = load_data(args) if rank == 0 else None  # rank 0 prepares the data, then the others
     if procs > 1:  # read it
         dist.barrier()
@@ -570,8 +569,9 @@ def sync(args, pending, device, st):
     if rank == 0:
         curves.append(f"{args.out_dir}/steps.jsonl", *records)
     if bad := [r["step"] for r in records if not math.isfinite(r["loss"])]:
-        raise UserError(f"non-finite training loss at step {bad[0]}; stopping (try a lower --lr): "
-                        f"ckpt_last.pt, if any, holds the last evaluation's weights")
+        raise UserError(f"non-finite training loss at step {bad[0]}; stopping (try a lower --lr"
+                        + f"; are --head {args.head}'s values at t <= 0 finite?" * (args.head in
+                        TERMINATION_HEADS) + "): ckpt_last.pt, if any, holds the last weights")
     stop = (STOP[0] if STOP else "a signal to another process") if signalled else None
     late = f"reached --max_minutes {args.max_minutes:g}" if late else None
     return (stop, late) if stop or late else None

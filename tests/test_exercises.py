@@ -5,6 +5,7 @@ error, never a silent ST; a new decoder (typical sampling) samples in sample.py 
 like the others; a new backbone (a dilated gated CNN) passes the contract and cached-decoding
 tests, trains and decodes."""
 import os
+import re
 import subprocess
 import sys
 
@@ -104,6 +105,45 @@ class LanguageModel(nn.Module):"""),
 ]
 
 
+def exercise_text(n):
+    """The README's exercise n: its backticked spans, whitespace collapsed."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text[text.index("Three exercises that need a code change:"):text.index("## On a GPU")]
+    part = re.split(r"\n(?=\d\. \*)", section)[n]
+    return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", part)]
+
+
+def code_text(*names):
+    files = subprocess.run(["git", "ls-files", *names], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    return "\n".join(open(os.path.join(ROOT, f), encoding="utf-8").read() for f in files)
+
+
+@pytest.mark.parametrize("n, edits", [(1, EXERCISE_1), (2, EXERCISE_2), (3, EXERCISE_3)])
+def test_the_text_names_real_places_and_is_what_the_tests_do(n, edits):
+    """Every place an exercise's text names exists in the code (or is one the exercise makes),
+    every piece of code it spells out is in the edits these tests apply (`...`: anything)."""
+    code, done = code_text("*.py"), " ".join(" ".join(new.split()) for _, _, new in edits)
+    for span in exercise_text(n):
+        if span.startswith("python "):
+            assert n == 1 and span.split()[1:] == REPRODUCE_LOGT, span  # the command run below
+        elif span.startswith("--"):
+            flag = span.split()[0]  # a flag of a command
+            assert f'"{flag}"' in code or f'("{flag[2:]}",' in code, span
+        elif span.endswith(".py"):
+            assert os.path.isfile(os.path.join(ROOT, span)), span
+        elif re.fullmatch(r"[\w.]+", span):  # a name, module.name or Class.method
+            *owner, name = span.split(".")
+            where = code_text(f"{owner[0]}.py") if owner and owner[0].islower() else code
+            assert re.search(rf"\b{name}\b", where + done), span
+            if owner and not owner[0].islower():
+                assert re.search(rf"class {owner[0]}\b[^\n]*:\n(.*\n)*?    def {name}\(", where), span
+        else:  # code
+            assert re.search(".*?".join(map(re.escape, span.split("..."))), done), span
+
+
+REPRODUCE_LOGT = "reproduce.py nmst-table1 --scale cpu --heads softmax nmst logt".split()
+
+
 def copy_of_the_code(dest):
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     for name in files:
@@ -126,8 +166,8 @@ def test_exercise_1_a_fourth_head_goes_through_reproduce(tmp_path):
     copy_of_the_code(str(code))
     apply(str(code), EXERCISE_1)
     out = tmp_path / "results"
-    p = subprocess.run([sys.executable, "reproduce.py", "nmst-table1", "--scale", "tiny", "--heads", "softmax",
-                        "st", "nmst", "logt", "--out", str(out)], cwd=code, capture_output=True, text=True,
+    command = [a.replace("cpu", "tiny") for a in REPRODUCE_LOGT]  # the text's command, at seconds' scale
+    p = subprocess.run([sys.executable, *command, "--out", str(out)], cwd=code, capture_output=True, text=True,
                        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
     table = (out / "table.md").read_text()

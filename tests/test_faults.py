@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import heads
 import train
 from conftest import ROOT, run_cli
 from train import load_checkpoint, save_checkpoint
@@ -128,6 +129,24 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, ptb,
     assert rc == 2 and "non-finite" in err and "at step" in err and "ckpt_last.pt, if any" in err
     ckpt = load_checkpoint(str(out / "ckpt_last.pt"))
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_a_head_not_finite_at_t_0_is_named_as_the_suspect(tmp_path, ptb, capsys, monkeypatch):
+    """Exercise 1's mistake (log t with no clamp at context / padding positions, t <= 0) trains
+    to NaN; the message names the head's values there."""
+    def unclamped(z_eos, t, epsilon):
+        a = z_eos.float() + 0.1 * torch.log(t.float())  # NaN at t < 0, -inf at 0: NaN gradients
+        return torch.nn.functional.logsigmoid(a), torch.nn.functional.logsigmoid(-a)
+    monkeypatch.setattr(heads, "nmst_log_alpha", unclamped)
+    rc = run_cli(train.main, ARGS[:-6] + ["--max_iters", "4", "--eval_interval", "2", "--log_interval",
+                                          "1", "--out_dir", str(tmp_path / "nan")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "non-finite training loss" in err and "--head nmst's values at t <= 0" in err, err
+    monkeypatch.undo()  # the message names the head only where it reads t
+    rc = run_cli(train.main, ARGS[:-6] + ["--head", "softmax", "--max_iters", "30", "--eval_interval", "1",
+                                          "--lr", "1e30", "--grad_clip", "0", "--out_dir", str(tmp_path / "va")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "non-finite" in err and "t <= 0" not in err, err
 
 
 def test_existing_run_is_not_overwritten(tmp_path, ptb, capsys):
