@@ -140,16 +140,10 @@ def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **k
     """decode() over many prompts, `batch` at a time (a tqdm bar when `desc` is given): what
     evaluate.py's study and train.py's termination probe both run, batched the same way so that
     they decode the same.  -> decode()'s dict for all prompts."""
-    tokens, lengths, terminated, scores = [], [], [], []
-    for lo in tqdm(range(0, len(prompts), batch), desc, disable=None if desc else True,
-                   leave=False):
-        res = decode(lm, prompts[lo:lo + batch], L, decoder, **kw)
-        tokens += res["tokens"]
-        lengths.append(res["lengths"])
-        terminated.append(res["terminated"])
-        scores.append(res["scores"])
-    return dict(tokens=tokens, lengths=torch.cat(lengths), terminated=torch.cat(terminated),
-                scores=torch.cat(scores))
+    parts = [decode(lm, prompts[lo:lo + batch], L, decoder, **kw) for lo in tqdm(
+        range(0, len(prompts), batch), desc, disable=None if desc else True, leave=False)]
+    return dict(tokens=[x for r in parts for x in r["tokens"]], **{
+        k: torch.cat([r[k] for r in parts]) for k in ("lengths", "terminated", "scores")})
 
 
 def pad_prompts(prompts, device):

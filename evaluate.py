@@ -147,8 +147,7 @@ def main(argv=None):
     story = args.task in ("story", "storyline")
     if story and (a.tau_report or a.plot or {"consistent", "L", "traces", "decode_batch"} & given):
         raise UserError("--tau_report / --plot / --consistent / --L / --traces / --decode_batch "
-                        "are for left-to-right text checkpoints; a story checkpoint reports its "
-                        "NLL and, with --decoder, the BLEU of its stories")
+                        "are for left-to-right text checkpoints, not a story one (NLL, BLEU)")
     if a.decoder and args.task != "completion" and not story:
         raise UserError(f"--decoder continues completion contexts, not a --task {args.task} run")
     if not a.no_ppl:
@@ -181,8 +180,7 @@ def report(args, res, split):
                f"{res['nll_per_story']:.2f} per story, {res['nll']:.4f} per event (ppl " \
                f"{res['ppl']:.2f}){bound}"
     if res["sequences"] == 0:
-        raise UserError(f"the {split} split holds no sequence that fits this model: nothing to "
-                        f"evaluate")
+        raise UserError(f"the {split} split holds no sequence that fits this model: no perplexity")
     return (f"{'split':6s} {'sequences':>9s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s} "
             f"{'p(eos@end)':>10s}\n{split:6s} {res['sequences']:9d} {res['tokens']:9d} "
             f"{res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}"
@@ -222,10 +220,9 @@ def decoding_study(model, data, a, device):
         done, c = bool(result["terminated"][i]), int(split.contexts[i])
         if seen[done] < a.examples:
             seen[done] += 1
-            ex = dict(index=i, terminated=done, context=detok(split[i][:c].tolist()),
-                      continuation=detok(toks[:200]) + (" ..." if len(toks) > 200 else ""),
-                      ground_truth=detok(split[i][c:].tolist()[:200]))
-            examples.append(ex)
+            examples.append(ex := dict(index=i, terminated=done, context=detok(
+                split[i][:c].tolist()), continuation=detok(toks[:200]) + " ..." * (len(toks) > 200),
+                ground_truth=detok(split[i][c:].tolist()[:200])))
             print(f"\n[{'terminated' if done else 'NOT terminated'}] context: {ex['context']}"
                   f"\n  continuation: {ex['continuation'][:400]}")
     return dict(stats, r_nt_curve=decode_stats(result, curve)["r_nt"], examples=examples,
@@ -355,8 +352,7 @@ def story_generation(model, args, data, a, device):
             out = decode(model, [torch.tensor(prefix, device=device)], L, a.decoder, k=a.k,
                          temperature=a.temperature, generator=g)
             hyp = [vocab[t] for t in out["tokens"][0] if t not in banned]
-        hyps.append(hyp)
-        refs.append(story["story"])
+        hyps.append(hyp), refs.append(story["story"])
         total += len(story["keywords"])
         included += len(keyword_positions(hyp, story["keywords"]))  # found in order
         if len(shown) < a.examples:

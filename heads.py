@@ -49,6 +49,12 @@ def paper_name(head):
     return PAPER_NAMES.get(head, head.upper())
 
 
+def padded(vocab_size):
+    """The rows of the embedding and U: the vocabulary padded to a multiple of 64 (tensor-core
+    shapes, as nanoGPT's 50304); the padding rows are never produced, decoded or normalised over."""
+    return -(-vocab_size // 64) * 64
+
+
 # --- numerics ---------------------------------------------------------------------------------
 def log1mexp(a):
     """log(1 - exp(a)) for a <= 0, stable everywhere (Maechler 2012): two branches at -log 2."""
@@ -180,12 +186,13 @@ def loss_scale(vocab_size, alpha, beta):
 
 
 # --- the loss path: log p(target) without the (B, T, V) log-probabilities ---------------------
-def log_softmax_at(h, W, targets, exclude=None, bias=None):
-    """log softmax(U h + b)[targets], over the vocabulary without `exclude` when it is given
-    (the non-eos factor of eq. 9 / 10).  The textbook way: linear, then cross_entropy.
-    h (..., D), W (V, D), targets (...) -> (...)."""
-    logits = F.linear(h, W, bias)  # (..., V)
-    if exclude is not None:  # in place: linear's backward does not read its output
+def log_softmax_at(h, W, targets, V, exclude=None, bias=None):
+    """log softmax(U h + b)[targets] over the V real rows of U, without `exclude` when it is
+    given (the non-eos factor of eq. 9 / 10).  The textbook way: linear, then cross_entropy.
+    h (..., D), W (padded(V), D), targets (...) -> (...)."""
+    logits = F.linear(h, W, bias)  # (..., padded(V)); in place below: linear's backward does
+    logits[..., V:] = float("-inf")  # not read its output.  The padding rows: no mass
+    if exclude is not None:
         logits[..., exclude] = float("-inf")
     return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(),
                             reduction="none").view(targets.shape)
@@ -224,7 +231,8 @@ class Head(nn.Module):
         check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature)
         self.kind, self.eos_id, self.epsilon = kind, int(eos_id), epsilon
         self.temperature, self.ct_alpha, self.ct_beta = float(temperature), ct_alpha, ct_beta
-        self.proj = nn.Linear(d_model, vocab_size, bias=bias)  # U, the (tied) decoder
+        self.proj = nn.Linear(d_model, padded(vocab_size), bias=bias)  # U, the (tied) decoder
+        self.vocab_size = vocab_size  # U's rows past it are padding, sliced off (padded)
         if kind in ("mos", "ctmos"):  # MoS: prior W_p and per-expert latents tanh(W_k h)
             self.n_experts = n_experts
             self.prior = nn.Linear(d_model, n_experts, bias=False)
@@ -242,7 +250,7 @@ class Head(nn.Module):
         """MoS experts z_m = U tanh(W_m h): (B, T, K, V)."""
         B, T, D = h.shape
         latent = torch.tanh(self.latent(h)).view(B, T, self.n_experts, D)
-        return self.proj(latent)
+        return self.proj(latent)[..., :self.vocab_size]
 
     def _needs_t(self, t):
         if self.kind in TERMINATION_HEADS and t is None:
@@ -256,7 +264,7 @@ class Head(nn.Module):
         if self.kind == "ctmos":  # eq. 7: the same contextual tau divides every expert's logits
             tau = self.temperatures(h).unsqueeze(-2)
             return mos_log_probs(self.prior(h), self._expert_logits(h) / tau), None
-        logits = self.proj(h)  # (B, T, V)
+        logits = self.proj(h)[..., :self.vocab_size]  # (B, T, V)
         if self.kind == "ct":
             return ct_log_probs(logits, self.temperatures(h)), None
         if self.kind == "softmax":
@@ -286,12 +294,12 @@ class Head(nn.Module):
             c = self.temperature
             if c != 1.0:
                 h, bias = h / c, (None if bias is None else bias / c)
-            return log_softmax_at(h, W, targets, None, bias), None
+            return log_softmax_at(h, W, targets, self.vocab_size, None, bias), None
         e = self.eos_id
         z_eos = h @ W[e] + (bias[e] if bias is not None else 0.0)  # (B, T)
         is_eos = targets == e  # those take log_alpha below: any non-eos stand-in target will do
-        stand_in = targets.masked_fill(is_eos, (e + 1) % W.size(0))
-        log_rest = log_softmax_at(h, W, stand_in, e, bias)
+        stand_in = targets.masked_fill(is_eos, (e + 1) % self.vocab_size)
+        log_rest = log_softmax_at(h, W, stand_in, self.vocab_size, e, bias)
         if self.kind == "nmst":
             log_alpha, log_one_minus_alpha = nmst_log_alpha(z_eos, t, self.epsilon)
         elif self.kind == "st":
@@ -300,7 +308,3 @@ class Head(nn.Module):
         else:
             raise ValueError(f"Head.target_log_probs has no branch for the head {self.kind!r}")
         return torch.where(is_eos, log_alpha, log_one_minus_alpha + log_rest), head_state
-
-    def extra_repr(self):
-        eps = f", epsilon={self.epsilon:g}" if self.kind in ("st", "nmst") else ""  # (eq. 9, 10)
-        return f"kind={self.kind}, eos_id={self.eos_id}{eps}"

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from data import UserError
 from decode import draw, filter_log_probs
+from heads import padded
 from model import GPT, Block, eval_mode
 
 
@@ -144,7 +145,7 @@ class InsertionModel(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = dict(cfg)
-        V, D = cfg["vocab_size"], cfg["d_model"]
+        V, D = padded(cfg["vocab_size"]), cfg["d_model"]  # (rows past vocab_size: padding)
         self.wte = nn.Embedding(V, D)
         self.drop = nn.Dropout(cfg["dropout"])
         self.h = nn.ModuleList([Block(D, cfg["n_head"], cfg["dropout"], True)
@@ -158,8 +159,9 @@ class InsertionModel(nn.Module):
         self.apply(GPT._init_weights)
         self.lm_head.weight = self.wte.weight  # tied input / output embeddings
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())
+    def num_params(self):  # those in use: not the padding rows of the vocabulary
+        return sum(p.numel() for p in self.parameters()) - (padded(V := self.cfg["vocab_size"]) -
+                                                            V) * self.cfg["d_model"]
 
     def max_canvas(self):
         """The most tokens a canvas may hold: None (InsNet's positions are relative offsets)."""
@@ -172,8 +174,10 @@ class InsertionModel(nn.Module):
         return u, q @ self.slot_proj.bias
 
     def token_logits(self, slot):
-        """p(token | slot) logits: slot (..., D) -> (..., V)."""
-        return self.lm_head(self.ln_slot(F.gelu(slot)))
+        """p(token | slot) logits: slot (..., D) -> (..., padded(V)), -inf on the padding rows."""
+        logits = self.lm_head(self.ln_slot(F.gelu(slot)))
+        logits[..., self.cfg["vocab_size"]:] = float("-inf")  # (linear's backward: not read)
+        return logits
 
     def forward(self, **batch):
         """The training call: sequence_log_probs of a collate_insertions batch (through forward,

@@ -29,10 +29,10 @@ needs no `lengths` when only the real positions' outputs are read and no state i
 and perplexity): the padding comes after them and cannot change them.  That path runs
 attention with is_causal and no mask (FlashAttention on a GPU) and the LSTM unpacked.
 """
+import collections
 import contextlib
 import math
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from data import UserError, cache_dir, download
-from heads import Head
+from heads import Head, padded
 
 MODELS = ("rnn", "lstm", "gcnn", "gpt")
 WINDOWED = ("gcnn", "gpt")  # learned positions: a context window of block_size tokens
@@ -65,7 +65,6 @@ class Recurrent(nn.Module):
     def __init__(self, cell, vocab_size, d_model=512, n_layer=2, dropout=0.5,
                  locked_dropout=False):
         super().__init__()
-        assert cell in ("rnn", "lstm")
         self.cell, self.d_model, self.locked, self.p = cell, d_model, locked_dropout, dropout
         self.wte = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
@@ -169,12 +168,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x)), kv
 
 
-class GPTState(NamedTuple):
-    kv: list
-    key_valid: torch.Tensor
-    next_pos: torch.Tensor
-    end: int
-    padded: bool
+GPTState = collections.namedtuple("GPTState", "kv key_valid next_pos end padded")  # (contract)
 
 
 class GPT(nn.Module):
@@ -343,7 +337,7 @@ class LanguageModel(nn.Module):
         if cfg["model"] not in MODELS:
             raise ValueError(f"unknown model '{cfg['model']}' (choose from {', '.join(MODELS)})")
         self.cfg = dict(cfg)
-        self.backbone = build_backbone(cfg)
+        self.backbone = build_backbone(dict(cfg, vocab_size=padded(cfg["vocab_size"])))
         self.head = Head(cfg["head"], cfg["d_model"], cfg["vocab_size"], cfg["eos_id"],
                          cfg["epsilon"], n_experts=cfg.get("n_experts", 1),
                          ct_alpha=cfg.get("ct_alpha"), ct_beta=cfg.get("ct_beta"),
@@ -386,20 +380,22 @@ class LanguageModel(nn.Module):
         hstate = None if hstate is None else hstate.index_select(0, index)
         return self.backbone.reorder_state(bstate, index), hstate
 
-    def num_params(self):
-        return sum(p.numel() for p in self.parameters())
+    def num_params(self):  # those in use: not the padding rows of the vocabulary (heads.padded)
+        pad = (padded(V := self.cfg["vocab_size"]) - V) * self.cfg["d_model"]
+        return sum(p.numel() for p in self.parameters()) - pad * (2 - self.cfg["tie"])
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token: 6 N for the matmul weights (forward + backward; the output
         projection counts, the position-embedding lookup does not) plus, for GPT, attention's
         12 L d T at the mean training length T (PaLM appendix B, as nanoGPT's estimate_mfu)."""
         cfg, n = self.cfg, self.num_params()
+        VD = cfg["vocab_size"] * cfg["d_model"]
         if cfg["model"] in WINDOWED:
             n -= self.backbone.wpe.weight.numel()
         if not cfg.get("tie", True):
-            n -= self.backbone.wte.weight.numel()  # the input lookup is no matmul
+            n -= VD  # the input lookup is no matmul
         if cfg["head"] in ("mos", "ctmos"):  # U projects each of the K experts' latents
-            n += (cfg["n_experts"] - 1) * self.head.proj.weight.numel()
+            n += (cfg["n_experts"] - 1) * VD
         attn = 12 * cfg["n_layer"] * cfg["d_model"] * seq_len if cfg["model"] == "gpt" else 0
         return 6 * n + attn
 
@@ -418,12 +414,14 @@ def gpt_state_from_hf(hf_state, lm):
             continue
         name = "backbone." + k.removeprefix("transformer.")
         v = v.t() if name.endswith(HF_CONV1D) else v
+        if name == "backbone.wte.weight" and name in own:  # GPT-2's 50257 rows, zeros to 50304
+            v = torch.cat([v, v.new_zeros(max(0, len(own[name]) - len(v)), *v.shape[1:])])
         if name not in own or v.shape != own[name].shape:
-            raise ValueError(f"the GPT-2 weight {k!r} {tuple(v.shape)} does not fit the model")
+            raise UserError(f"the GPT-2 weight {k!r} {tuple(v.shape)} does not fit the model")
         out[name] = v
     missing = [k for k in own if k.startswith("backbone.") and k not in out]
     if missing:
-        raise ValueError(f"the GPT-2 weights lack {missing[0]} (and {len(missing) - 1} more)")
+        raise UserError(f"the GPT-2 weights lack {missing[0]} (and {len(missing) - 1} more)")
     return {**own, **out, "head.proj.weight": out["backbone.wte.weight"]}
 
 

@@ -28,7 +28,7 @@ from data import UserError
 from data.loader import batchify, check_fits, epoch_batches, get_batch, load_data
 from data.prepare import DATASETS, VOCABS
 from decode import decode_in_batches, longest_continuation, non_termination_ratio
-from heads import HEADS, TERMINATION_HEADS, loss_scale
+from heads import HEADS, TERMINATION_HEADS, loss_scale, padded
 from insnet import InsertionTransformer, InsNet
 from model import MODELS, WINDOWED, LanguageModel, eval_mode, gpt2_weights, gpt_state_from_hf
 
@@ -105,11 +105,11 @@ FLAGS = [  # (flag, default (None: the recipe's), type (a tuple: the choices; bo
     ("tar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"), ("max_iters", None, INT0, "0: none"),
     ("grad_accum", None, INT1, "batches a step over all processes (default: one a process)"),
     ("max_minutes", 0.0, NONNEG, "0: none"), ("eval_interval", None, INT0, "0: at epoch ends"),
-    ("log_interval", 10, INT1, "steps between the reads of the losses and the stop checks"),
-    ("eval_seqs", 0, INT0, "validate on the first N (0: all)"), ("train_seqs", 0, INT0, "0: all"),
-    ("probe", 64, INT0, "termination probe: greedy-decode N validation contexts (0: off)"),
-    ("probe_L", 200, INT1, "the probe's L"), ("no_curves", False, bool, "no OUT_DIR/curves.png"),
-    ("tensorboard", False, bool, "also OUT_DIR/tensorboard (pip install tensorboard)")]
+    ("log_interval", 10, INT1, "steps between loss reads / stop checks"), ("train_seqs", 0, INT0,
+     "0: all"), ("eval_seqs", 0, INT0, "validate on the first N (0: all)"), ("probe", 64, INT0,
+     "termination probe: greedy-decode N validation contexts (0: off)"), ("probe_L", 200, INT1,
+     "the probe's L"), ("no_curves", False, bool, "no OUT_DIR/curves.png"), ("tensorboard", False,
+     bool, "also OUT_DIR/tensorboard (pip install tensorboard)")]
 DEFAULTS = {flag: default for flag, default, _, _ in FLAGS}
 
 
@@ -358,6 +358,9 @@ def load_checkpoint(path):
                         f"not a readable nanogen checkpoint ({type(e).__name__})") from None
     if not (isinstance(ckpt, dict) and {"config", "model", "args", "vocab", "state"} <= set(ckpt)):
         raise UserError(f"{path} is not a checkpoint written by train.py")
+    wte = ckpt["model"].get("backbone.wte.weight", ckpt["model"].get("wte.weight"))
+    if wte is not None and len(wte) != padded(ckpt["config"]["vocab_size"]):  # (heads.padded)
+        raise UserError(f"{path} was written before nanogen padded the vocabulary: train it again")
     return ckpt
 
 
@@ -387,12 +390,12 @@ def main(argv=None):
     if procs > 1:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     torch.manual_seed(args.seed + rank)  # before the model is built: its initial weights
-    weights = not ckpt and "gpt2" in args.init_from and gpt2_weights(args.init_from, args.weights)
+    hf = None if ckpt or args.init_from == "scratch" else gpt2_weights(args.init_from, args.weights)
     data = load_data(args) if rank == 0 else None  # rank 0 prepares the data, then the others
     if procs > 1:  # read it
         dist.barrier()
         data = data or load_data(args, verbose=False)
-    model, optimizer, scaler, ctx, st = build(args, ckpt, data, weights, device)
+    model, optimizer, scaler, ctx, st = build(args, ckpt, data, hf, device)
     if rank == 0:
         curves.start_logs(args.out_dir, vars(args), st["step"] if args.resume else 0)
     STOP.clear()
@@ -413,11 +416,8 @@ def build(args, ckpt, data, weights, device):
         check_vocab(ckpt, data, f"{args.out_dir}/ckpt_last.pt")
     check_fits(args, data)
     model = INSERTION.get(cfg["model"], LanguageModel)(cfg)  # InsNet, IT-vanilla, backbone + head
-    if weights:
-        try:
-            model.load_state_dict(gpt_state_from_hf(weights, model))
-        except ValueError as e:
-            raise UserError(f"--init_from {args.init_from}: {e}") from None
+    if weights:  # (weights that do not fit: a UserError)
+        model.load_state_dict(gpt_state_from_hf(weights, model))
     params = list(model.to(device).parameters())
     optimizer = torch.optim.AdamW(  # weight decay on matrices, not on biases and norms
         [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
@@ -442,7 +442,7 @@ def build(args, ckpt, data, weights, device):
             scaler.load_state_dict(ckpt["scaler"])
     if rank == 0:
         print(f"{args.model} + {args.head if args.model in MODELS else args.task} on {args.dataset}"
-              f": {sum(p.numel() for p in params):,} parameters, V={data['vocab_size']:,}, {device}"
+              f": {model.num_params():,} parameters, V={data['vocab_size']:,}, {device}"
               + (f", {str(ctx.fast_dtype)[6:]} autocast" if hasattr(ctx, "fast_dtype") else "")
               + (f", resuming at step {st['step']}" if ckpt else "")
               + (f"; {data['note']}" if data.get("note") else ""), flush=True)

@@ -29,8 +29,8 @@ EXERCISE_1 = [
 
 
 def st_log_alpha('''),
-    ("heads.py", "        self.proj = nn.Linear(d_model, vocab_size, bias=bias)  # U, the (tied) decoder",
-     "        self.proj = nn.Linear(d_model, vocab_size, bias=bias)  # U, the (tied) decoder\n"
+    ("heads.py", "        self.vocab_size = vocab_size  # U's rows past it are padding, sliced off (padded)",
+     "        self.vocab_size = vocab_size  # U's rows past it are padding, sliced off (padded)\n"
      "        if kind == \"logt\":\n            self.w = nn.Parameter(torch.zeros(()))"),
     ("heads.py", '        if self.kind == "st":\n            return st_log_probs(',
      '        if self.kind == "logt":\n            return _assemble(logits, self.eos_id, *logt_log_alpha('

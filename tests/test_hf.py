@@ -67,7 +67,7 @@ def test_heads_of_their_own_keep_their_initialisation(head):
 def test_shape_mismatch_is_refused():
     hf, _ = pair(n_embd=64)
     _, lm = pair(n_embd=32)
-    with pytest.raises(ValueError, match="does not fit the model"):
+    with pytest.raises(UserError, match="does not fit the model"):
         gpt_state_from_hf(hf.state_dict(), lm)
 
 

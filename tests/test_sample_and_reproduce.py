@@ -319,11 +319,15 @@ def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
     import argparse
     cfg = reproduce.nmst_settings("cpu", 1)
 
-    def verdict(rates):  # {head: r_nt(L) of greedy per seed} -> the RNN's line
-        runs = {(m, h): [{"greedy": {"decoding": {"r_nt": {str(cfg["L"]): r}}}} for r in v]
-                for m in cfg["models"] for h, v in rates.items()}
+    def verdict(rates, ppl=(100.0, 110.0), line=1):  # {head: r_nt(L) of greedy per seed} -> the RNN's line
+        runs = {(m, h): [{"greedy": {"decoding": {"r_nt": {str(cfg["L"]): r}}}, "ppl": ppl[i % 2] + 50 * k}
+                         for i, r in enumerate(v)] for m in cfg["models"] for k, (h, v) in enumerate(rates.items())}
         args = argparse.Namespace(scale="cpu", heads=list(rates))
-        return reproduce.verdict_table1(cfg, runs, args)[1]
+        return reproduce.verdict_table1(cfg, runs, args)[line]
+    # the caveat: heads 50 apart in perplexity, the seeds 10 apart (std 5) or 60 (std 30)
+    assert verdict(dict(softmax=[0.2, 0.0], nmst=[0.0, 0.0]), line=2).endswith("lie 50.0 apart, the seeds' std <= 5.0.")
+    assert verdict(dict(softmax=[0.2, 0.0], nmst=[0.0, 0.0]), (60.0, 120.0), line=2).endswith(
+        "std <= 30.0: under 2 std, these runs do not order the heads.")
     assert verdict(dict(softmax=[0.2, 0.0], st=[0.0, 0.0], nmst=[0.0, 0.0])).endswith(
         "the paper's effect shows (VA continuations that never end; none for ST+ and NMST+).")
     assert "effect shows" in verdict(dict(softmax=[0.2], nmst=[0.0], mos=[0.3]))
