@@ -1,11 +1,11 @@
 """Benchmarks that print side-by-side tables.  Not tests: figures, not asserts.
 
-    python bench.py train      # train-step tokens/s, LSTM and GPT x the softmax / ST / NMST heads
-    python bench.py train_hf   # a train step: nanogen's GPT against HF GPT2LMHeadModel
+    python bench.py train      # train-step tokens/s: LSTM and GPT x the heads, and plain PyTorch
+    python bench.py batches    # the (B, T) shapes and padding of an epoch of --max_tokens batches
     python bench.py decode     # greedy and beam-4 tokens/s: nanogen against HF generate()
     python bench.py insnet     # InsNet paper Fig. 12: epoch time by length, InsNet / IT / L2R
     python bench.py arch       # the survey's RNN / LSTM / GCNN / GPT side by side on PTB
-    python bench.py gpu        # on a GPU: GPT-2 124M compiled, bf16 (tokens/s, MFU), and HF
+    python bench.py gpu        # on a GPU: the train table at GPT-2 124M (eager, compiled; MFU)
 
 Every figure is of the machine that runs it; RESULTS.md has ours, with their commands.
 """
@@ -20,7 +20,8 @@ import torch
 import curves
 import evaluate
 import train
-from data.loader import story_batch
+from data.loader import batches, bucket, load, story_batch
+from data.prepare import DATASETS
 from data.stories import synthetic
 from decode import decode
 from model import LanguageModel, gpt_state_from_hf
@@ -57,36 +58,65 @@ def alternating(fns, rounds, iters, device):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def train_step(model, x, y, t=None, ctx=None):
-    """A training step as train.py runs one (one call of the model, eq. 3, AdamW fused)."""
+def train_step(model, x, y, t=None, ctx=None, loss=None):
+    """A training step as train.py runs one (one call of the model, eq. 3, AdamW fused), or of
+    another model's `loss()`."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
         with ctx or train.nullcontext():
-            loss = -model(x, t, targets=y)[0].mean()
+            value = loss() if loss else -model(x, t, targets=y)[0].mean()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         opt.step()
     return step
 
 
-def bench_train(args, device):
-    """Tokens/s of a train step by head: ST / NMST cost what softmax costs."""
-    print(f"train step, {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"{'model':6s} {'V':>6s} {'tokens':>7s} " + " ".join(f"{h + ' tok/s':>13s}" for h in (
-        "softmax", "st", "nmst")) + f" {'st/sm':>6s} {'nmst/sm':>7s}")
-    for model, kw, V, B, T in (("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq),
-                               ("gpt", dict(n_layer=args.gpt_layers, d_model=args.gpt_dim,
-                                            n_head=args.gpt_heads), 50257, 1, 1024)):
-        fns = {}
-        for head in ("softmax", "st", "nmst"):
+def reference_step(model, args, x, y, ctx=None):
+    """The same step in plain PyTorch at the same shape and V: for the LSTM pytorch/examples' word
+    LM (nn.Embedding, nn.LSTM, a tied nn.Linear, cross_entropy: written here), for the GPT
+    HuggingFace's GPT2LMHeadModel (its logits, the same cross_entropy)."""
+    torch.manual_seed(0)
+    if model == "gpt":
+        net = hf_models(args, x.device, 0.0)[0]
+        logits = lambda: net(x).logits  # noqa: E731
+    else:
+        net = torch.nn.ModuleList([torch.nn.Embedding(33278, 512), torch.nn.LSTM(
+            512, 512, 2, batch_first=True), torch.nn.Linear(512, 33278)]).to(x.device)
+        net[2].weight = net[0].weight
+        logits = lambda: net[2](net[1](net[0](x))[0])  # noqa: E731
+    return train_step(net, x, y, ctx=ctx, loss=lambda: torch.nn.functional.cross_entropy(
+        logits().flatten(0, 1).float(), y.flatten()))
+
+
+def bench_train(args, device, ctx=None):
+    """Tokens/s of a train step by head (ST / NMST cost what softmax costs; --compile: softmax
+    compiled as train.py --compile does) beside plain PyTorch at the same shape (reference_step):
+    the LSTM in float32, the GPT under `ctx` (bench.py gpu: bf16 autocast); GPU: MFU."""
+    heads = ("softmax", "st", "nmst", *["compiled"] * args.compile, "reference")
+    print(f"train step, {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"medians of {args.rounds} alternating rounds\n{'model':5s} {'V':>6s} {'B x T':>9s} "
+          + " ".join(f"{h:>9s}" for h in heads) + " (tok/s)  softmax/reference  MFU")
+    for model, kw, V, B, T in (("gpt", dict(n_layer=args.gpt_layers, d_model=args.gpt_dim,
+                                            n_head=args.gpt_heads), 50257, args.gpt_batch, 1024),
+                               ("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq)):
+        x, y = (torch.randint(0, V - 1, (B, T), device=device) for _ in range(2))
+        t, fns = (torch.arange(T, device=device) - 8).expand(B, T), {}
+        c = ctx if model == "gpt" else None  # (the recurrent layers run in float32 anyway)
+        for head in heads[:-1]:
             torch.manual_seed(0)
-            lm = LanguageModel(cfg_for(model, head, V, **kw)).to(device).train()
-            x, y = (torch.randint(0, V - 1, (B, T), device=device) for _ in range(2))
-            fns[head] = train_step(lm, x, y, (torch.arange(T, device=device) - 8).expand(B, T))
+            lm = LanguageModel(cfg_for(model, head.replace("compiled", "softmax"), V, **kw))
+            if head == "compiled":
+                train.compile_model(lm)
+            fns[head] = train_step(lm.to(device).train(), x, y, t, c)
+        fns["reference"] = reference_step(model, args, x, y, c)
         sec = alternating(fns, args.rounds, args.iters, device)
-        print(f"{model:6s} {V:6d} {B * T:7d} " + " ".join(f"{B * T / sec[h]:13.0f}" for h in sec)
-              + f" {sec['st'] / sec['softmax']:6.2f} {sec['nmst'] / sec['softmax']:7.2f}")
+        peak = next((v for k, v in train.PEAK_FLOPS.items() if k in torch.cuda.get_device_name(
+            device)), 0) if device.startswith("cuda") else 0
+        best = min(sec["softmax"], sec.get("compiled", math.inf))  # MFU: of the faster softmax
+        mfu = f"{100 * B * T / best * lm.flops_per_token(T) / peak:.1f}%" if peak else "-"
+        print(f"{model:5s} {V:6d} {f'{B} x {T}':>9s} " + " ".join(f"{B * T / sec[h]:9.0f}" for h in
+              heads) + f" {sec['reference'] / sec['softmax']:18.2f}  {mfu}")
 
 
 def hf_models(args, device, dropout):
@@ -101,28 +131,6 @@ def hf_models(args, device, dropout):
                                d_model=args.gpt_dim, n_head=args.gpt_heads, dropout=dropout))
     lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
     return hf, lm.to(device)
-
-
-def bench_train_hf(args, device, ctx=None):
-    """A GPT train step (dropout 0.1): nanogen against HF GPT2LMHeadModel, alternating."""
-    hf, lm = hf_models(args, device, 0.1)
-    B, T = args.batch, args.seq
-    x = torch.randint(0, 50257, (B, T + 1), device=device)
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
-
-    def hf_step():
-        with ctx or train.nullcontext():
-            loss = hf(x[:, :T], labels=x[:, :T]).loss  # (HF shifts the labels itself)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    sec = alternating({"nanogen": train_step(lm.train(), x[:, :T], x[:, 1:], ctx=ctx),
-                       "HF": hf_step}, args.rounds, args.iters, device)
-    tps = {k: B * T / v for k, v in sec.items()}
-    print(f"train step, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, V=50257, "
-          f"batch {B} x {T}, dropout 0.1, {device}, medians of {args.rounds} alternating rounds\n"
-          f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s}\n"
-          f"{tps['nanogen']:14.0f} {tps['HF']:10.0f} {tps['nanogen'] / tps['HF']:8.2f}")
 
 
 def bench_decode(args, device):
@@ -231,35 +239,41 @@ def bench_arch(args, device):
 
 
 def bench_gpu(args, device):
-    """On a GPU: GPT-2 124M, bf16 autocast, compiled as train.py --compile does: tokens/s and
-    MFU; then nanogen against HF (train step, greedy / beam decoding)."""
+    """On a GPU: the train-step table at the NMST paper's LSTM (2 x 512, 32 x 128, float32) and
+    GPT-2 124M (8 x 1024, bf16 autocast), eager and compiled; then decoding against HF."""
     if not device.startswith("cuda"):
         return print("no CUDA device here: bench.py gpu times nanogen's CUDA paths (nothing to do)")
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    torch.manual_seed(0)
-    lm = LanguageModel(cfg_for("gpt", "softmax", 50257, eos_id=50256, n_layer=12, d_model=768,
-                               dropout=0.1)).to(device).train()
-    train.compile_model(lm)
-    B, T, ctx = 8, 1024, torch.autocast("cuda", dtype=torch.bfloat16)
-    x = torch.randint(0, 50257, (B, T + 1), device=device)
-    sec = timed(train_step(lm, x[:, :T], x[:, 1:], ctx=ctx), 3, args.iters * 3, device)
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in train.PEAK_FLOPS.items() if k in name), math.nan)
-    print(f"GPT-2 124M train step, bf16, compiled, {B} x {T}: {B * T / sec:,.0f} tokens/s, "
-          f"{1e3 * sec:.1f} ms, MFU {100 * B * T / sec * lm.flops_per_token(T) / peak:.1f}% "
-          f"(of {peak / 1e12:.0f} TFLOP/s)")
-    args.gpt_layers, args.gpt_dim, args.gpt_heads, args.prompts = 12, 768, 12, 32
-    bench_train_hf(args, device, ctx)
+    vars(args).update(gpt_layers=12, gpt_dim=768, gpt_heads=12, gpt_batch=8, batch=32, prompts=32,
+                      compile=True)
+    bench_train(args, device, torch.autocast("cuda", dtype=torch.bfloat16))
     bench_decode(args, device)
+
+
+def bench_batches(args, device):
+    """One epoch of --max_tokens batches as train.py makes them (data/loader.batches: T rounded up
+    to its bucket, B = max_tokens // T): their (B, T) shapes and the padding they cost."""
+    _, splits, _ = load(args.dataset, verbose=False)
+    print(f"{args.dataset}, --max_tokens {args.max_tokens}, window 1024\n{'split':6s} "
+          f"{'batches':>8s} {'shapes':>7s} {'padding':>8s} {'real tokens a batch':>20s}")
+    for name, split in splits.items():
+        keys = batches(split.lengths, max_tokens=args.max_tokens, max_len=1024)
+        shapes = [(len(k), int(bucket(split.lengths[k].max() - 1, 1024))) for k in keys]
+        real = int(sum(split.lengths[k].sum() - len(k) for k in keys))
+        waste, per_batch = 100 - 100 * real / sum(b * t for b, t in shapes), real / len(keys)
+        print(f"{name:6s} {len(keys):8d} {len(set(shapes)):7d} {waste:7.1f}% {per_batch:20.0f}")
 
 
 def parser():
     p, pos = train.Parser(description=__doc__.splitlines()[0]), train.INT1
-    p.add_argument("what", choices=["train", "train_hf", "decode", "insnet", "arch", "gpu"])
+    p.add_argument("what", choices=["train", "batches", "decode", "insnet", "arch", "gpu"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--compile", action="store_true", help="train: also softmax compiled")
+    p.add_argument("--dataset", default="wikitext103", choices=DATASETS, help="batches")
     for flag, default in (("iters", 3), ("rounds", 9), ("batch", 8), ("seq", 128), ("prompts", 8),
-                          ("new_tokens", 64), ("gpt_layers", 4), ("gpt_dim", 256),
-                          ("gpt_heads", 4), ("seqs", 16), ("it_batch", 2), ("eval_every", 100)):
+                          ("new_tokens", 64), ("gpt_layers", 4), ("gpt_dim", 256), ("gpt_heads", 4),
+                          ("gpt_batch", 1), ("max_tokens", 1024), ("seqs", 16), ("it_batch", 2),
+                          ("eval_every", 100)):
         p.add_argument(f"--{flag}", type=pos, default=default)
     p.add_argument("--lengths", type=pos, nargs="+", default=[20, 40, 60, 80, 100, 120, 160])
     p.add_argument("--budget", type=train.POS, default=120, help="arch: seconds per model")

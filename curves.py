@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from data import UserError
+from data import UserError, run
 from heads import EPSILON_HEADS, paper_name
 
 NOT_LABELS = ("out_dir", "data_dir", "weights", "resume", "device", "dtype", "compile",
@@ -198,8 +198,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(2)
+    run(main)

@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 
 import curves
-from data import UserError
+from data import UserError, run
 from data.loader import batchify, bptt_windows, load_data
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
 from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
@@ -27,7 +27,7 @@ from heads import EPSILON_HEADS, paper_name
 from insnet import generate
 from model import LanguageModel, eval_mode
 from train import (INSERTION, INT0, INT1, POS, SEED, Parser, autocast, check_vocab, evaluate,
-                   get_device, load_checkpoint, number, run)
+                   get_device, load_checkpoint, number)
 
 STUDY_FLAGS = ("L", "k", "p", "beam_size", "temperature", "consistent", "length_penalty",
                "decode_batch", "examples", "traces")
@@ -239,8 +239,7 @@ def eos_traces(model, split, n):
     out = []
     for i in range(len(split)):
         c, seq = int(split.contexts[i]), split[i].tolist()
-        cap = longest_continuation(model, c)
-        if len(out) < n and (cap is None or len(seq) - c <= cap):
+        if len(out) < n and ((L := longest_continuation(model, c)) is None or len(seq) - c <= L):
             out.append(dict(index=i, p_eos=eos_probs(model, seq[:c], seq[c:])))
     return out
 

@@ -23,7 +23,7 @@ import bench
 import curves
 import evaluate
 import train
-from data import UserError
+from data import UserError, run
 from heads import HEADS as HEADS_AVAILABLE
 from heads import EPSILON_HEADS, paper_name
 
@@ -447,4 +447,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    train.run(main)
+    run(main)

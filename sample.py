@@ -13,14 +13,14 @@ import sys
 
 import torch
 
-from data import UserError
+from data import UserError, run
 from data.prepare import tokenizer
 from data.stories import BOS, EOS, PAD, SEP, SPECIALS, encode_story
 from decode import (DECODERS, SAMPLING, STORY_DECODERS, check_decoder_args, decode,
                     decode_in_batches, eos_probs, sampling_generator)
 from insnet import generate
 from evaluate import add_decoding_flags, model_from_checkpoint
-from train import INSERTION, Parser, get_device, load_checkpoint, number, run
+from train import INSERTION, Parser, get_device, load_checkpoint, number
 
 
 def main(argv=None):

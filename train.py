@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import curves
-from data import UserError
+from data import UserError, run
 from data.loader import batchify, check_fits, epoch_batches, get_batch, load_data
 from data.prepare import DATASETS, VOCABS
 from decode import decode_in_batches, longest_continuation, non_termination_ratio
@@ -326,15 +326,6 @@ def all_sum(values, device):  # a list of numbers summed over the processes (one
     if dist.is_initialized():
         dist.all_reduce(values := torch.tensor(values, dtype=torch.float64, device=device))
     return values.tolist() if torch.is_tensor(values) else values
-
-
-def run(main):
-    """A command's entry point: a UserError is one line `error: ...` (exit 2), a bug a traceback."""
-    try:
-        sys.exit(main())
-    except (UserError, KeyboardInterrupt) as e:
-        sys.stderr.write(f"error: {e if isinstance(e, UserError) else 'interrupted (Ctrl-C)'}\n")
-        sys.exit(2 if isinstance(e, UserError) else 130)
 
 
 def save_checkpoint(obj, path):

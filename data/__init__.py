@@ -2,6 +2,7 @@
 stories.py (ROCStories, InsNet's synthetic data); here the one-line error and checked downloads."""
 import hashlib
 import os
+import sys
 import urllib.request
 
 from tqdm import tqdm
@@ -10,6 +11,14 @@ from tqdm import tqdm
 class UserError(Exception):
     """A problem the user can fix (a flag, a file, the data): every command prints it as one line
     `error: ...` and exits with status 2.  Any other exception is a bug and keeps its traceback."""
+
+
+def run(main):  # every command's entry point: a UserError is one line (exit 2), a bug a traceback
+    try:
+        sys.exit(main())
+    except (UserError, KeyboardInterrupt) as e:
+        sys.stderr.write(f"error: {e if isinstance(e, UserError) else 'interrupted (Ctrl-C)'}\n")
+        sys.exit(2 if isinstance(e, UserError) else 130)
 
 
 def cache_dir():  # $NANOGEN_CACHE, default ~/.cache/nanogen: downloads and prepared data

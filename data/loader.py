@@ -3,10 +3,11 @@ stories (data/stories.py).  A sequence s = (x_1..x_c, y_1..y_T), y_T = eos, c it
 The model reads s[:-1] and predicts s[1:]: the continuation targets y_1..y_T sit at positions
 c-1 .. len-2, and position i is continuation step t = i - c + 2 (t = 1 at y_1, NMST eq. 10;
 t <= 0 on the context).  `collate` builds t and the loss mask: only continuation targets enter
-the loss (NMST eq. 3).  Batches are length-bucketed (sorted by length, ties random), of
-`batch_size` sequences (RNN/LSTM; paper: 32) or at most `max_tokens` padded tokens (GPT; paper:
-1024), shuffled; the order is a pure function of (seed, epoch): a resumed run replays it.
+the loss (NMST eq. 3).  Batches are sorted by length (ties random): `batch_size` sequences (RNN /
+LSTM; paper: 32), or (max_tokens // T, T) with T rounded up to a `bucket` (GPT; paper: 1024
+tokens), shuffled; the order is a pure function of (seed, epoch): a resumed run replays it.
 """
+import math
 import os
 
 import numpy as np
@@ -37,13 +38,11 @@ class CompletionSplit:
         return self[i][:self.contexts[i]]
 
 
-def memmap(path, dtype):
-    """A read-only memmap (an empty file: a split of your own text that kept no line)."""
+def memmap(path, dtype):  # read-only (an empty file: a split of your own text that kept no line)
     return np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
-def load(dataset, data_dir=None, vocab="word", verbose=True):
-    """-> (meta, {split: CompletionSplit}, {split: the token stream (N,)}), prepared if needed."""
+def load(dataset, data_dir=None, vocab="word", verbose=True):  # -> meta, splits, their streams
     meta = load_meta(folder := prepare(dataset, data_dir, vocab, verbose))
     return meta, {s: CompletionSplit(folder, s, meta) for s in SPLITS}, {
         s: memmap(os.path.join(folder, f"{s}.stream.bin"), meta["dtype"]) for s in SPLITS}
@@ -64,19 +63,17 @@ def load_data(args, verbose=True):
 
 def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
     """The keys of an epoch's batches, a pure function of (seed, epoch): a resumed run replays them
-    (stories: a key seeds its batch's insertion orders).  An evaluation's (split != "train"): in
-    order, of the first `limit` sequences, by the run's sizes or `sizes`."""
-    train = split == "train"
+    (stories: a key seeds its insertion orders).  Not "train": in order, the first `limit` only."""
     if args.task == "stream":
         return bptt_windows(data[split].size(1), args.bptt)
     if args.task in ("story", "storyline"):
         index = batches([len(s["tokens"]) for s in data[split][:limit]], args.batch_size,
-                        shuffle=train, seed=args.seed, epoch=epoch)
+                        shuffle=split == "train", seed=args.seed, epoch=epoch)
         return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
     sizes = sizes or dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
     return batches(data[split].lengths, **(sizes if any(sizes.values()) else dict(batch_size=32)),
-                   shuffle=train, seed=args.seed, epoch=epoch, max_len=args.window,
-                   limit=(args.train_seqs or None) if train else limit)
+                   shuffle=split == "train", seed=args.seed, epoch=epoch, max_len=args.window,
+                   limit=(args.train_seqs or None) if split == "train" else limit)
 
 
 def get_batch(args, data, key, device, split="train"):
@@ -90,7 +87,7 @@ def get_batch(args, data, key, device, split="train"):
     if args.task in ("story", "storyline"):
         return story_batch([data[split][i] for i in key[0]], args.model != "gpt", args.order,
                            torch.Generator().manual_seed(key[1]), device)
-    return collate(data[split], key, device)
+    return collate(data[split], key, device, args.max_tokens and (args.window or math.inf))
 
 
 def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
@@ -110,9 +107,8 @@ def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
 def check_fits(args, data):
     """A run that would silently do nothing is an error: no step, nothing to validate on."""
     if (n := len(epoch_batches(args, data, 0))) < args.grad_accum:
-        raise UserError(f"an epoch here has {n} batch(es), fewer than --grad_accum "
-                        f"{args.grad_accum}: no step would run (sequence completion needs lines of "
-                        f"more than 10 tokens that fit the window)")
+        raise UserError(f"an epoch has {n} batch(es), fewer than --grad_accum {args.grad_accum}: "
+                        f"no step would run (it needs lines of more than 10 tokens)")
     if args.task == "stream":
         batchify(data["streams"]["valid"], 10, "valid")  # (an error when too short)
     if args.task == "completion" and not epoch_batches(args, data, 0, "valid",
@@ -127,37 +123,42 @@ def check_fits(args, data):
 
 def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, epoch=0, limit=None,
             max_len=None):
-    """Length-bucketed batches: a list of index arrays into `lengths`, of batch_size sequences or
-    max_tokens (B * longest input <= max_tokens; a longer sequence: a batch of its own).  limit:
-    the first `limit` sequences only; max_len: leave out longer inputs (a GPT's window)."""
+    """Batches by input length: index arrays into `lengths` of batch_size sequences, or of
+    max_tokens // T sequences of inputs up to T (their bucket; the last few join the next one).
+    limit: the first `limit` sequences only; max_len: leave out longer inputs (a GPT's window)."""
     lengths = np.asarray(lengths)[:limit]
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
-    if max_len is not None:
-        order = order[lengths[order] - 1 <= max_len]
+    order = order[lengths[order] - 1 <= (max_len or math.inf)]
     order = order[np.argsort(lengths[order] - 1, kind="stable")]  # by input length, ties random
     if batch_size is not None:
         out = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    else:
-        out, start = [], 0
-        for i in range(len(order)):  # lengths ascend: the last one of a batch is its longest
-            if i > start and (i + 1 - start) * (lengths[order[i]] - 1) > max_tokens:
-                out.append(order[start:i])
-                start = i
-        out += [order[start:]] if start < len(order) else []
+    else:  # (B, T) from a few shapes, which a compiled step keeps
+        T, out, rest = bucket(lengths[order] - 1, max_len or math.inf), [], order[:0]
+        for b in np.unique(T):
+            pool, B = np.concatenate([rest, order[T == b]]), max(1, max_tokens // int(b))
+            k = len(pool) - len(pool) % B
+            out, rest = out + [pool[i:i + B] for i in range(0, k, B)], pool[k:]
+        out += [rest] if len(rest) else []
     return [out[j] for j in rng.permutation(len(out))] if shuffle else out
 
 
-def collate(split, index, device="cpu"):
-    return pad_batch([split[i] for i in index], split.contexts[np.asarray(index)], device)
+def bucket(n, cap=math.inf):  # lengths n up to a quarter octave (8, 16, ..., 64, 80, ...) <= cap
+    step = 2 ** np.maximum(3, np.ceil(np.log2(np.maximum(n, 1))) - 3).astype(np.int64)
+    return np.minimum(-(-np.asarray(n) // step) * step, cap).astype(np.int64)
 
 
-def pad_batch(seqs, ctx, device="cpu"):
+def collate(split, index, device="cpu", cap=None):  # cap: T padded to its bucket (max_tokens)
+    width = cap and int(bucket(split.lengths[index].max() - 1, cap)) + 1
+    return pad_batch([split[i] for i in index], split.contexts[np.asarray(index)], device, width)
+
+
+def pad_batch(seqs, ctx, device="cpu", width=None):
     """Sequences and their context lengths -> one right-padded batch: inputs and targets (B, L-1),
     t (B, L-1) the continuation step of every input position (0 on padding), mask (B, L-1) True
     where the target is a continuation token, lengths (B,); n (the mask's count) and n_inputs as
     host ints, so that the loss reads nothing back.  Built on the host, copied once."""
-    tokens = np.zeros((len(seqs), max(map(len, seqs))), dtype=np.int64)
+    tokens = np.zeros((len(seqs), width or max(map(len, seqs))), dtype=np.int64)
     for b, s in enumerate(seqs):
         tokens[b, :len(s)] = s
     n = np.array([len(s) for s in seqs])

@@ -11,8 +11,7 @@ space after them); the rest, eos included, is the continuation y.  Lines with no
 BPE sequences over 1024 tokens are dropped, and counted.  Into $NANOGEN_CACHE/prepared/
 <dataset>[-vocab]-<sha256[:12]>/ (renamed into place when complete; checked against meta.json
 once per process): {split}.bin / .idx (the sequences' tokens back to back and int64 offsets),
-{split}.ctx (each context length), {split}.stream.bin (every line + eos: --task
-stream), meta.json (the vocabulary, counts).
+{split}.ctx (context lengths), {split}.stream.bin (every line + eos: --task stream), meta.json.
 """
 import argparse
 import collections
@@ -31,7 +30,7 @@ import numpy as np
 
 if __name__ == "__main__" and not __package__:  # `python data/prepare.py`, as nanoGPT's scripts
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import UserError, cache_dir, check_sha256, download, sha256_file  # noqa: E402
+from data import UserError, cache_dir, check_sha256, download, run, sha256_file  # noqa: E402
 from data.stories import load_rocstories  # noqa: E402
 
 CONTEXT_LEN, MAX_BPE_LEN, SPLITS, HELD_OUT = 10, 1024, ("train", "valid", "test"), 20
@@ -338,14 +337,9 @@ def main(argv=None):
     p.add_argument("--vocab", default="word", choices=VOCABS)
     p.add_argument("--data_dir", help="a local copy (default $NANOGEN_DATA, else download)")
     a = p.parse_args(argv)
-    if a.dataset == "rocstories":
-        return load_rocstories(a.data_dir)
-    print_counts(prepare(a.dataset, a.data_dir, a.vocab, verbose=False))
+    print_counts(prepare(a.dataset, a.data_dir, a.vocab, verbose=False)) if a.dataset != \
+        "rocstories" else load_rocstories(a.data_dir)  # (it prints its own counts)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(2)
+    run(main)

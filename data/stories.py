@@ -1,10 +1,10 @@
 """Sequences for the insertion models (insnet.py) and their left-to-right baseline.  ROCStories
 (InsNet paper section 4.1; Yao et al. 2019, "Plan-and-Write"): one story a line,
     title <EOT> k1 k2 k3 k4 k5 <EOL> </s> s1 </s> s2 </s> s3 </s> s4 </s> s5
-lower-cased and tokenised; k1..k5 is the storyline (a keyword a sentence).  Without the train
-file (the public copy has dev and test) nanogen trains on dev minus its last 500 stories,
-validates on those 500, tests on test, and says so.  Vocabulary: the specials <pad> <bos> <eos>
-<sep> <unk>, then the training stories' words seen >= min_count times.  Sequences (final order):
+lower-cased and tokenised; k1..k5 is the storyline (a keyword a sentence).  Without a train file
+(the public copy has dev and test) nanogen trains on dev but its last 500 stories, validates on
+those, tests on test, and says so.  Vocabulary: <pad> <bos> <eos> <sep> <unk>, then the words of
+the training stories seen >= min_count times.  Sequences (final order):
     task story      BOS title SEP story EOS                      given: BOS title SEP
     task storyline  insertion models: the same sequence, with the storyline keywords found in
                     the story given as well (inserted first: constrained generation);
@@ -55,9 +55,8 @@ def rocstories_folder(data_dir=None):
     for split, sha in ROC_SHA256.items():
         path = os.path.join(folder, ROC_FILE.format(split=split))
         if data_dir and not os.path.exists(path):
-            raise UserError(f"ROCStories {split} is not in {folder}: the data folder {data_dir} "
-                            f"(--data_dir / NANOGEN_DATA) must hold rocstories/plan-and-write/ "
-                            f"or the Plan-and-Write files themselves")
+            raise UserError(f"ROCStories {split} is not in {folder}: --data_dir / NANOGEN_DATA "
+                            f"must hold rocstories/plan-and-write/ or the Plan-and-Write files")
         download(ROC_URL.format(split=split), path, sha)  # (there already: checked)
     return folder
 
@@ -80,9 +79,8 @@ def load_rocstories(data_dir=None, verbose=True):
     if os.path.exists(path("train")):
         out = dict(train=read_stories(path("train")), valid=dev, test=test, note="train/dev/test")
     else:
-        out = dict(train=dev[:-HELD_OUT], valid=dev[-HELD_OUT:], test=test,
-                   note=f"no train file: training on dev[:-{HELD_OUT}], validating on "
-                        f"dev[-{HELD_OUT}:], testing on test")
+        out = dict(train=dev[:-HELD_OUT], valid=dev[-HELD_OUT:], test=test, note=f"no train file: "
+                   f"train on dev[:-{HELD_OUT}], validate on dev[-{HELD_OUT}:], test on test")
     if verbose:
         print(f"rocstories ({folder}): {out['note']}; {len(out['train'])} / "
               f"{len(out['valid'])} / {len(out['test'])} stories")
@@ -99,12 +97,10 @@ def build_vocab(stories, min_count=2):
 
 def keyword_positions(story, keywords):
     """Index in `story` of each keyword, matched in order; keywords not found are left out."""
-    pos, start = [], 0
-    for k in keywords:
-        if k in story[start:]:
-            i = story.index(k, start)
-            pos.append(i)
-            start = i + 1
+    pos = []
+    for k in keywords:  # (each one searched for after the one before)
+        if k in story[(start := pos[-1] + 1 if pos else 0):]:
+            pos.append(story.index(k, start))
     return pos
 
 

@@ -11,8 +11,8 @@ GPT = ["--gpt_layers", "1", "--gpt_dim", "32", "--gpt_heads", "2"]
 
 
 @pytest.mark.parametrize("argv, last_row", [
-    (["train", "--iters", "1", "--rounds", "1", "--batch", "1", "--seq", "8", *GPT], "gpt "),
-    (["train_hf", "--iters", "1", "--rounds", "1", "--batch", "1", "--seq", "8", *GPT], " "),
+    (["train", "--iters", "1", "--rounds", "1", "--batch", "1", "--seq", "8", *GPT], "lstm "),
+    (["batches", "--dataset", "ptb"], "test "),
     (["decode", "--iters", "1", "--prompts", "2", "--new_tokens", "3", *GPT], "beam-4"),
     (["insnet", "--iters", "1", "--seqs", "2", "--batch", "2", "--it_batch", "2", "--lengths", "8",
       *GPT], "     8 "),

@@ -278,7 +278,7 @@ def test_evaluate_bad_decoder_input(args, pattern, tmp_path, capsys):
     (["arch", "--budget", "nan"], "argument --budget: must be > 0, got nan"),
     (["train", "--rounds", "two"], "argument --rounds: expected int, got 'two'"),
     (["decode", "--gpt_dim", "10", "--gpt_heads", "3"], "--gpt_dim must be a multiple of --gpt_heads"),
-    (["train_hf", "--seq", "1025"], "--seq <= 1024"),
+    (["train", "--seq", "1025"], "--seq <= 1024"),
     (["insnet", "--lengths", "20", "255"], "--lengths <= 254"),
 ])
 def test_bench_flag_ranges(args, pattern, capsys):

@@ -11,7 +11,9 @@ import torch
 import sample
 from data import UserError
 from data import prepare as P
-from data.loader import batches, collate, load
+import train
+from data.loader import batches, bucket, collate, epoch_batches, get_batch, load
+from model import LanguageModel
 
 
 # the counts documented in README.md (section "Data"), produced by data/prepare.py
@@ -171,6 +173,41 @@ def test_batches_cover_everything_once_and_respect_limits():
     spans = [(lengths[b].min(), lengths[b].max()) for b in sorted_bs]
     assert all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))  # bucketed by length
     assert np.concatenate(batches(lengths, batch_size=7, max_len=100)).size == int((lengths - 1 <= 100).sum())
+
+
+def test_max_tokens_batches_come_in_few_shapes_with_little_padding():
+    """The GPT recipe's 1024-token batches on WikiText-103 (a compiled step keeps one graph a
+    shape): an epoch's batches come in <= 32 (B, T) shapes, T rounded up to its bucket, and the
+    padding is <= 10 % of the batches' tokens (before buckets: 349 shapes in this epoch)."""
+    args = train.argparse.Namespace(**dict(train.DEFAULTS, task="completion", max_tokens=1024, window=1024,
+                                           batch_size=None, train_seqs=0))
+    _, splits, _ = load("wikitext103", verbose=False)
+    data = dict(splits)
+    for split in ("train", "valid"):
+        keys = epoch_batches(args, data, 0, split)
+        shapes = [tuple(get_batch(args, data, k, "cpu", split)["inputs"].shape) for k in keys]
+        real = int(sum(data[split].lengths[k].sum() - len(k) for k in keys))
+        assert sorted(np.concatenate(keys).tolist()) == list(range(len(data[split])))
+        assert len(set(shapes)) <= 32 and all(B * T <= 1024 for B, T in shapes), set(shapes)
+        assert {T for _, T in shapes} <= set(bucket(np.arange(1, 1025)).tolist())
+        assert 1 - real / sum(B * T for B, T in shapes) <= 0.10
+    assert bucket(np.array([1, 8, 9, 33, 64, 65, 100, 129, 513, 1000, 1025])).tolist() == [
+        8, 8, 16, 40, 64, 80, 112, 160, 640, 1024, 1280]  # a quarter octave: <= 25 % padding
+    assert bucket(1000, cap=1000) == 1000  # never past the window
+
+
+def test_a_bucket_s_padding_changes_no_number(wikitext2):
+    """A batch padded up to its bucket scores its sequences as padded to their longest (float64)."""
+    _, splits = wikitext2
+    torch.manual_seed(0)
+    lm = LanguageModel(dict(model="gpt", head="nmst", epsilon=1e-3, vocab_size=33278, eos_id=0, n_layer=1,
+                            d_model=16, n_head=2, block_size=512, dropout=0.0, tie=True, bias=True)).double()
+    index = [3, 10, 57]
+    tight, wide = collate(splits["valid"], index), collate(splits["valid"], index, cap=512)
+    assert wide["inputs"].shape[1] == bucket(tight["inputs"].shape[1]) > tight["inputs"].shape[1]
+    assert (wide["n"], wide["n_inputs"]) == (tight["n"], tight["n_inputs"])
+    (a, ma, _), (b, mb, _) = train.score(lm, tight), train.score(lm, wide)
+    torch.testing.assert_close(a[ma], b[mb], rtol=0, atol=1e-12)
 
 
 def test_collate_and_loss_mask_select_the_continuation():

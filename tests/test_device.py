@@ -92,17 +92,18 @@ def test_a_cpu_keeps_freed_memory_in_the_heap(monkeypatch):
 @pytest.mark.skipif(REAL_GPU, reason="a real GPU: `python bench.py gpu` times it")
 def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):
     """`python bench.py gpu`, the README's first command on a GPU machine: cuda:0 selected, the
-    device named, the GPT-2 124M model built, and the first CUDA kernel (moving it to the GPU)
-    is where a CPU build stops, with torch's own error; without a C compiler, one line first."""
+    device named, GPT-2 124M's batch (8 x 1024) made first, on the GPU: its first CUDA kernel is
+    where a CPU build stops, with torch's own error."""
     import bench
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    built = []
-    monkeypatch.setattr(bench, "LanguageModel", lambda cfg: built.append(cfg) or LanguageModel(cfg))
+    made, randint = [], torch.randint
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: made.append((a[2], k.get("device"))) or randint(*a, **k))
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
         bench.main(["gpu"])
-    assert one_fake_gpu == [0] and capsys.readouterr().out.startswith("NVIDIA H100 80GB HBM3, torch")
-    assert [(c["n_layer"], c["d_model"], c["vocab_size"]) for c in built] == [(12, 768, 50257)]
+    out = capsys.readouterr().out
+    assert one_fake_gpu == [0] and out.startswith("NVIDIA H100 80GB HBM3, torch") and "train step, cuda:0" in out
+    assert made == [((8, 1024), "cuda:0")]
 
 
 def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
