@@ -112,7 +112,7 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     prompts: list of 1-D LongTensors (different lengths allowed), or an (N, P) tensor.
     -> dict(tokens: list of lists (eos included when produced), terminated: bool tensor (N,),
             lengths: long tensor (N,) = len(tokens), scores: sum of log-probs (N,))."""
-    check_decoder_args(decoder, k, p, beam_size, temperature, L, consistent, length_penalty)
+    check_decoder_args(decoder, k, p, beam_size, temperature, consistent, length_penalty)
     device = next(lm.parameters()).device
     padded, lengths = pad_prompts(prompts, device)
     cap = longest_continuation(lm, int(lengths.max()))
@@ -148,8 +148,7 @@ def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **k
 
 def pad_prompts(prompts, device):
     """A list of 1-D prompts (or an (N, P) tensor) -> right-padded (N, P) and lengths (N,)."""
-    if torch.is_tensor(prompts) and prompts.dim() == 2:
-        prompts = list(prompts)
+    prompts = list(prompts)  # (an (N, P) tensor: its rows)
     if len(prompts) == 0:
         raise UserError("no prompts to decode")
     lengths = torch.tensor([len(x) for x in prompts], device=device)
@@ -164,7 +163,7 @@ def pad_prompts(prompts, device):
 STORY_DECODERS = ("greedy", "sample", "topk")  # insertion decoding: slot, then token
 
 
-def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0, L=1,
+def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0,
                        consistent=False, length_penalty=0.0, allowed=DECODERS):
     """Every entry point's decoder flags, for every kind of checkpoint: the decoder's own
     arguments present and in range, and none it would silently ignore."""
@@ -185,10 +184,6 @@ def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0,
         raise UserError(f"nucleus needs --p in (0, 1], got {p}")
     if decoder == "beam" and (beam_size is None or int(beam_size) < 1):
         raise UserError(f"beam search needs --beam_size >= 1, got {beam_size}")
-    if not temperature > 0:
-        raise UserError(f"--temperature must be > 0, got {temperature}")
-    if int(L) < 1:
-        raise UserError(f"--L must be >= 1, got {L}")
 
 
 def draw(log_q, generator=None):

@@ -90,7 +90,7 @@ def check_flags(a):
         if wrong:
             raise UserError(message)
     if a.decoder:
-        check_decoder_args(a.decoder, a.k, a.p, a.beam_size, a.temperature, min(a.L), a.consistent,
+        check_decoder_args(a.decoder, a.k, a.p, a.beam_size, a.temperature, a.consistent,
                            a.length_penalty)
     for path in (a.out, a.plot):  # an output never replaces an input or a checkpoint
         if path and (path.endswith(".pt") or any(os.path.exists(x) and os.path.exists(path) and
@@ -192,6 +192,23 @@ def write_json(path, obj):
     with open(f"{path}.tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(f"{path}.tmp", path)
+
+
+def evaluate_once(ckpt, flags, path):
+    """main's result for (ckpt, flags), kept at path (JSON) and reused while it holds the same
+    request on an unchanged checkpoint (anything else there is evaluated again): reproduce.py's."""
+    try:
+        with open(path) as f:
+            res = json.load(f)
+        if res.get("request") == flags and os.path.getmtime(path) >= os.path.getmtime(ckpt):
+            return res
+    except (OSError, ValueError, AttributeError):  # absent, not JSON, not a dict
+        pass
+    main(["--ckpt", ckpt, *flags, "--out", path])
+    with open(path) as f:
+        res = dict(json.load(f), request=flags)
+    write_json(path, res)
+    return res
 
 
 # --- the decoding study (NMST paper section 4) ------------------------------------------------

@@ -199,23 +199,15 @@ def log_softmax_at(h, W, targets, V, exclude=None, bias=None):
 
 
 # --- nn.Module wrapper: owns the output projection U (V, D), optionally tied to the embedding ---
-def check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature):
-    """A head's options, each read only by the heads that use it (their defaults: train.py)."""
+def check_head_options(kind, epsilon, temperature):
+    """A head's options (ranges: train.py's flags), each read only by the heads that use it."""
     if kind not in HEADS:
         raise ValueError(f"unknown head '{kind}' (choose from {', '.join(HEADS)})")
     if kind in EPSILON_HEADS:  # eq. 9, 10: epsilon in (0, 1)
         _check_epsilon(epsilon)
-    if n_experts < 1:
-        raise ValueError(f"--n_experts must be >= 1, got {n_experts}")
-    if not temperature > 0:
-        raise ValueError(f"--temperature must be > 0, got {temperature}")
     if temperature != 1.0 and kind not in ("softmax", "mos"):
         raise ValueError(f"a constant --temperature is the baseline of the softmax / mos heads, "
                          f"not of {kind}")
-    if kind in ("ct", "ctmos") and not (ct_beta is not None and ct_beta > 0 and
-                                        ct_alpha is not None and ct_alpha >= 0):
-        raise ValueError(f"the {kind} head needs ct_beta > 0 and ct_alpha >= 0 (CT eq. 6), got "
-                         f"{ct_beta} and {ct_alpha}")
 
 
 class Head(nn.Module):
@@ -228,7 +220,7 @@ class Head(nn.Module):
     def __init__(self, kind, d_model, vocab_size, eos_id, epsilon=None, bias=False, n_experts=1,
                  ct_alpha=None, ct_beta=None, ct_rank=0, temperature=1.0):
         super().__init__()
-        check_head_options(kind, epsilon, n_experts, ct_alpha, ct_beta, temperature)
+        check_head_options(kind, epsilon, temperature)
         self.kind, self.eos_id, self.epsilon = kind, int(eos_id), epsilon
         self.temperature, self.ct_alpha, self.ct_beta = float(temperature), ct_alpha, ct_beta
         self.proj = nn.Linear(d_model, padded(vocab_size), bias=bias)  # U, the (tied) decoder
@@ -267,9 +259,8 @@ class Head(nn.Module):
         logits = self.proj(h)[..., :self.vocab_size]  # (B, T, V)
         if self.kind == "ct":
             return ct_log_probs(logits, self.temperatures(h)), None
-        if self.kind == "softmax":
-            c = self.temperature
-            return softmax_log_probs(logits / c if c != 1.0 else logits), None
+        if self.kind == "softmax":  # (a constant temperature: 1 unless --temperature)
+            return softmax_log_probs(logits / self.temperature), None
         if self.kind == "nmst":
             return nmst_log_probs(logits, t, self.eos_id, self.epsilon), None
         if self.kind == "st":

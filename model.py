@@ -344,10 +344,7 @@ class LanguageModel(nn.Module):
                          ct_rank=cfg.get("ct_rank", 0), temperature=cfg.get("temperature", 1.0))
         if cfg["tie"]:  # weight tying (NMST paper appendix D; GPT-2)
             self.head.proj.weight = self.backbone.wte.weight
-
-    @property
-    def eos_id(self):
-        return self.head.eos_id
+        self.eos_id = self.head.eos_id
 
     def forward(self, idx, t=None, state=None, lengths=None, targets=None):
         """idx (B, T), t (B, T); state = (backbone_state, head_state) or None.

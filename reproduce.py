@@ -13,11 +13,15 @@ seeds), paper (the papers' own settings: GPU days).
 """
 import argparse
 import itertools
-import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 import bench
 import curves
@@ -73,32 +77,26 @@ def decoder_flags(name):
 
 
 # --- running: train (or reuse), evaluate (or reuse) -------------------------------------------
-def train_once(out_dir, flags):
-    """Train into out_dir, or go on with a run stopped there, or reuse a finished one."""
-    resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt_last.pt")) else []
-    train.main([*flags, "--out_dir", out_dir, *resume])
-    if train.STOP:  # a signal stopped the run (its checkpoint is written): the command stops too
-        raise UserError(f"stopped by {train.STOP[0]}; the run's checkpoint is in {out_dir}: the "
-                        f"same command goes on from there")
-    return os.path.join(out_dir, "ckpt_best.pt")
-
-
-def evaluate_once(ckpt, flags, path):
-    """evaluate.py's result for (ckpt, flags), reused when path holds the same request (a file
-    that is not such a result is evaluated again)."""
-    try:
-        with open(path) as f:
-            res = json.load(f)
-        if res.get("request") == flags and os.path.getmtime(path) >= os.path.getmtime(ckpt):
-            return res
-    except (OSError, ValueError, AttributeError):  # absent, not JSON, not a dict
-        pass
-    evaluate.main(["--ckpt", ckpt, *flags, "--out", path])
-    with open(path) as f:
-        res = json.load(f)
-    res["request"] = flags
-    evaluate.write_json(path, res)
-    return res
+def train_all(plan, args):
+    """Train, go on with or reuse every run of the plan [(name, flags)]: in turn, or --jobs at once
+    as `python train.py` processes (output: RUNS/NAME.log); --max_minutes caps each."""
+    cap = ["--max_minutes", str(args.max_minutes)] if args.max_minutes else []
+    runs = [(out := os.path.join(args.runs, name), [*flags, *cap, "--out_dir", out] + ["--resume"]
+             * os.path.isfile(f"{out}/ckpt_last.pt")) for name, flags in plan]
+    most = f": at most {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min" if cap else ""
+    print(f"training {len(plan)} runs, {args.jobs} at a time{most}", flush=True)
+    for out, argv in runs if args.jobs == 1 else []:
+        train.main(argv)
+        if train.STOP:  # a signal stopped the run (its checkpoint is written): the command too
+            raise UserError(f"stopped by {train.STOP[0]}; the run's checkpoint is in {out}: the "
+                            f"same command goes on from there")
+    with ThreadPoolExecutor(args.jobs) as pool:
+        failed = sum(pool.map(lambda r: subprocess.call([sys.executable, train.__file__, *r[1]],
+                     stdout=open(f"{r[0]}.log", "a"), stderr=subprocess.STDOUT) != 0,
+                     runs if args.jobs > 1 else []))
+    if failed:
+        raise UserError(f"{failed} of the {len(plan)} runs failed: see their .log in {args.runs}")
+    return {name: os.path.join(args.runs, name, "ckpt_best.pt") for name, _ in plan}
 
 
 def mean_std(values, digits=1):
@@ -134,17 +132,16 @@ def nmst_runs(table, args):
     plan = [(f"{model}-{head}-s{seed}", base_flags(cfg, model, head, seed, cfg["eps"]),
              (model, head), seed)
             for model in cfg["models"] for head in args.heads for seed in range(cfg["seeds"])]
-    runs = {}
+    runs, ckpts = {}, train_all([p[:2] for p in plan], args)
     for k, (name, train_flags, key, seed) in enumerate(plan):
-        print(f"[{k + 1}/{len(plan)}] training and evaluating {name}", flush=True)
-        ckpt = train_once(os.path.join(args.runs, name), train_flags)
+        print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
+        ckpt = ckpts[name]
         ppl_flags = ["--split", "valid"] + (limit if args.scale == "tiny" else [])
-        r = dict(ppl=evaluate_once(ckpt, ppl_flags,
-                                   os.path.join(args.out, f"{name}-ppl.json"))["ppl"])
+        r = dict(ppl=evaluate.evaluate_once(ckpt, ppl_flags, f"{args.out}/{name}-ppl.json")["ppl"])
         for dec in cfg["decoders"]:
             flags = ["--no_ppl", *decoder_flags(dec), "--L", *curve, *limit,
                      "--seed", str(seed), "--traces", "3"]
-            r[dec] = evaluate_once(ckpt, flags, os.path.join(args.out, f"{name}-{dec}.json"))
+            r[dec] = evaluate.evaluate_once(ckpt, flags, f"{args.out}/{name}-{dec}.json")
         runs.setdefault(key, []).append(r)
     return cfg, runs
 
@@ -323,11 +320,10 @@ def run_ct(args):
     plan = [(f"{head}{extra[1] if extra else ''}-s{seed}",
              [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)], label)
             for label, head, extra in CT_ROWS for seed in range(cfg["seeds"])]
-    runs = {}
+    runs, ckpts = {}, train_all([p[:2] for p in plan], args)
     for k, (name, flags, label) in enumerate(plan):
-        print(f"[{k + 1}/{len(plan)}] training and evaluating {name}", flush=True)
-        ckpt = train_once(os.path.join(args.runs, name), flags)
-        ppl = {split: evaluate_once(ckpt, ["--split", split, *cfg["limit"]],
+        print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
+        ppl = {split: evaluate.evaluate_once(ckpts[name], ["--split", split, *cfg["limit"]],
                                     os.path.join(args.out, f"{name}-{split}.json"))["ppl"]
                for split in ("valid", "test")}
         runs.setdefault(label, []).append(ppl)
@@ -343,9 +339,9 @@ def run_ct(args):
     valid = {label: statistics.mean(r["valid"] for r in runs[label]) for label in runs}
     best = min(valid, key=valid.get)
     holds = all(valid["CT-MoS"] < valid[label] for label, head, _ in CT_ROWS if head == "mos")
-    verdict = "holds" if holds else "does NOT hold"
     lines += ["", f"- Lowest mean validation perplexity here: {best}.  The paper's claim (CT-MoS "
-                  f"beats every constant-temperature MoS) {verdict} at this scale."]
+                  f"beats every constant-temperature MoS) {'holds' if holds else 'does NOT hold'}"
+                  f" at this scale."]
     return lines, runs
 
 
@@ -373,12 +369,11 @@ def run_insnet(args):
     plan = [(f"{model}-s{seed}", ["--model", model, "--dataset", "rocstories", "--task",
                                   "storyline", "--seed", str(seed), *cfg["flags"]], model)
             for model in ("insnet", "gpt") for seed in range(cfg["seeds"])]
-    runs = {}
+    runs, ckpts = {}, train_all([p[:2] for p in plan], args)
     for k, (name, flags, model) in enumerate(plan):
-        print(f"[{k + 1}/{len(plan)}] training {name} and generating its stories", flush=True)
-        ckpt = train_once(os.path.join(args.runs, name), flags)
-        runs.setdefault(model, []).append(evaluate_once(
-            ckpt, ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
+        print(f"[{k + 1}/{len(plan)}] generating the stories of {name}", flush=True)
+        runs.setdefault(model, []).append(evaluate.evaluate_once(
+            ckpts[name], ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
             os.path.join(args.out, f"{name}-generation.json"))["generation"])
     lines = [f"InsNet Table 3 (scale {args.scale}): ROCStories, golden storylines, greedy "
              f"decoding of {cfg['stories'] or 'all'} test stories, mean ± std over "
@@ -417,12 +412,15 @@ def main(argv=None):
     p.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS_AVAILABLE,
                    help="nmst-table1 / nmst-table4: the output heads compared (default "
                         "softmax st nmst)")
+    p.add_argument("--jobs", type=train.INT1, help="runs trained at once (1; a GPU: one a 24 GiB)")
+    p.add_argument("--max_minutes", type=train.POS, help="caps each run: a partial grid, said so")
     args = p.parse_args(argv)
+    gib = torch.cuda.is_available() and torch.cuda.mem_get_info()[1] >> 30  # (a CPU: one at once)
+    args.jobs = args.jobs or max(1, gib // 24)
     if len(set(args.heads)) < len(args.heads):  # one run would count as two seeds
         raise UserError("--heads names a head twice: give each head once")
     if args.heads != list(HEADS) and args.what in ("ct-table3", "insnet-storyline"):
-        raise UserError(f"--heads is for nmst-table1 / nmst-table4 (and all); {args.what} "
-                        f"compares its own models")
+        raise UserError(f"--heads is for nmst-table1 / nmst-table4 (and all), not {args.what}")
     todo = RESULTS if args.what == "all" else (args.what,)
     base_out, base_runs = args.out, args.runs
     for name in todo:
@@ -437,7 +435,9 @@ def main(argv=None):
         lines, raw = run_nmst(int(name[-1]), args) if name.startswith("nmst") else \
             run_ct(args) if name == "ct-table3" else run_insnet(args)
         minutes = (time.time() - t0) / 60
-        lines += ["", f"({name}, scale {args.scale}: {minutes:.1f} min on this machine)"]
+        lines += ["", f"({name}, scale {args.scale}: {minutes:.1f} min on this machine" + (
+            f"; each run capped at {args.max_minutes:g} min: partial where one reached it)"
+            if args.max_minutes else ")")]
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         evaluate.write_json(os.path.join(args.out, "results.json"),

@@ -40,7 +40,7 @@ def main(argv=None):
     args.decoder, args.keywords = args.decoder or "greedy", " ".join(args.keywords).split()
     ckpt, device = load_checkpoint(args.ckpt), get_device(args.device)
     story = ckpt["args"]["task"] in ("story", "storyline")
-    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature, args.L,
+    check_decoder_args(args.decoder, args.k, args.p, args.beam_size, args.temperature,
                        args.consistent and not story, args.length_penalty,
                        STORY_DECODERS if story else DECODERS)
     if story and (args.prompt or args.prompt_file or args.show_eos or args.consistent):

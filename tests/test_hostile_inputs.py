@@ -187,9 +187,9 @@ def test_reproduce_evaluates_again_over_a_damaged_or_stale_result(saved, tmp_pat
     calls = []
     monkeypatch.setattr(evaluate, "main", lambda argv: calls.append(argv) or evaluate.write_json(
         argv[-1], {"ppl": 2.0}))
-    res = reproduce.evaluate_once(str(ckpt), ["--split", "test"], str(path))
+    res = evaluate.evaluate_once(str(ckpt), ["--split", "test"], str(path))
     assert len(calls) == 1 and res == {"ppl": 2.0, "request": ["--split", "test"]}
-    assert reproduce.evaluate_once(str(ckpt), ["--split", "test"], str(path)) == res
+    assert evaluate.evaluate_once(str(ckpt), ["--split", "test"], str(path)) == res
     assert len(calls) == 1  # the second time it is reused
 
 

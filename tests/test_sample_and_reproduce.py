@@ -224,6 +224,25 @@ def test_the_paper_scale_starts_its_first_run(result, dataset, tmp_path, monkeyp
         assert main.args.init_from == "gpt2" and main.args.epsilon == 1e-5
 
 
+def test_jobs_train_the_runs_as_processes_side_by_side(tmp_path, capsys, monkeypatch):
+    """--jobs 2: the runs train as two `python train.py` processes at once (their output in
+    RUNS/NAME.log), each capped by --max_minutes; the expected time is said first, the table says
+    the grid may be partial, and the same command reuses the runs."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "r"
+    argv = ["nmst-table1", "--scale", "tiny", "--heads", "softmax", "nmst", "--jobs", "2", "--max_minutes", "5",
+            "--out", str(out)]
+    assert reproduce.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "training 2 runs, 2 at a time: at most 5 min" in printed
+    for name in ("lstm-softmax-s0", "lstm-nmst-s0"):
+        assert "parameters" in (out / "runs" / f"{name}.log").read_text()
+        assert json.load(open(out / "runs" / name / "args.json"))["max_minutes"] == 5
+    assert "each run capped at 5 min: partial where one reached it" in (out / "table.md").read_text()
+    assert reproduce.main(argv) == 0  # again: each process finds its run finished
+    assert "this run already finished" in (out / "runs" / "lstm-nmst-s0.log").read_text()
+
+
 @pytest.mark.parametrize("signal_name", ["Ctrl-C", "SIGTERM"])
 def test_a_signal_that_stops_a_run_stops_reproduce(signal_name, tmp_path, monkeypatch, capsys):
     """Ctrl-C (or a scheduler's SIGTERM) during one of reproduce.py's trainings stops the command
@@ -338,8 +357,8 @@ def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
         assert verdict(rates).endswith("no conclusion (the paper's claim compares VA+ with ST+ / "
                                        "NMST+: --heads softmax and st or nmst).")
     ppl = {"softmax": 70, "mos0.5": 65, "mos": 64, "mos4": 63, "ct": 55, "ctmos": 60}
-    monkeypatch.setattr(reproduce, "train_once", lambda out_dir, flags: "ckpt")
-    monkeypatch.setattr(reproduce, "evaluate_once", lambda ckpt, flags, path: dict(
+    monkeypatch.setattr(reproduce, "train_all", lambda plan, args: {name: "ckpt" for name, _ in plan})
+    monkeypatch.setattr(evaluate, "evaluate_once", lambda ckpt, flags, path: dict(
         ppl=ppl[os.path.basename(path).split("-s")[0]]))
     args = argparse.Namespace(scale="cpu", runs=str(tmp_path), out=str(tmp_path))
     assert reproduce.run_ct(args)[0][-1] == (
