@@ -44,10 +44,10 @@ def check_out_dir(out_dir, tensorboard=False, resume=False):
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard")
     try:  # made and removed: nothing is written before the data is read (start_logs makes it)
-        made = not os.path.isdir(out_dir) and os.makedirs(out_dir) is None
-        os.rmdir(out_dir) if made else None
-    except OSError as e:
-        raise UserError(f"cannot write to --out_dir {out_dir}: {e.strerror or e}") from None
+        os.rmdir(out_dir) if not os.path.isdir(out_dir) and os.makedirs(out_dir) is None else None
+    except OSError as e:  # (FileExistsError: another process of a torchrun made it meanwhile)
+        if not isinstance(e, FileExistsError):
+            raise UserError(f"cannot write to --out_dir {out_dir}: {e.strerror or e}") from None
 
 
 def start_logs(out_dir, args, step=0):

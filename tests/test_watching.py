@@ -178,3 +178,22 @@ def test_no_display_and_no_font_cache_still_train(tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert (tmp_path / "run" / "curves.png").exists()
+
+
+def test_a_folder_made_meanwhile_by_another_torchrun_process_is_no_error(tmp_path, monkeypatch):
+    """Every process of a torchrun checks --out_dir at once: one may make the folder between
+    another's look and its own making (a FileExistsError), which is no reason to stop."""
+    made = []
+
+    def other_process_first(path, *a, **k):
+        made.append(path)
+        import os
+        os.mkdir(path)
+        raise FileExistsError(17, "File exists", path)
+    monkeypatch.setattr(curves.os, "makedirs", other_process_first)
+    curves.check_out_dir(str(tmp_path / "run"))
+    assert made and (tmp_path / "run").is_dir()  # (the other process's folder is left to it)
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("")  # a file where a folder would go: still refused
+    with pytest.raises(curves.UserError, match="cannot write to --out_dir"):
+        curves.check_out_dir(str(tmp_path / "file" / "run"))
