@@ -45,8 +45,8 @@ def check_out_dir(out_dir, tensorboard=False, resume=False):
         raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard")
     try:  # made and removed: nothing is written before the data is read (start_logs makes it)
         os.rmdir(out_dir) if not os.path.isdir(out_dir) and os.makedirs(out_dir) is None else None
-    except OSError as e:  # (FileExistsError: another process of a torchrun made it meanwhile)
-        if not isinstance(e, FileExistsError):
+    except OSError as e:  # (a folder another process of a torchrun made meanwhile is no error)
+        if not (isinstance(e, FileExistsError) and os.path.isdir(out_dir)):
             raise UserError(f"cannot write to --out_dir {out_dir}: {e.strerror or e}") from None
 
 

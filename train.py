@@ -7,6 +7,7 @@
     torchrun --nproc_per_node=4 train.py --head nmst --dataset wikitext103  # (... --resume: go on)
 """
 import argparse
+import atexit
 import ctypes
 import math
 import os
@@ -380,6 +381,7 @@ def main(argv=None):
     device = get_device(args.device, int(os.environ["LOCAL_RANK"]) if procs > 1 else None)
     if procs > 1:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        atexit.register(dist.destroy_process_group)  # on every way out, after the DDP model went
     torch.manual_seed(args.seed + rank)  # before the model is built: its initial weights
     hf = None if ckpt or args.init_from == "scratch" else gpt2_weights(args.init_from, args.weights)
     data = load_data(args) if rank == 0 else None  # rank 0 prepares the data, then the others
@@ -396,8 +398,6 @@ def main(argv=None):
     finally:  # (stopped, or under torchrun: a second signal as the process leaves is no kill)
         for s, handler in handlers.items() if not (STOP or dist.is_initialized()) else ():
             signal.signal(s, handler)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def build(args, ckpt, data, weights, device):
