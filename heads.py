@@ -259,8 +259,8 @@ class Head(nn.Module):
         logits = self.proj(h)[..., :self.vocab_size]  # (B, T, V)
         if self.kind == "ct":
             return ct_log_probs(logits, self.temperatures(h)), None
-        if self.kind == "softmax":  # (a constant temperature: 1 unless --temperature)
-            return softmax_log_probs(logits / self.temperature), None
+        if self.kind == "softmax":  # (a constant temperature c: no division at c = 1, decoding)
+            return softmax_log_probs(logits if (c := self.temperature) == 1 else logits / c), None
         if self.kind == "nmst":
             return nmst_log_probs(logits, t, self.eos_id, self.epsilon), None
         if self.kind == "st":
