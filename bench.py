@@ -28,9 +28,8 @@ from model import LanguageModel, gpt_state_from_hf
 
 
 def cfg_for(model, head, V, **kw):
-    return dict(dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=2,
-                     d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True),
-                **kw)
+    return dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=2,
+                d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True) | kw
 
 
 def timed(fn, warmup, iters, device):
@@ -111,8 +110,7 @@ def bench_train(args, device, ctx=None):
             fns[head] = train_step(lm.to(device).train(), x, y, t, c)
         fns["reference"] = reference_step(model, args, x, y, c)
         sec = alternating(fns, args.rounds, args.iters, device)
-        peak = next((v for k, v in train.PEAK_FLOPS.items() if k in torch.cuda.get_device_name(
-            device)), 0) if device.startswith("cuda") else 0
+        peak = train.peak_flops(device, "bfloat16" if c else "float32")
         best = min(sec["softmax"], sec.get("compiled", math.inf))  # MFU: of the faster softmax
         mfu = f"{100 * B * T / best * lm.flops_per_token(T) / peak:.1f}%" if peak else "-"
         print(f"{model:5s} {V:6d} {f'{B} x {T}':>9s} " + " ".join(f"{B * T / sec[h]:9.0f}" for h in

@@ -85,17 +85,18 @@ def train_all(plan, args):
              * os.path.isfile(f"{out}/ckpt_last.pt")) for name, flags in plan]
     most = f": at most {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min" if cap else ""
     print(f"training {len(plan)} runs, {args.jobs} at a time{most}", flush=True)
-    for out, argv in runs if args.jobs == 1 else []:
-        train.main(argv)
-        if train.STOP:  # a signal stopped the run (its checkpoint is written): the command too
-            raise UserError(f"stopped by {train.STOP[0]}; the run's checkpoint is in {out}: the "
-                            f"same command goes on from there")
-    with ThreadPoolExecutor(args.jobs) as pool:
-        failed = sum(pool.map(lambda r: subprocess.call([sys.executable, train.__file__, *r[1]],
-                     stdout=open(f"{r[0]}.log", "a"), stderr=subprocess.STDOUT) != 0,
-                     runs if args.jobs > 1 else []))
-    if failed:
-        raise UserError(f"{failed} of the {len(plan)} runs failed: see their .log in {args.runs}")
+    if args.jobs == 1:  # in this process, in turn
+        for out, argv in runs:
+            train.main(argv)
+            if train.STOP:  # a signal stopped the run (its checkpoint is written): the command too
+                raise UserError(f"stopped by {train.STOP[0]}; the run's checkpoint is in {out}: "
+                                f"the same command goes on from there")
+    else:  # `python train.py` processes, --jobs at once
+        with ThreadPoolExecutor(args.jobs) as pool:
+            codes = list(pool.map(lambda r: subprocess.call([sys.executable, train.__file__, *r[1]],
+                                  stdout=open(f"{r[0]}.log", "a"), stderr=subprocess.STDOUT), runs))
+        if failed := sum(c != 0 for c in codes):
+            raise UserError(f"{failed} of {len(plan)} runs failed: see their .log in {args.runs}")
     return {name: os.path.join(args.runs, name, "ckpt_best.pt") for name, _ in plan}
 
 
@@ -324,7 +325,7 @@ def run_ct(args):
     for k, (name, flags, label) in enumerate(plan):
         print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
         ppl = {split: evaluate.evaluate_once(ckpts[name], ["--split", split, *cfg["limit"]],
-                                    os.path.join(args.out, f"{name}-{split}.json"))["ppl"]
+                                             f"{args.out}/{name}-{split}.json")["ppl"]
                for split in ("valid", "test")}
         runs.setdefault(label, []).append(ppl)
     lines = [f"CT Table 3 (scale {args.scale}): PTB, continuous LM, perplexity valid / test, "
@@ -410,8 +411,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="results folder (default results/NAME-SCALE)")
     p.add_argument("--runs", default=None, help="training runs (default OUT/runs)")
     p.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS_AVAILABLE,
-                   help="nmst-table1 / nmst-table4: the output heads compared (default "
-                        "softmax st nmst)")
+                   help="nmst-table1 / nmst-table4: the heads compared (default softmax st nmst)")
     p.add_argument("--jobs", type=train.INT1, help="runs trained at once (1; a GPU: one a 24 GiB)")
     p.add_argument("--max_minutes", type=train.POS, help="caps each run: a partial grid, said so")
     args = p.parse_args(argv)

@@ -623,12 +623,14 @@ def compile_model(model, backend="inductor"):
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # bf16 dense
 
 
-def mfu_per_token(args, model, data, device):
-    """MFU of one token/s: FLOPs per token at the mean length trained on, over every process's peak
-    (--peak_flops, else PEAK_FLOPS; float32: half)."""
+def peak_flops(device, dtype):  # a known GPU's dense peak FLOP/s (PEAK_FLOPS; float32: half), or 0
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else ""
-    peak = args.peak_flops or next((v for k, v in PEAK_FLOPS.items() if k in name), 0) / (
-        2 if args.dtype == "float32" else 1)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), 0) / (1 + (dtype == "float32"))
+
+
+def mfu_per_token(args, model, data, device):
+    """MFU of one token/s: FLOPs a token at the mean length trained on / all processes' peak."""
+    peak = args.peak_flops or peak_flops(device, args.dtype)
     if args.task == "completion":
         inputs = data["train"].lengths[:args.train_seqs or None] - 1
         length = float(np.mean(inputs[inputs <= (args.window or math.inf)]))

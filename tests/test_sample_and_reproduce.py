@@ -243,6 +243,18 @@ def test_jobs_train_the_runs_as_processes_side_by_side(tmp_path, capsys, monkeyp
     assert "this run already finished" in (out / "runs" / "lstm-nmst-s0.log").read_text()
 
 
+def test_jobs_that_fail_are_counted_and_said(tmp_path, monkeypatch, capsys):
+    """--jobs: a run whose process exits non-zero (whatever its status) is one failed run, and
+    the command stops with one line before evaluating anything."""
+    codes = iter([0, 2, 1])
+    monkeypatch.setattr(reproduce.subprocess, "call", lambda *a, **k: next(codes))
+    argv = ["nmst-table1", "--scale", "tiny", "--heads", "softmax", "st", "nmst", "--jobs", "2",
+            "--out", str(tmp_path / "r")]
+    rc, err = run_in_process(reproduce.main, argv, capsys)
+    assert_one_line_error(rc, err, "2 of 3 runs failed: see their .log in ")
+    assert not list((tmp_path / "r").glob("*.json"))
+
+
 @pytest.mark.parametrize("signal_name", ["Ctrl-C", "SIGTERM"])
 def test_a_signal_that_stops_a_run_stops_reproduce(signal_name, tmp_path, monkeypatch, capsys):
     """Ctrl-C (or a scheduler's SIGTERM) during one of reproduce.py's trainings stops the command
