@@ -9,7 +9,6 @@
 
 Every figure is of the machine that runs it; RESULTS.md has ours, with their commands.
 """
-import math
 import os
 import statistics
 import tempfile
@@ -89,10 +88,10 @@ def reference_step(model, args, x, y, ctx=None):
 
 
 def bench_train(args, device, ctx=None):
-    """Tokens/s of a train step by head (ST / NMST cost what softmax costs; --compile: softmax
-    compiled as train.py --compile does) beside plain PyTorch at the same shape (reference_step):
-    the LSTM in float32, the GPT under `ctx` (bench.py gpu: bf16 autocast); GPU: MFU."""
-    heads = ("softmax", "st", "nmst", *["compiled"] * args.compile, "reference")
+    """Tokens/s of a train step by head (ST / NMST cost what softmax costs; --compile: softmax as
+    train.py --compile compiles it, and static; 1st step's s) beside plain PyTorch at the same
+    shape (reference_step): the LSTM in float32, the GPT under `ctx` (gpu: bf16 autocast); MFU."""
+    heads = ("softmax", "st", "nmst", *["compiled", "static"] * args.compile, "reference")
     print(f"train step, {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"medians of {args.rounds} alternating rounds\n{'model':5s} {'V':>6s} {'B x T':>9s} "
           + " ".join(f"{h:>9s}" for h in heads) + " (tok/s)  softmax/reference  MFU")
@@ -104,17 +103,20 @@ def bench_train(args, device, ctx=None):
         c = ctx if model == "gpt" else None  # (the recurrent layers run in float32 anyway)
         for head in heads[:-1]:
             torch.manual_seed(0)
-            lm = LanguageModel(cfg_for(model, head.replace("compiled", "softmax"), V, **kw))
-            if head == "compiled":
-                train.compile_model(lm)
+            compiled = head in ("compiled", "static")  # train.py --compile's; static shapes
+            lm = LanguageModel(cfg_for(model, "softmax" if compiled else head, V, **kw))
+            if compiled:
+                train.compile_model(lm, dynamic=head == "compiled")
             fns[head] = train_step(lm.to(device).train(), x, y, t, c)
         fns["reference"] = reference_step(model, args, x, y, c)
+        first = {h: timed(fns[h], 0, 1, device) for h in heads if h in ("compiled", "static")}
         sec = alternating(fns, args.rounds, args.iters, device)
         peak = train.peak_flops(device, "bfloat16" if c else "float32")
-        best = min(sec["softmax"], sec.get("compiled", math.inf))  # MFU: of the faster softmax
-        mfu = f"{100 * B * T / best * lm.flops_per_token(T) / peak:.1f}%" if peak else "-"
+        mfu = [f"{h} {100 * B * T / sec[h] * lm.flops_per_token(T) / peak:.1f}%" for h in heads
+               if peak and h in ("softmax", "compiled", "static")]
         print(f"{model:5s} {V:6d} {f'{B} x {T}':>9s} " + " ".join(f"{B * T / sec[h]:9.0f}" for h in
-              heads) + f" {sec['reference'] / sec['softmax']:18.2f}  {mfu}")
+              heads) + f" {sec['reference'] / sec['softmax']:18.2f}  {' '.join(mfu) or '-'}"
+              + "".join(f"; 1st {h} step {s:.1f} s" for h, s in first.items()))
 
 
 def hf_models(args, device, dropout):
@@ -133,8 +135,7 @@ def hf_models(args, device, dropout):
 
 def bench_decode(args, device):
     """Greedy and beam-4 decoding, nanogen against HF generate() (greedy: the same tokens)."""
-    hf, lm = hf_models(args, device, 0.0)
-    hf.eval(), lm.eval()
+    hf, lm = (m.eval() for m in hf_models(args, device, 0.0))
     prompts, N = torch.randint(0, 50256, (args.prompts, 10), device=device), args.new_tokens
     print(f"decode, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, V=50257, "
           f"{args.prompts} prompts x 10 tokens, {N} new tokens, {device}\n{'decoder':8s} "

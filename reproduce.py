@@ -83,7 +83,8 @@ def train_all(plan, args):
     cap = ["--max_minutes", str(args.max_minutes)] if args.max_minutes else []
     runs = [(out := os.path.join(args.runs, name), [*flags, *cap, "--out_dir", out] + ["--resume"]
              * os.path.isfile(f"{out}/ckpt_last.pt")) for name, flags in plan]
-    most = f": at most {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min" if cap else ""
+    most = f": {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min of training, and each " \
+        "run's set-up and evaluations" if cap else ""
     print(f"training {len(plan)} runs, {args.jobs} at a time{most}", flush=True)
     if args.jobs == 1:  # in this process, in turn
         for out, argv in runs:
@@ -136,8 +137,7 @@ def nmst_runs(table, args):
     runs, ckpts = {}, train_all([p[:2] for p in plan], args)
     for k, (name, train_flags, key, seed) in enumerate(plan):
         print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
-        ckpt = ckpts[name]
-        ppl_flags = ["--split", "valid"] + (limit if args.scale == "tiny" else [])
+        ckpt, ppl_flags = ckpts[name], ["--split", "valid"] + limit * (args.scale == "tiny")
         r = dict(ppl=evaluate.evaluate_once(ckpt, ppl_flags, f"{args.out}/{name}-ppl.json")["ppl"])
         for dec in cfg["decoders"]:
             flags = ["--no_ppl", *decoder_flags(dec), "--L", *curve, *limit,
@@ -217,8 +217,7 @@ def verdict_table1(cfg, runs, args):
 
 
 def report_table4(cfg, runs, args):
-    decs = cfg["decoders"]
-    model = next(iter(cfg["models"]))
+    decs, model = cfg["decoders"], next(iter(cfg["models"]))
     lines = [f"NMST Table 4 (scale {args.scale}): r_nt({cfg['L']}), mean ± std over "
              f"{cfg['seeds']} seed(s) (beam: the seeds' models), {cfg['contexts'] or 'all'} "
              f"validation contexts, {model} on {cfg['dataset']}, eps = {cfg['eps']:g}.  In () the "

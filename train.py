@@ -613,10 +613,10 @@ def learning_rate(args, st):
     return args.lr * warm * max(0.0, 1.0 - st["step"] / args.decay_steps)
 
 
-def compile_model(model, backend="inductor"):
-    """torch.compile in place, dynamic shapes (ever new (B, T)), no matmul padding (on a GPU it
-    bakes the first batch's T into the backward's strides)."""
-    model.compile(dynamic=True, backend=backend,
+def compile_model(model, backend="inductor", dynamic=True):
+    """torch.compile in place; dynamic shapes: one graph for every bucket's (B, T), as fast as static
+    ones on a GPU (RESULTS.md); no matmul padding (it baked the first T into the backward)."""
+    model.compile(dynamic=dynamic, backend=backend,
                   options={"shape_padding": False} if backend == "inductor" else None)
 
 

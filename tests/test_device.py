@@ -277,6 +277,8 @@ def test_compile_asks_inductor_for_no_matmul_padding():
             seen.update(kw)
     train.compile_model(LM())
     assert seen == dict(dynamic=True, backend="inductor", options={"shape_padding": False})
+    train.compile_model(LM(), dynamic=False)  # (bench.py's static column)
+    assert seen["dynamic"] is False
 
 
 if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases: no skip)

@@ -234,7 +234,7 @@ def test_jobs_train_the_runs_as_processes_side_by_side(tmp_path, capsys, monkeyp
             "--out", str(out)]
     assert reproduce.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "training 2 runs, 2 at a time: at most 5 min" in printed
+    assert "training 2 runs, 2 at a time: 5 min of training, and each run's set-up" in printed
     for name in ("lstm-softmax-s0", "lstm-nmst-s0"):
         assert "parameters" in (out / "runs" / f"{name}.log").read_text()
         assert json.load(open(out / "runs" / name / "args.json"))["max_minutes"] == 5
