@@ -21,6 +21,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 (imported by DDP; imported after init_process_group,
+# its functions' default group= would keep the group, and its threads, alive into the exit)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 

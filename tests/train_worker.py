@@ -9,8 +9,9 @@ a subprocess or under torchrun; the production code carries no hook for any of t
     sigint=N             SIGINT (a Ctrl-C) during the N-th training step, after its backward
     sigterm=N            rank 1 alone sends itself SIGTERM during its N-th training step
     sigterm_at_exit=N    sigterm=N, and every process gets SIGTERM again as its process group is
-                         destroyed (a scheduler's second signal)
+                         destroyed (a scheduler's second signal), then prints its threads left
 """
+import atexit
 import os
 import signal
 import sys
@@ -52,6 +53,8 @@ elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
         import torch.distributed
         torch.distributed.destroy_process_group = kill_on(
             1, torch.distributed.destroy_process_group, sig=signal.SIGTERM)
+        atexit.register(lambda: print("threads left:", *(open(f"/proc/self/task/{t}/comm").read().strip()
+                                                          for t in os.listdir("/proc/self/task"))))
 elif mode.startswith("sigint="):
     torch.nn.utils.clip_grad_norm_ = kill_on(int(mode[len("sigint="):]), torch.nn.utils.clip_grad_norm_,
                                              sig=signal.SIGINT)
