@@ -21,8 +21,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401 (imported by DDP; imported after init_process_group,
-# its functions' default group= would keep the group, and its threads, alive into the exit)
+import torch.distributed.nn  # noqa: F401 (now: DDP importing it later pins the group at exit)
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -80,7 +79,7 @@ FLAGS = [  # (flag, default (None: the recipe's), type (a tuple: the choices; bo
     ("epsilon", 1e-5, number(float, lambda v: 0 < v < 1, "in (0, 1)"), "ST / NMST"),
     ("dataset", "wikitext103", (*DATASETS, *STORY_DATASETS), "text: your own, in --data_dir"),
     ("vocab", "word", VOCABS, "wikitext2, ptb, text: word or char; text: bpe (GPT-2's) too"),
-    ("data_dir", None, str, "local data (default $NANOGEN_DATA, else download)"),
+    ("data_dir", None, os.path.abspath, "local data (default $NANOGEN_DATA, else download)"),
     ("out_dir", None, str, "default out/DATASET-MODEL-HEAD"), ("seed", 0, SEED, ""),
     ("init_from", "scratch", ("scratch", *GPT2_SIZES), "GPT-2's weights (and shape)"),
     ("weights", None, str, "--init_from's, a local copy"), ("device", "auto", str, "cpu, cuda:N"),
@@ -124,7 +123,8 @@ class Parser(argparse.ArgumentParser):
 def parser():
     p = Parser(description="Train a nanogen model.")
     for flag, default, kind, text in FLAGS:  # no default here: a flag you did not type is None
-        text += f" (default: {'the --model recipe' if default is None else default})"
+        text += f" (default: {default})" if default is not None else (
+            " (default: the --model recipe)" if any(flag in r for r in RECIPES.values()) else "")
         p.add_argument(f"--{flag}", help=text, **(dict(action="store_true", default=None) if
                        kind is bool else dict(choices=kind) if isinstance(kind, tuple) else
                        dict(type=kind)))
@@ -135,8 +135,6 @@ def get_args(argv=None):
     """-> (args, the checkpoint to resume or None): DEFAULTS, the --model recipe over them, the
     flags you typed over both; --resume: the checkpoint's arguments, the typed flags over them."""
     typed = {k: v for k, v in vars(parser().parse_args(argv)).items() if v is not None}
-    if typed.get("data_dir"):  # kept with the run: evaluate.py may run from another folder
-        typed["data_dir"] = os.path.abspath(typed["data_dir"])
     a = {**DEFAULTS, **typed}
     story = a["dataset"] in STORY_DATASETS or a["model"] in INSERTION
     recipe = RECIPES["story" if story else "gpt_finetune" if a["init_from"] != "scratch" else

@@ -151,6 +151,7 @@ def test_help_lists_the_flags():
     help_of = {part.split()[0]: part for part in re.split(r" (?=--\w+ (?:[A-Z0-9_]+ |\{))", text)}
     assert help_of["--patience"].endswith("(default: 10)") and "(default: 0.99)" in help_of["--beta2"]
     assert help_of["--lr"].endswith("(default: the --model recipe)")  # (train.RECIPES)
+    assert "recipe" not in help_of["--data_dir"] + help_of["--out_dir"]  # (no recipe sets them)
 
 
 @pytest.fixture(scope="module")
