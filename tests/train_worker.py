@@ -53,8 +53,8 @@ elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
         import torch.distributed
         torch.distributed.destroy_process_group = kill_on(
             1, torch.distributed.destroy_process_group, sig=signal.SIGTERM)
-        atexit.register(lambda: print("threads left:", *(open(f"/proc/self/task/{t}/comm").read().strip()
-                                                          for t in os.listdir("/proc/self/task"))))
+        names = lambda: " ".join(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+        atexit.register(lambda: os.write(1, f"threads left: {names()}\n".encode()))  # one write: a shared stdout
 elif mode.startswith("sigint="):
     torch.nn.utils.clip_grad_norm_ = kill_on(int(mode[len("sigint="):]), torch.nn.utils.clip_grad_norm_,
                                              sig=signal.SIGINT)
