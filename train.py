@@ -70,7 +70,7 @@ INT1, INT0 = number(int, lambda v: v >= 1, ">= 1"), number(int, lambda v: v >= 0
 POS, NONNEG = number(float, lambda v: v > 0, "> 0"), number(float, lambda v: v >= 0, ">= 0")
 FRACTION, SEED = number(float, lambda v: 0 <= v < 1, "in [0, 1)"), number(
     int, lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)")
-FLAGS = [  # (flag, default (None: the recipe's), type (a tuple: the choices; bool: a switch), help)
+FLAGS = [  # (flag, default (None: a recipe's, or none), type (tuple: choices; bool: switch), help)
     ("model", "gpt", (*MODELS, *INSERTION), "insnet, insertion_transformer: insnet.py"),
     ("head", "softmax", HEADS, "softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10), mos, ct, "
      "ctmos (CT eq. 4, 6, 7: K*V floats a token, size the batch to fit)"),
@@ -614,8 +614,8 @@ def learning_rate(args, st):
 
 
 def compile_model(model, backend="inductor", dynamic=True):
-    """torch.compile in place; dynamic shapes: one graph for every bucket's (B, T), as fast as static
-    ones on a GPU (RESULTS.md); no matmul padding (it baked the first T into the backward)."""
+    """torch.compile in place; dynamic shapes: one graph for every bucket's (B, T), as fast as
+    static ones on a GPU (RESULTS.md); no matmul padding (it baked the first T in the backward)."""
     model.compile(dynamic=dynamic, backend=backend,
                   options={"shape_padding": False} if backend == "inductor" else None)
 

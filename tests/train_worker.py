@@ -39,6 +39,11 @@ def kill_on(n, fn, when=lambda *a, **k: True, sig=signal.SIGKILL):
     return wrapped
 
 
+def print_threads():  # this process's threads by name, in one write (the processes share stdout)
+    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    os.write(1, f"threads left: {' '.join(names)}\n".encode())
+
+
 if mode == "fast_clock" and rank == 1:
     t0 = time.time()
     train.time = types.SimpleNamespace(time=lambda: t0 + 20 * (time.time() - t0))
@@ -53,8 +58,7 @@ elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
         import torch.distributed
         torch.distributed.destroy_process_group = kill_on(
             1, torch.distributed.destroy_process_group, sig=signal.SIGTERM)
-        names = lambda: " ".join(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-        atexit.register(lambda: os.write(1, f"threads left: {names()}\n".encode()))  # one write: a shared stdout
+        atexit.register(print_threads)
 elif mode.startswith("sigint="):
     torch.nn.utils.clip_grad_norm_ = kill_on(int(mode[len("sigint="):]), torch.nn.utils.clip_grad_norm_,
                                              sig=signal.SIGINT)
