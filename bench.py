@@ -105,9 +105,9 @@ def bench_train(args, device, ctx=None):
             torch.manual_seed(0)
             compiled = head in ("compiled", "static")  # train.py --compile's; static shapes
             lm = LanguageModel(cfg_for(model, "softmax" if compiled else head, V, **kw))
-            if compiled:
-                train.compile_model(lm, dynamic=head == "compiled")
-            fns[head] = train_step(lm.to(device).train(), x, y, t, c)
+            lm.to(device).train()
+            fns[head] = train_step(train.compile_model(lm, dynamic=head == "compiled") if
+                                   compiled else lm, x, y, t, c)
         fns["reference"] = reference_step(model, args, x, y, c)
         first = {h: timed(fns[h], 0, 1, device) for h in heads if h in ("compiled", "static")}
         sec = alternating(fns, args.rounds, args.iters, device)
@@ -217,7 +217,6 @@ def bench_arch(args, device):
             f"0.1), {device}, threads {torch.get_num_threads()}\n{'model':5s} {'shape':8s} "
             f"{'params':>10s} {'train tok/s':>11s} {'decode tok/s':>12s} {'steps':>6s} val ppl"]
     for model, n_layer, d_model in ARCH:
-        shape = f"{n_layer}x{d_model}"
         with tempfile.TemporaryDirectory() as out:
             train.main(["--model", model, "--dataset", "ptb", "--n_layer", str(n_layer),
                         "--d_model", str(d_model), "--n_head", "4", "--block_size", "256",
@@ -231,7 +230,7 @@ def bench_arch(args, device):
         n = sum(map(len, decode(lm, prompts, 64)["tokens"]))  # (the warm-up; greedy: the same)
         tps = n / timed(lambda: decode(lm, prompts, 64), 0, 3, device)
         ppl = train.evaluate(run, lm, data, "valid", 1000, device)["ppl"]
-        rows.append(f"{model:5s} {shape:8s} {sum(p.numel() for p in lm.parameters()):10,d} "
+        rows.append(f"{model:5s} {f'{n_layer}x{d_model}':8s} {lm.num_params():10,d} "
                     f"{statistics.median(r['tokens_per_s'] for r in log):11.0f} {tps:12.0f} "
                     f"{ckpt['state']['step']:6d} {ppl:8.1f}")
     print("\n".join(rows))  # (the table after the runs' own lines)

@@ -438,7 +438,7 @@ def build(args, ckpt, data, weights, device):
               + (f", resuming at step {st['step']}" if ckpt else "")
               + (f"; {data['note']}" if data.get("note") else ""), flush=True)
     if args.compile:
-        compile_model(model)
+        model = compile_model(model, graphs=args.grad_accum == procs)
     if dist.is_initialized():
         model = DDP(model, device_ids=[device] if device.startswith("cuda") else None)
     return model, optimizer, scaler, ctx, st
@@ -447,7 +447,7 @@ def build(args, ckpt, data, weights, device):
 def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
     """The loop: lr -> micro-batches, each scored by one call of the model (NMST eq. 3) -> clip ->
     step; every --log_interval steps the losses are read and the processes agree on stopping."""
-    raw, (rank, procs) = getattr(model, "module", model), world()  # (model: maybe in DDP)
+    raw, (rank, procs) = getattr(m := getattr(model, "module", model), "_orig_mod", m), world()
     accum = args.grad_accum // procs
     ls = loss_scale(data["vocab_size"], args.ct_alpha, args.ct_beta) if args.loss_scaling else 1.0
     t0, pending, stop = time.time() - st["elapsed"], [], None
@@ -494,14 +494,14 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
                 stop, why = sync(args, pending, device, st) or (stop, None)
             why = why or limit_reached(args, st)
             if (args.eval_interval and st["step"] % args.eval_interval == 0) or why:
-                why = validate(args, model, optimizer, scaler, ctx, data, st, hidden, device,
+                why = validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device,
                                pending, since) or why
             if why or stop:
                 break
         else:  # the epoch's end: without --eval_interval (or at the end) an evaluation
             st.update(epoch=st["epoch"] + 1, batch_in_epoch=0)
             if not args.eval_interval or (why := limit_reached(args, st)):
-                why = validate(args, model, optimizer, scaler, ctx, data, st, hidden, device,
+                why = validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device,
                                pending, since) or why
     if stop:
         sync(args, pending, device, st)
@@ -513,10 +513,10 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
               f"{math.exp(min(st['best_val'], 700)):.2f}); checkpoints in {args.out_dir}")
 
 
-def validate(args, model, optimizer, scaler, ctx, data, st, hidden, device, pending, since):
+def validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device, pending, since):
     """Evaluate, log, probe, lower a plateau lr, checkpoint; -> why the run stops now, or None."""
     sync(args, pending, device, st)
-    raw, rank = getattr(model, "module", model), world()[0]
+    rank = world()[0]
     nll, n, tokens = all_sum([float(since["nll"]), since["n"], since["tokens"]], device)
     tok_per_s = tokens / max(time.time() - since["t0"], 1e-9)
     val = evaluate(args, raw, data, "valid", device=device, ctx=ctx)
@@ -588,9 +588,9 @@ def save(args, model, optimizer, scaler, data, st, hidden, best=False):
 
 
 def to(state, device, detach=False):  # a recurrent state (tensor, tuple, None) on device
-    if isinstance(state, tuple):
-        return tuple(to(s, device, detach) for s in state)
-    return state if state is None else (state.detach() if detach else state).to(device)
+    if isinstance(state, tuple):  # (detached: a copy, as a CUDA graph's next replay reuses its
+        return tuple(to(s, device, detach) for s in state)  # outputs' memory)
+    return state if state is None else (state.detach().clone() if detach else state).to(device)
 
 
 def limit_reached(args, st):
@@ -613,11 +613,12 @@ def learning_rate(args, st):
     return args.lr * warm * max(0.0, 1.0 - st["step"] / args.decay_steps)
 
 
-def compile_model(model, backend="inductor", dynamic=True):
-    """torch.compile in place; dynamic shapes: one graph for every bucket's (B, T), as fast as
-    static ones on a GPU (RESULTS.md); no matmul padding (it baked the first T in the backward)."""
-    model.compile(dynamic=dynamic, backend=backend,
-                  options={"shape_padding": False} if backend == "inductor" else None)
+def compile_model(model, backend="inductor", dynamic=True, graphs=True):
+    """-> the model compiled for the train step: dynamic shapes; no matmul padding (it baked the
+    first T in the backward); on a GPU CUDA graphs (not for micro-batches: replays reuse grads)."""
+    return torch.compile(model, dynamic=dynamic, backend=backend, options={"shape_padding": False,
+        "triton.cudagraphs": graphs and next(model.parameters()).is_cuda}
+        if backend == "inductor" else None)
 
 
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # bf16 dense

@@ -46,9 +46,9 @@ def test_the_timed_train_step_runs_the_compiled_model():
     that step must go through the compiled forward (dynamo's CompileCounter counts its frames)."""
     from torch._dynamo.testing import CompileCounter
     train.torch._dynamo.reset()
-    lm = bench.LanguageModel(bench.cfg_for("gpt", "softmax", 64, n_layer=1, d_model=16, n_head=2)).train()
     counter = CompileCounter()
-    train.compile_model(lm, backend=counter)
+    lm = train.compile_model(bench.LanguageModel(bench.cfg_for("gpt", "softmax", 64, n_layer=1, d_model=16,
+                                                               n_head=2)).train(), backend=counter)
     x = train.torch.randint(0, 63, (2, 9))
     bench.train_step(lm, x[:, :8], x[:, 1:])()
     assert counter.frame_count >= 1

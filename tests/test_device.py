@@ -249,9 +249,8 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     _, splits = wikitext2
     cfg = dict(model=model, head="nmst", epsilon=1e-3, vocab_size=33278, eos_id=0, n_layer=1, d_model=16,
                dropout=0.1, tie=True, n_head=2, block_size=512, bias=True, kernel_size=3)
-    lm = LanguageModel(cfg).train()
     counter = CompileCounter()
-    train.compile_model(lm, backend=counter)
+    lm = train.compile_model(LanguageModel(cfg).train(), backend=counter)
     args = train.argparse.Namespace(**dict(train.DEFAULTS, task="completion", max_tokens=600, train_seqs=400,
                                            model=model, window=None if model == "lstm" else 1024))
     shapes, counts = set(), []
@@ -266,19 +265,44 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     assert counts[-1] <= 2 * per_compile, counts
 
 
-def test_compile_asks_inductor_for_no_matmul_padding():
+def test_compile_asks_inductor_for_no_matmul_padding(monkeypatch):
     """On a GPU inductor pads the (D, V = 50257) product to V = 50264 for the tensor cores, and
     its backward bakes the first batch's T into the padded activation's strides: GPT-2 124M
-    recompiled at every new T (RESULTS.md, "On a GPU").  compile_model turns that off."""
+    recompiled at every new T (RESULTS.md, "On a GPU").  compile_model turns that off, and asks
+    for CUDA graphs on a GPU only."""
     seen = {}
-
-    class LM:
-        def compile(self, **kw):
-            seen.update(kw)
-    train.compile_model(LM())
-    assert seen == dict(dynamic=True, backend="inductor", options={"shape_padding": False})
-    train.compile_model(LM(), dynamic=False)  # (bench.py's static column)
+    monkeypatch.setattr(train.torch, "compile", lambda model, **kw: seen.update(kw) or model)
+    lm = tiny_lm("gpt", "softmax", "cpu")
+    assert train.compile_model(lm) is lm
+    assert seen == dict(dynamic=True, backend="inductor",
+                        options={"shape_padding": False, "triton.cudagraphs": False})
+    train.compile_model(lm, dynamic=False)  # (bench.py's static column)
     assert seen["dynamic"] is False
+    on_gpu = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(is_cuda=True)]))
+    for graphs in (True, False):  # (train.py: False with micro-batches, --grad_accum)
+        train.compile_model(on_gpu, graphs=graphs)
+        assert seen["options"]["triton.cudagraphs"] is graphs
+    monkeypatch.undo()
+    assert train.compile_model(lm, backend="eager")._orig_mod is lm  # (train.py's `raw`)
+
+
+COMPILED_RUNS = [["--model", "gpt", "--task", "completion", "--n_head", "4", "--eval_seqs", "200", *accum]
+                 for accum in ([], ["--grad_accum", "2"])] + [["--model", "lstm", "--task", "stream", "--bptt", "35"]]
+
+
+def compiled_run_equals_eager(flags, device, tmp_path):
+    """train.py --compile (on a GPU: CUDA graphs, a capture a (B, T); with micro-batches none; a
+    stream's state goes from one replay into the next) trains as the eager run: the same training
+    and validation losses, float32."""
+    logs = []
+    for run in ("eager", "compiled"):
+        train.main(flags + ["--dataset", "ptb", "--n_layer", "2", "--d_model", "64", "--dropout", "0", "--batch_size", "8",
+                            "--max_iters", "6", "--eval_interval", "3", "--dtype", "float32", "--warmup", "0", "--lr", "3e-3",
+                            "--probe", "0", "--no_curves", "--device", device, "--out_dir", str(tmp_path / run)]
+                   + ["--compile"] * (run == "compiled"))
+        logs.append([json.loads(line)[key] for name, key in (("steps.jsonl", "loss"), ("log.jsonl", "val_loss"))
+                     for line in open(tmp_path / run / name)])
+    assert len(logs[0]) == 8 and logs[1] == pytest.approx(logs[0], rel=1e-4)
 
 
 if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases: no skip)
@@ -294,15 +318,22 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
         lm = LanguageModel(dict(model="gpt", head="nmst", epsilon=1e-3, vocab_size=50257, eos_id=50256,
                                 n_layer=12, d_model=768, n_head=12, block_size=1024, dropout=0.1,
                                 tie=True, bias=True)).cuda()
-        train.compile_model(lm)
+        lm = train.compile_model(lm)
         frames = []
         for B, T in ((6, 158), (3, 345), (5, 187)):
             x = torch.randint(0, 50256, (B, T), device="cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 log_p = lm(x, steps(-8, (B, T)).cuda(), targets=x)[0]
+            lm.zero_grad(set_to_none=True)  # as train.py: the last replay's gradients are not kept
             log_p.float().sum().backward()
             frames.append(counters["frames"]["ok"])
         assert frames[1:] == frames[:1] * 2, frames
+
+    @pytest.mark.slow
+    @pytest.mark.cuda
+    @pytest.mark.parametrize("flags", COMPILED_RUNS)
+    def test_a_compiled_run_on_the_gpu_equals_an_eager_one(flags, tmp_path, no_tf32):
+        compiled_run_equals_eager(flags, "cuda", tmp_path)
 
     @pytest.mark.cuda
     def test_training_attention_on_the_gpu_goes_to_flash_not_cudnn(device_flags):
