@@ -106,8 +106,8 @@ def bench_train(args, device, ctx=None):
             compiled = head in ("compiled", "static")  # train.py --compile's; static shapes
             lm = LanguageModel(cfg_for(model, "softmax" if compiled else head, V, **kw))
             lm.to(device).train()
-            fns[head] = train_step(train.compile_model(lm, dynamic=head == "compiled") if
-                                   compiled else lm, x, y, t, c)
+            fns[head] = train_step(train.compile_model(lm, dynamic=head == "compiled", graphs=(
+                device.startswith("cuda"))) if compiled else lm, x, y, t, c)
         fns["reference"] = reference_step(model, args, x, y, c)
         first = {h: timed(fns[h], 0, 1, device) for h in heads if h in ("compiled", "static")}
         sec = alternating(fns, args.rounds, args.iters, device)

@@ -437,8 +437,9 @@ def build(args, ckpt, data, weights, device):
               + (f", {str(ctx.fast_dtype)[6:]} autocast" if hasattr(ctx, "fast_dtype") else "")
               + (f", resuming at step {st['step']}" if ckpt else "")
               + (f"; {data['note']}" if data.get("note") else ""), flush=True)
-    if args.compile:
-        model = compile_model(model, graphs=args.grad_accum == procs)
+    if args.compile:  # CUDA graphs, a capture a (B, T): for one batch a step, in few shapes
+        model = compile_model(model, graphs=device.startswith("cuda") and args.grad_accum ==
+                              procs and (args.task == "stream" or bool(args.max_tokens)))
     if dist.is_initialized():
         model = DDP(model, device_ids=[device] if device.startswith("cuda") else None)
     return model, optimizer, scaler, ctx, st
@@ -613,12 +614,11 @@ def learning_rate(args, st):
     return args.lr * warm * max(0.0, 1.0 - st["step"] / args.decay_steps)
 
 
-def compile_model(model, backend="inductor", dynamic=True, graphs=True):
+def compile_model(model, backend="inductor", dynamic=True, graphs=False):
     """-> the model compiled for the train step: dynamic shapes; no matmul padding (it baked the
-    first T in the backward); on a GPU CUDA graphs (not for micro-batches: replays reuse grads)."""
-    return torch.compile(model, dynamic=dynamic, backend=backend, options={"shape_padding": False,
-        "triton.cudagraphs": graphs and next(model.parameters()).is_cuda}
-        if backend == "inductor" else None)
+    first T in the backward); CUDA graphs (not for micro-batches: a replay reuses their grads)."""
+    return torch.compile(model, dynamic=dynamic, backend=backend, options={
+        "shape_padding": False, "triton.cudagraphs": graphs} if backend == "inductor" else None)
 
 
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # bf16 dense
