@@ -315,7 +315,7 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
         lm = LanguageModel(dict(model="gpt", head="nmst", epsilon=1e-3, vocab_size=50257, eos_id=50256,
                                 n_layer=12, d_model=768, n_head=12, block_size=1024, dropout=0.1,
                                 tie=True, bias=True)).cuda()
-        lm = train.compile_model(lm)
+        lm = train.compile_model(lm, graphs=True)  # (train.py on a GPU: --max_tokens batches)
         frames = []
         for B, T in ((6, 158), (3, 345), (5, 187)):
             x = torch.randint(0, 50256, (B, T), device="cuda")
