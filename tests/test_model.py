@@ -118,7 +118,7 @@ def test_compiled_model_matches_eager(device):
                block_size=32, dropout=0.0, tie=True, bias=True)
     eager, plain = LanguageModel(cfg).to(device), LanguageModel(cfg).to(device)
     plain.load_state_dict(eager.state_dict())
-    compiled = train.compile_model(plain)  # (on a GPU: CUDA graphs, a capture of this shape)
+    compiled = train.compile_model(plain)  # (no CUDA graphs: graphs=False, its default)
     torch._dynamo.utils.counters.clear()
     x = torch.randint(0, 50, (2, 12), device=device)
     grads = []
