@@ -589,8 +589,8 @@ def save(args, model, optimizer, scaler, data, st, hidden, best=False):
 
 
 def to(state, device, detach=False):  # a recurrent state (tensor, tuple, None) on device
-    if isinstance(state, tuple):  # (detached: a copy, as a CUDA graph's next replay reuses its
-        return tuple(to(s, device, detach) for s in state)  # outputs' memory)
+    if isinstance(state, tuple):  # (detach copies: a CUDA graph's next replay reuses its outputs)
+        return tuple(to(s, device, detach) for s in state)
     return state if state is None else (state.detach().clone() if detach else state).to(device)
 
 
