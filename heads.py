@@ -189,11 +189,14 @@ def loss_scale(vocab_size, alpha, beta):
 def log_softmax_at(h, W, targets, V, exclude=None, bias=None):
     """log softmax(U h + b)[targets] over the V real rows of U, without `exclude` when it is
     given (the non-eos factor of eq. 9 / 10).  The textbook way: linear, then cross_entropy.
+    The padding rows and `exclude` get a -inf bias, which the matrix product adds as it writes
+    the logits (an in-place fill would cost a copy of the whole gradient in backward).
     h (..., D), W (padded(V), D), targets (...) -> (...)."""
-    logits = F.linear(h, W, bias)  # (..., padded(V)); in place below: linear's backward does
-    logits[..., V:] = float("-inf")  # not read its output.  The padding rows: no mass
+    mask = torch.zeros(W.size(0), dtype=W.dtype, device=W.device)  # (padded(V),)
+    mask[V:] = float("-inf")  # the padding rows: no mass
     if exclude is not None:
-        logits[..., exclude] = float("-inf")
+        mask[exclude] = float("-inf")
+    logits = F.linear(h, W, mask if bias is None else bias + mask)  # (..., padded(V))
     return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(),
                             reduction="none").view(targets.shape)
 

@@ -74,3 +74,22 @@ def test_an_unpadded_checkpoint_is_refused_in_one_line(tmp_path):
         train.load_checkpoint(str(tmp_path / "old.pt"))
     torch.save(dict(ckpt, model=lm.state_dict()), tmp_path / "new.pt")
     assert train.load_checkpoint(str(tmp_path / "new.pt"))["model"]["backbone.wte.weight"].shape[0] == 128
+
+
+@pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
+def test_the_loss_path_masks_with_a_bias_not_an_in_place_fill(head):
+    """The padding rows (and ST / NMST's eos) are masked by a -inf bias of the matrix product:
+    an in-place fill of the (B, T, padded(V)) logits would copy their whole gradient in backward
+    (autograd's CopySlices), a pass over the largest tensor of a GPT-2 step."""
+    lm = make("gpt", head)
+    lm.train()
+    idx = torch.randint(0, V, (2, 12))
+    log_p = lm(idx, steps(-4, (2, 12)), targets=idx)[0]
+    seen, todo = set(), [log_p.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo += [f for f, _ in fn.next_functions]
+    names = {type(fn).__name__ for fn in seen}
+    assert "AddmmBackward0" in names and "CopySlices" not in names, names
