@@ -189,14 +189,12 @@ def loss_scale(vocab_size, alpha, beta):
 def log_softmax_at(h, W, targets, V, exclude=None, bias=None):
     """log softmax(U h + b)[targets] over the V real rows of U, without `exclude` when it is
     given (the non-eos factor of eq. 9 / 10).  The textbook way: linear, then cross_entropy.
-    The padding rows and `exclude` get a -inf bias, which the matrix product adds as it writes
-    the logits (an in-place fill would cost a copy of the whole gradient in backward).
     h (..., D), W (padded(V), D), targets (...) -> (...)."""
-    mask = torch.zeros(W.size(0), dtype=W.dtype, device=W.device)  # (padded(V),)
-    mask[V:] = float("-inf")  # the padding rows: no mass
-    if exclude is not None:
-        mask[exclude] = float("-inf")
-    logits = F.linear(h, W, mask if bias is None else bias + mask)  # (..., padded(V))
+    logits = F.linear(h, W, bias)  # (..., padded(V)); -inf below: no mass.  Not recorded: a
+    with torch.no_grad():  # -inf logit's gradient is 0 and linear's backward does not read its
+        logits[..., V:] = float("-inf")  # output (a recorded fill copies the whole gradient)
+        if exclude is not None:
+            logits[..., exclude] = float("-inf")
     return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(),
                             reduction="none").view(targets.shape)
 
@@ -285,8 +283,7 @@ class Head(nn.Module):
             return self(h, t)[0].gather(-1, targets.unsqueeze(-1)).squeeze(-1), None
         W, bias = self.proj.weight, self.proj.bias
         if self.kind == "softmax":
-            c = self.temperature
-            if c != 1.0:
+            if (c := self.temperature) != 1.0:
                 h, bias = h / c, (None if bias is None else bias / c)
             return log_softmax_at(h, W, targets, self.vocab_size, None, bias), None
         e = self.eos_id

@@ -77,10 +77,11 @@ def test_an_unpadded_checkpoint_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
-def test_the_loss_path_masks_with_a_bias_not_an_in_place_fill(head):
-    """The padding rows (and ST / NMST's eos) are masked by a -inf bias of the matrix product:
-    an in-place fill of the (B, T, padded(V)) logits would copy their whole gradient in backward
-    (autograd's CopySlices), a pass over the largest tensor of a GPT-2 step."""
+def test_the_loss_path_s_masking_is_not_recorded_by_autograd(head):
+    """The padding rows (and ST / NMST's eos) are set to -inf outside autograd: a recorded
+    in-place fill of the (B, T, padded(V)) logits would copy their whole gradient in backward
+    (CopySlices), a pass over the largest tensor of a GPT-2 step.  (Its gradient is checked
+    against the full forward in test_heads.py.)"""
     lm = make("gpt", head)
     lm.train()
     idx = torch.randint(0, V, (2, 12))
@@ -92,4 +93,4 @@ def test_the_loss_path_masks_with_a_bias_not_an_in_place_fill(head):
             seen.add(fn)
             todo += [f for f, _ in fn.next_functions]
     names = {type(fn).__name__ for fn in seen}
-    assert "AddmmBackward0" in names and "CopySlices" not in names, names
+    assert "CopySlices" not in names, names
