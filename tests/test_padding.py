@@ -83,7 +83,6 @@ def test_the_loss_path_s_masking_is_not_recorded_by_autograd(head):
     (CopySlices), a pass over the largest tensor of a GPT-2 step.  (Its gradient is checked
     against the full forward in test_heads.py.)"""
     lm = make("gpt", head)
-    lm.train()
     idx = torch.randint(0, V, (2, 12))
     log_p = lm(idx, steps(-4, (2, 12)), targets=idx)[0]
     seen, todo = set(), [log_p.grad_fn]
