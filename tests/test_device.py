@@ -287,21 +287,6 @@ COMPILED_RUNS = [["--model", "gpt", "--task", "completion", "--n_head", "4", "--
     ["--model", "lstm", "--task", "stream", "--bptt", "35", "--batch_size", "8"]]
 
 
-def compiled_run_equals_eager(flags, device, tmp_path):
-    """train.py --compile (on a GPU: CUDA graphs for --max_tokens batches and a stream, a capture a
-    (B, T); none with micro-batches; a stream's state goes from one replay into the next) trains as
-    the eager run: the same training and validation losses, float32."""
-    logs = []
-    for run in ("eager", "compiled"):
-        train.main(flags + ["--dataset", "ptb", "--n_layer", "2", "--d_model", "64", "--dropout", "0",
-                            "--max_iters", "6", "--eval_interval", "3", "--dtype", "float32", "--warmup", "0", "--lr", "3e-3",
-                            "--probe", "0", "--no_curves", "--device", device, "--out_dir", str(tmp_path / run)]
-                   + ["--compile"] * (run == "compiled"))
-        logs.append([json.loads(line)[key] for name, key in (("steps.jsonl", "loss"), ("log.jsonl", "val_loss"))
-                     for line in open(tmp_path / run / name)])
-    assert len(logs[0]) == 8 and logs[1] == pytest.approx(logs[0], rel=1e-4)
-
-
 if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases: no skip)
     @pytest.mark.slow
     @pytest.mark.cuda
@@ -330,7 +315,19 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
     @pytest.mark.cuda
     @pytest.mark.parametrize("flags", COMPILED_RUNS)
     def test_a_compiled_run_on_the_gpu_equals_an_eager_one(flags, tmp_path, no_tf32):
-        compiled_run_equals_eager(flags, "cuda", tmp_path)
+        """train.py --compile (on a GPU: CUDA graphs for --max_tokens batches and a stream, a capture a
+        (B, T); none with micro-batches; a stream's state goes from one replay into the next) trains as
+        the eager run: the same training and validation losses, float32."""
+        logs = []
+        for run in ("eager", "compiled"):
+            train.main(flags + ["--dataset", "ptb", "--n_layer", "2", "--d_model", "64", "--dropout", "0",
+                                "--max_iters", "6", "--eval_interval", "3", "--dtype", "float32", "--warmup", "0",
+                                "--lr", "3e-3", "--probe", "0", "--no_curves", "--device", "cuda",
+                                "--out_dir", str(tmp_path / run)]
+                       + ["--compile"] * (run == "compiled"))
+            logs.append([json.loads(line)[key] for name, key in (("steps.jsonl", "loss"), ("log.jsonl", "val_loss"))
+                         for line in open(tmp_path / run / name)])
+        assert len(logs[0]) == 8 and logs[1] == pytest.approx(logs[0], rel=1e-4)
 
     @pytest.mark.cuda
     def test_training_attention_on_the_gpu_goes_to_flash_not_cudnn(device_flags):
