@@ -130,6 +130,7 @@ def test_compiled_model_matches_eager(device):
     for g_c, g_e in zip(grads[1][1], grads[0][1]):
         torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-5)
     assert list(compiled._orig_mod.state_dict()) == list(eager.state_dict())  # (train.py's raw)
+    assert torch._dynamo.utils.counters["frames"]["ok"] >= 1  # the calls went through torch.compile
     assert not torch._dynamo.utils.counters["graph_break"]  # the training path is one graph
 
 
