@@ -9,6 +9,7 @@
 
 Every figure is of the machine that runs it; RESULTS.md has ours, with their commands.
 """
+
 import os
 import statistics
 import tempfile
@@ -27,8 +28,23 @@ from model import LanguageModel, gpt_state_from_hf
 
 
 def cfg_for(model, head, V, **kw):
-    return dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=2,
-                d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True) | kw
+    return (
+        dict(
+            model=model,
+            head=head,
+            epsilon=1e-5,
+            vocab_size=V,
+            eos_id=V - 1,
+            n_layer=2,
+            d_model=512,
+            dropout=0.0,
+            tie=True,
+            n_head=12,
+            block_size=1024,
+            bias=True,
+        )
+        | kw
+    )
 
 
 def timed(fn, warmup, iters, device):
@@ -51,7 +67,7 @@ def alternating(fns, rounds, iters, device):
         fn()
     times = {name: [] for name in fns}
     for r in range(rounds):
-        for name in list(fns)[::1 if r % 2 == 0 else -1]:
+        for name in list(fns)[:: 1 if r % 2 == 0 else -1]:
             times[name].append(timed(fns[name], 0, iters, device))
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -67,6 +83,7 @@ def train_step(model, x, y, t=None, ctx=None, loss=None):
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()
+
     return step
 
 
@@ -79,12 +96,22 @@ def reference_step(model, args, x, y, ctx=None):
         net = hf_models(args, x.device, 0.0)[0]
         logits = lambda: net(x).logits  # noqa: E731
     else:
-        net = torch.nn.ModuleList([torch.nn.Embedding(33278, 512), torch.nn.LSTM(
-            512, 512, 2, batch_first=True), torch.nn.Linear(512, 33278)]).to(x.device)
+        net = torch.nn.ModuleList(
+            [
+                torch.nn.Embedding(33278, 512),
+                torch.nn.LSTM(512, 512, 2, batch_first=True),
+                torch.nn.Linear(512, 33278),
+            ]
+        ).to(x.device)
         net[2].weight = net[0].weight
         logits = lambda: net[2](net[1](net[0](x))[0])  # noqa: E731
-    return train_step(net, x, y, ctx=ctx, loss=lambda: torch.nn.functional.cross_entropy(
-        logits().flatten(0, 1).float(), y.flatten()))
+    return train_step(
+        net,
+        x,
+        y,
+        ctx=ctx,
+        loss=lambda: torch.nn.functional.cross_entropy(logits().flatten(0, 1).float(), y.flatten()),
+    )
 
 
 def bench_train(args, device, ctx=None):
@@ -92,12 +119,22 @@ def bench_train(args, device, ctx=None):
     train.py --compile compiles it, and static; 1st step's s) beside plain PyTorch at the same
     shape (reference_step): the LSTM in float32, the GPT under `ctx` (gpu: bf16 autocast); MFU."""
     heads = ("softmax", "st", "nmst", *["compiled", "static"] * args.compile, "reference")
-    print(f"train step, {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"medians of {args.rounds} alternating rounds\n{'model':5s} {'V':>6s} {'B x T':>9s} "
-          + " ".join(f"{h:>9s}" for h in heads) + " (tok/s)  softmax/reference  MFU")
-    for model, kw, V, B, T in (("gpt", dict(n_layer=args.gpt_layers, d_model=args.gpt_dim,
-                                            n_head=args.gpt_heads), 50257, args.gpt_batch, 1024),
-                               ("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq)):
+    print(
+        f"train step, {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"medians of {args.rounds} alternating rounds\n{'model':5s} {'V':>6s} {'B x T':>9s} "
+        + " ".join(f"{h:>9s}" for h in heads)
+        + " (tok/s)  softmax/reference  MFU"
+    )
+    for model, kw, V, B, T in (
+        (
+            "gpt",
+            dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads),
+            50257,
+            args.gpt_batch,
+            1024,
+        ),
+        ("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq),
+    ):
         x, y = (torch.randint(0, V - 1, (B, T), device=device) for _ in range(2))
         t, fns = (torch.arange(T, device=device) - 8).expand(B, T), {}
         c = ctx if model == "gpt" else None  # (the recurrent layers run in float32 anyway)
@@ -106,29 +143,62 @@ def bench_train(args, device, ctx=None):
             compiled = head in ("compiled", "static")  # train.py --compile's; static shapes
             lm = LanguageModel(cfg_for(model, "softmax" if compiled else head, V, **kw))
             lm.to(device).train()
-            fns[head] = train_step(train.compile_model(lm, dynamic=head == "compiled", graphs=(
-                device.startswith("cuda"))) if compiled else lm, x, y, t, c)
+            fns[head] = train_step(
+                train.compile_model(
+                    lm, dynamic=head == "compiled", graphs=(device.startswith("cuda"))
+                )
+                if compiled
+                else lm,
+                x,
+                y,
+                t,
+                c,
+            )
         fns["reference"] = reference_step(model, args, x, y, c)
         first = {h: timed(fns[h], 0, 1, device) for h in heads if h in ("compiled", "static")}
         sec = alternating(fns, args.rounds, args.iters, device)
         peak = train.peak_flops(device, "bfloat16" if c else "float32")
-        mfu = [f"{h} {100 * B * T / sec[h] * lm.flops_per_token(T) / peak:.1f}%" for h in heads
-               if peak and h in ("softmax", "compiled", "static")]
-        print(f"{model:5s} {V:6d} {f'{B} x {T}':>9s} " + " ".join(f"{B * T / sec[h]:9.0f}" for h in
-              heads) + f" {sec['reference'] / sec['softmax']:18.2f}  {' '.join(mfu) or '-'}"
-              + "".join(f"; 1st {h} step {s:.1f} s" for h, s in first.items()))
+        mfu = [
+            f"{h} {100 * B * T / sec[h] * lm.flops_per_token(T) / peak:.1f}%"
+            for h in heads
+            if peak and h in ("softmax", "compiled", "static")
+        ]
+        print(
+            f"{model:5s} {V:6d} {f'{B} x {T}':>9s} "
+            + " ".join(f"{B * T / sec[h]:9.0f}" for h in heads)
+            + f" {sec['reference'] / sec['softmax']:18.2f}  {' '.join(mfu) or '-'}"
+            + "".join(f"; 1st {h} step {s:.1f} s" for h, s in first.items())
+        )
 
 
 def hf_models(args, device, dropout):
     """HF's GPT2LMHeadModel and nanogen's GPT with the same (random) weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(n_embd=args.gpt_dim, n_layer=args.gpt_layers,
-                                    n_head=args.gpt_heads, resid_pdrop=dropout, embd_pdrop=dropout,
-                                    attn_pdrop=dropout)).to(device)
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            n_embd=args.gpt_dim,
+            n_layer=args.gpt_layers,
+            n_head=args.gpt_heads,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+        )
+    ).to(device)
     hf.loss_type = "ForCausalLM"  # (transformers 5 finds none in the class name, and warns)
-    lm = LanguageModel(cfg_for("gpt", "softmax", 50257, eos_id=50256, n_layer=args.gpt_layers,
-                               d_model=args.gpt_dim, n_head=args.gpt_heads, dropout=dropout))
+    lm = LanguageModel(
+        cfg_for(
+            "gpt",
+            "softmax",
+            50257,
+            eos_id=50256,
+            n_layer=args.gpt_layers,
+            d_model=args.gpt_dim,
+            n_head=args.gpt_heads,
+            dropout=dropout,
+        )
+    )
     lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
     return hf, lm.to(device)
 
@@ -137,53 +207,104 @@ def bench_decode(args, device):
     """Greedy and beam-4 decoding, nanogen against HF generate() (greedy: the same tokens)."""
     hf, lm = (m.eval() for m in hf_models(args, device, 0.0))
     prompts, N = torch.randint(0, 50256, (args.prompts, 10), device=device), args.new_tokens
-    print(f"decode, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, V=50257, "
-          f"{args.prompts} prompts x 10 tokens, {N} new tokens, {device}\n{'decoder':8s} "
-          f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} {'same tokens':>12s}")
+    print(
+        f"decode, GPT-2 shape {args.gpt_layers}x{args.gpt_dim} h{args.gpt_heads}, V=50257, "
+        f"{args.prompts} prompts x 10 tokens, {N} new tokens, {device}\n{'decoder':8s} "
+        f"{'nanogen tok/s':>14s} {'HF tok/s':>10s} {'speedup':>8s} {'same tokens':>12s}"
+    )
     for name, beams in (("greedy", 1), ("beam-4", 4)):
         res = {}
-        ours = lambda: res.update(ours=decode(  # noqa: E731
-            lm, prompts, N, "beam" if beams > 1 else "greedy", beam_size=beams if beams > 1
-            else None))
-        theirs = lambda: res.update(hf=hf.generate(  # noqa: E731
-            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=N, num_beams=beams,
-            min_new_tokens=N if beams == 1 else 0, do_sample=False, pad_token_id=50256,
-            eos_token_id=50256, early_stopping=beams > 1))
+
+        def ours():
+            res["ours"] = decode(
+                lm,
+                prompts,
+                N,
+                "beam" if beams > 1 else "greedy",
+                beam_size=beams if beams > 1 else None,
+            )
+
+        def theirs():
+            res["hf"] = hf.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=N,
+                num_beams=beams,
+                min_new_tokens=N if beams == 1 else 0,
+                do_sample=False,
+                pad_token_id=50256,
+                eos_token_id=50256,
+                early_stopping=beams > 1,
+            )
+
         with torch.no_grad():
             t_ours, t_hf = timed(ours, 1, args.iters, device), timed(theirs, 1, args.iters, device)
         n_ours, n_hf = sum(map(len, res["ours"]["tokens"])), res["hf"][:, 10:].numel()
-        same = "-" if beams > 1 else str(all(res["hf"][i, 10:10 + len(t)].tolist() == t
-                                             for i, t in enumerate(res["ours"]["tokens"])))
-        print(f"{name:8s} {n_ours / t_ours:14.0f} {n_hf / t_hf:10.0f} "
-              f"{n_ours / t_ours / (n_hf / t_hf):8.2f} {same:>12s}")
+        same = (
+            "-"
+            if beams > 1
+            else str(
+                all(
+                    res["hf"][i, 10 : 10 + len(t)].tolist() == t
+                    for i, t in enumerate(res["ours"]["tokens"])
+                )
+            )
+        )
+        print(
+            f"{name:8s} {n_ours / t_ours:14.0f} {n_hf / t_hf:10.0f} "
+            f"{n_ours / t_ours / (n_hf / t_hf):8.2f} {same:>12s}"
+        )
 
 
 def bench_insnet(args, device):
     """InsNet paper Fig. 12 (section 5.1): seconds per training epoch (forward, backward, AdamW)
     on the synthetic benchmark (V = 30000) at each length: InsNet, IT-vanilla, and the L2R GPT
     of the same shape.  -> the table's lines (printed; --plot: the figure)."""
-    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads, dropout=0.0,
-                 block_size=256, max_offset=256, vocab_size=30000)
-    lines = [f"seconds per epoch of {args.seqs} sequences (batch {args.batch}, mean of {args.iters}"
-             f" epochs after one warm-up; IT-vanilla batch {args.it_batch}, one epoch), "
-             f"{args.gpt_layers} x {args.gpt_dim}, V=30000, {device}, threads "
-             f"{torch.get_num_threads()}", f"{'length':>6s} {'InsNet':>9s} {'IT-vanilla':>11s} "
-             f"{'L2R':>9s} {'InsNet/L2R':>11s} {'IT/InsNet':>10s}"]
+    shape = dict(
+        n_layer=args.gpt_layers,
+        d_model=args.gpt_dim,
+        n_head=args.gpt_heads,
+        dropout=0.0,
+        block_size=256,
+        max_offset=256,
+        vocab_size=30000,
+    )
+    lines = [
+        f"seconds per epoch of {args.seqs} sequences (batch {args.batch}, mean of {args.iters}"
+        f" epochs after one warm-up; IT-vanilla batch {args.it_batch}, one epoch), "
+        f"{args.gpt_layers} x {args.gpt_dim}, V=30000, {device}, threads "
+        f"{torch.get_num_threads()}",
+        f"{'length':>6s} {'InsNet':>9s} {'IT-vanilla':>11s} "
+        f"{'L2R':>9s} {'InsNet/L2R':>11s} {'IT/InsNet':>10s}",
+    ]
     print("\n".join(lines))
     rows = []
     for n in args.lengths:
-        t = [epoch_time(m, dict(cfg_for("gpt", "softmax", 30000, eos_id=2), **shape, model=m), n,
-                        args, device) for m in ("insnet", "insertion_transformer", "gpt")]
+        t = [
+            epoch_time(
+                m,
+                dict(cfg_for("gpt", "softmax", 30000, eos_id=2), **shape, model=m),
+                n,
+                args,
+                device,
+            )
+            for m in ("insnet", "insertion_transformer", "gpt")
+        ]
         rows.append((n, *t))
-        lines.append(f"{n:6d} {t[0]:9.2f} {t[1]:11.2f} {t[2]:9.2f} {t[0] / t[2]:11.2f} "
-                     f"{t[1] / t[0]:10.1f}")
+        lines.append(
+            f"{n:6d} {t[0]:9.2f} {t[1]:11.2f} {t[2]:9.2f} {t[0] / t[2]:11.2f} {t[1] / t[0]:10.1f}"
+        )
         print(lines[-1], flush=True)
     if args.plot:
         fig, ax = curves.pyplot().subplots(figsize=(5, 3.5))
         for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
             ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
-        ax.set(xlabel="sequence length", ylabel="seconds per epoch", yscale="log",
-               title=f"{args.seqs} sequences / epoch, {args.gpt_layers}x{args.gpt_dim}, {device}")
+        ax.set(
+            xlabel="sequence length",
+            ylabel="seconds per epoch",
+            yscale="log",
+            title=f"{args.seqs} sequences / epoch, {args.gpt_layers}x{args.gpt_dim}, {device}",
+        )
         ax.legend()
         curves.save_figure(fig, args.plot)
     return lines
@@ -193,16 +314,20 @@ def epoch_time(name, cfg, n, args, device):
     data, it = synthetic(args.seqs, lengths=(n,), seed=n), name == "insertion_transformer"
     torch.manual_seed(0)
     model = train.INSERTION.get(cfg["model"], LanguageModel)(cfg).to(device).train()
-    opt, bs, g = torch.optim.AdamW(model.parameters(), lr=1e-4), args.it_batch if it else \
-        args.batch, torch.Generator().manual_seed(0)
+    opt, bs, g = (
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        args.it_batch if it else args.batch,
+        torch.Generator().manual_seed(0),
+    )
 
     def epoch():
         for i in range(0, len(data), bs):
-            batch = story_batch(data[i:i + bs], name != "gpt", "random", g, device)
+            batch = story_batch(data[i : i + bs], name != "gpt", "random", g, device)
             log_p, mask, _ = train.score(model, batch)
             opt.zero_grad(set_to_none=True)
             (-torch.where(mask, log_p, 0.0).sum() / batch["n"]).backward()
             opt.step()
+
     return timed(epoch, 0 if it else 1, 1 if it else args.iters, device)  # IT: minutes at 160
 
 
@@ -213,26 +338,63 @@ def bench_arch(args, device):
     """The survey's recurrent, convolutional and attention backbones at comparable sizes (each
     body ~16 D^2 weights) trained on PTB for the same --budget seconds: parameters, training and
     greedy-decoding tokens/s, validation perplexity."""
-    rows = [f"PTB, word level, {args.budget:g} s of training each (batch 32, lr 2e-3, dropout "
-            f"0.1), {device}, threads {torch.get_num_threads()}\n{'model':5s} {'shape':8s} "
-            f"{'params':>10s} {'train tok/s':>11s} {'decode tok/s':>12s} {'steps':>6s} val ppl"]
+    rows = [
+        f"PTB, word level, {args.budget:g} s of training each (batch 32, lr 2e-3, dropout "
+        f"0.1), {device}, threads {torch.get_num_threads()}\n{'model':5s} {'shape':8s} "
+        f"{'params':>10s} {'train tok/s':>11s} {'decode tok/s':>12s} {'steps':>6s} val ppl"
+    ]
     for model, n_layer, d_model in ARCH:
         with tempfile.TemporaryDirectory() as out:
-            train.main(["--model", model, "--dataset", "ptb", "--n_layer", str(n_layer),
-                        "--d_model", str(d_model), "--n_head", "4", "--block_size", "256",
-                        "--dropout", "0.1", "--batch_size", "32", "--lr", "2e-3", "--lr_schedule",
-                        "constant", "--max_iters", "0", "--max_minutes", str(args.budget / 60),
-                        "--probe", "0", "--no_curves", "--eval_interval", str(args.eval_every),
-                        "--eval_seqs", "300", "--out_dir", out, "--device", device])
+            train.main(
+                [
+                    "--model",
+                    model,
+                    "--dataset",
+                    "ptb",
+                    "--n_layer",
+                    str(n_layer),
+                    "--d_model",
+                    str(d_model),
+                    "--n_head",
+                    "4",
+                    "--block_size",
+                    "256",
+                    "--dropout",
+                    "0.1",
+                    "--batch_size",
+                    "32",
+                    "--lr",
+                    "2e-3",
+                    "--lr_schedule",
+                    "constant",
+                    "--max_iters",
+                    "0",
+                    "--max_minutes",
+                    str(args.budget / 60),
+                    "--probe",
+                    "0",
+                    "--no_curves",
+                    "--eval_interval",
+                    str(args.eval_every),
+                    "--eval_seqs",
+                    "300",
+                    "--out_dir",
+                    out,
+                    "--device",
+                    device,
+                ]
+            )
             ckpt, run, data, lm = evaluate.load_run(f"{out}/ckpt_last.pt", device=device)
             log = curves.read_log(os.path.join(out, "log.jsonl"))
         prompts = [torch.as_tensor(data["valid"].context(i), device=device) for i in range(16)]
         n = sum(map(len, decode(lm, prompts, 64)["tokens"]))  # (the warm-up; greedy: the same)
         tps = n / timed(lambda: decode(lm, prompts, 64), 0, 3, device)
         ppl = train.evaluate(run, lm, data, "valid", 1000, device)["ppl"]
-        rows.append(f"{model:5s} {f'{n_layer}x{d_model}':8s} {lm.num_params():10,d} "
-                    f"{statistics.median(r['tokens_per_s'] for r in log):11.0f} {tps:12.0f} "
-                    f"{ckpt['state']['step']:6d} {ppl:8.1f}")
+        rows.append(
+            f"{model:5s} {f'{n_layer}x{d_model}':8s} {lm.num_params():10,d} "
+            f"{statistics.median(r['tokens_per_s'] for r in log):11.0f} {tps:12.0f} "
+            f"{ckpt['state']['step']:6d} {ppl:8.1f}"
+        )
     print("\n".join(rows))  # (the table after the runs' own lines)
 
 
@@ -242,8 +404,9 @@ def bench_gpu(args, device):
     if not device.startswith("cuda"):
         return print("no CUDA device here: bench.py gpu times nanogen's CUDA paths (nothing to do)")
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    vars(args).update(gpt_layers=12, gpt_dim=768, gpt_heads=12, gpt_batch=8, batch=32, prompts=32,
-                      compile=True)
+    vars(args).update(
+        gpt_layers=12, gpt_dim=768, gpt_heads=12, gpt_batch=8, batch=32, prompts=32, compile=True
+    )
     bench_train(args, device, torch.autocast("cuda", dtype=torch.bfloat16))
     bench_decode(args, device)
 
@@ -252,8 +415,10 @@ def bench_batches(args, device):
     """One epoch of --max_tokens batches as train.py makes them (data/loader.batches: T rounded up
     to its bucket, B = max_tokens // T): their (B, T) shapes and the padding they cost."""
     _, splits, _ = load(args.dataset, verbose=False)
-    print(f"{args.dataset}, --max_tokens {args.max_tokens}, window 1024\n{'split':6s} "
-          f"{'batches':>8s} {'shapes':>7s} {'padding':>8s} {'real tokens a batch':>20s}")
+    print(
+        f"{args.dataset}, --max_tokens {args.max_tokens}, window 1024\n{'split':6s} "
+        f"{'batches':>8s} {'shapes':>7s} {'padding':>8s} {'real tokens a batch':>20s}"
+    )
     for name, split in splits.items():
         keys = batches(split.lengths, max_tokens=args.max_tokens, max_len=1024)
         shapes = [(len(k), int(bucket(split.lengths[k].max() - 1, 1024))) for k in keys]
@@ -268,10 +433,22 @@ def parser():
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action="store_true", help="train: also softmax compiled")
     p.add_argument("--dataset", default="wikitext103", choices=DATASETS, help="batches")
-    for flag, default in (("iters", 3), ("rounds", 9), ("batch", 8), ("seq", 128), ("prompts", 8),
-                          ("new_tokens", 64), ("gpt_layers", 4), ("gpt_dim", 256), ("gpt_heads", 4),
-                          ("gpt_batch", 1), ("max_tokens", 1024), ("seqs", 16), ("it_batch", 2),
-                          ("eval_every", 100)):
+    for flag, default in (
+        ("iters", 3),
+        ("rounds", 9),
+        ("batch", 8),
+        ("seq", 128),
+        ("prompts", 8),
+        ("new_tokens", 64),
+        ("gpt_layers", 4),
+        ("gpt_dim", 256),
+        ("gpt_heads", 4),
+        ("gpt_batch", 1),
+        ("max_tokens", 1024),
+        ("seqs", 16),
+        ("it_batch", 2),
+        ("eval_every", 100),
+    ):
         p.add_argument(f"--{flag}", type=pos, default=default)
     p.add_argument("--lengths", type=pos, nargs="+", default=[20, 40, 60, 80, 100, 120, 160])
     p.add_argument("--budget", type=train.POS, default=120, help="arch: seconds per model")
@@ -281,10 +458,16 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    if args.gpt_dim % args.gpt_heads or max(args.lengths) > 254 or args.seq > 1024 or \
-            args.new_tokens > 1015:
-        raise train.UserError("--gpt_dim must be a multiple of --gpt_heads; --lengths <= 254, "
-                              "--seq <= 1024, --new_tokens <= 1015 (the models' windows)")
+    if (
+        args.gpt_dim % args.gpt_heads
+        or max(args.lengths) > 254
+        or args.seq > 1024
+        or args.new_tokens > 1015
+    ):
+        raise train.UserError(
+            "--gpt_dim must be a multiple of --gpt_heads; --lengths <= 254, "
+            "--seq <= 1024, --new_tokens <= 1015 (the models' windows)"
+        )
     globals()[f"bench_{args.what}"](args, train.get_device(args.device))
 
 

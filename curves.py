@@ -7,6 +7,7 @@ A run's figure: train and validation perplexity (log axis) and the learning rate
 and the termination probe (NMST paper eq. 11: r_nt(L) of greedy continuations of fixed validation
 contexts, and the mean p(eos) at the true end) when the run has one.
 """
+
 import argparse
 import importlib.util
 import json
@@ -19,8 +20,19 @@ import numpy as np
 from data import UserError, run
 from heads import EPSILON_HEADS, paper_name
 
-NOT_LABELS = ("out_dir", "data_dir", "weights", "resume", "device", "dtype", "compile",
-              "peak_flops", "log_interval", "no_curves", "tensorboard")  # where and how, not what
+NOT_LABELS = (
+    "out_dir",
+    "data_dir",
+    "weights",
+    "resume",
+    "device",
+    "dtype",
+    "compile",
+    "peak_flops",
+    "log_interval",
+    "no_curves",
+    "tensorboard",
+)  # where and how, not what
 
 
 def read_log(path, step=math.inf):
@@ -39,8 +51,9 @@ def check_out_dir(out_dir, tensorboard=False, resume=False):
     """A run's folder, checked before anything is read (start_logs makes it): writable, and a
     fresh run never writes over another's checkpoints; --tensorboard: the package there."""
     if not resume and any(os.path.exists(f"{out_dir}/ckpt_{n}.pt") for n in ("last", "best")):
-        raise UserError(f"{out_dir} already holds a run: continue it with --resume, or choose "
-                        f"another --out_dir")
+        raise UserError(
+            f"{out_dir} already holds a run: continue it with --resume, or choose another --out_dir"
+        )
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard")
     try:  # made and removed: nothing is written before the data is read (start_logs makes it)
@@ -77,6 +90,7 @@ def log_evaluation(out_dir, record, tensorboard=False, draw=True):
     append(os.path.join(out_dir, "log.jsonl"), record)
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
+
         with SummaryWriter(os.path.join(out_dir, "tensorboard")) as w:
             for k, v in record.items():
                 if type(v) in (int, float):
@@ -87,14 +101,17 @@ def log_evaluation(out_dir, record, tensorboard=False, draw=True):
 
 def pyplot():  # matplotlib.pyplot without a display, imported when a figure is drawn
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
 def save_figure(fig, path):
     """A figure as a PNG, written atomically; a figure that cannot be written is one warning."""
     import matplotlib.pyplot as plt
+
     try:
         fig.savefig(f"{path}.tmp", dpi=120, format="png", bbox_inches="tight")
         os.replace(f"{path}.tmp", path)
@@ -117,20 +134,38 @@ def draw_run(out_dir):
     fig, ax = plt.subplots(1, 3 if probe else 2, figsize=(12 if probe else 8.5, 3.4))
     steps = read_log(os.path.join(out_dir, "steps.jsonl"))
     ys = [r["loss"] for r in steps]  # every step's loss, as a running mean of 10
-    ax[0].plot([r["step"] for r in steps], [ppl(np.mean(ys[max(0, i - 9):i + 1])) for i in
-                                            range(len(ys))], alpha=0.35, lw=1, label="each step")
+    ax[0].plot(
+        [r["step"] for r in steps],
+        [ppl(np.mean(ys[max(0, i - 9) : i + 1])) for i in range(len(ys))],
+        alpha=0.35,
+        lw=1,
+        label="each step",
+    )
     for key, style, label in (("train_loss", "o-", "train"), ("val_loss", "s-", "validation")):
         ax[0].plot([r["step"] for r in log], [ppl(r[key]) for r in log], style, label=label)
     ax[0].set(yscale="log", xlabel="step", title="perplexity")
     ax[1].plot([r["step"] for r in log], [r["lr"] for r in log], ".-", color="0.3")
     ax[1].set(xlabel="step", title="learning rate")
     if probe:
-        ax[2].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe], "o-",
-                   color="tab:red", label=f"r_nt({probe[-1]['probe_L']}), greedy")
-        ax[2].plot([r["step"] for r in probe], [r["eos_prob_at_end"] for r in probe], "^-",
-                   color="tab:blue", label="mean p(eos) at the true end")
-        ax[2].set(xlabel="step", ylim=(-0.02, 1.02),
-                  title=f"termination probe ({probe[-1]['probe_n']} contexts)")
+        ax[2].plot(
+            [r["step"] for r in probe],
+            [r["probe_r_nt"] for r in probe],
+            "o-",
+            color="tab:red",
+            label=f"r_nt({probe[-1]['probe_L']}), greedy",
+        )
+        ax[2].plot(
+            [r["step"] for r in probe],
+            [r["eos_prob_at_end"] for r in probe],
+            "^-",
+            color="tab:blue",
+            label="mean p(eos) at the true end",
+        )
+        ax[2].set(
+            xlabel="step",
+            ylim=(-0.02, 1.02),
+            title=f"termination probe ({probe[-1]['probe_n']} contexts)",
+        )
     for a in ax[::2]:
         a.legend(fontsize=8)
     fig.suptitle(os.path.basename(os.path.abspath(out_dir)), fontsize=9)
@@ -143,12 +178,22 @@ def labels(runs):
     args = [a for a, _ in runs]
     reads = lambda a, k: k != "epsilon" or a.get("head") in EPSILON_HEADS  # noqa: E731
     what = ("model", "head", "dataset", "task")  # their values stand alone; they come first
-    keys = [k for k in sorted({k for a in args for k in a} - set(NOT_LABELS),
-                              key=lambda k: (k not in what, k))
-            if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1] or ["head"]
-    names = [" ".join((paper_name(a[k]) if k == "head" else str(a[k])) if k in what else
-                      f"{k}={a.get(k)}" for k in keys if k in a and reads(a, k))
-             or os.path.basename(os.path.normpath(folder)) for a, folder in runs]
+    keys = [
+        k
+        for k in sorted(
+            {k for a in args for k in a} - set(NOT_LABELS), key=lambda k: (k not in what, k)
+        )
+        if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1
+    ] or ["head"]
+    names = [
+        " ".join(
+            (paper_name(a[k]) if k == "head" else str(a[k])) if k in what else f"{k}={a.get(k)}"
+            for k in keys
+            if k in a and reads(a, k)
+        )
+        or os.path.basename(os.path.normpath(folder))
+        for a, folder in runs
+    ]
     if len(set(names)) < len(names):  # alike in every flag: told apart by their folders
         names = [f"{n} ({os.path.normpath(f)})" for n, (_, f) in zip(names, runs)]
     return names
@@ -161,28 +206,42 @@ def overlay(folders, path):
     for folder in folders:
         log = read_log(os.path.join(folder, "log.jsonl"))
         if not log:
-            raise UserError(f"no evaluations logged in {folder} (a run folder of train.py holds "
-                            f"log.jsonl)")
+            raise UserError(
+                f"no evaluations logged in {folder} (a run folder of train.py holds log.jsonl)"
+            )
         args_file = os.path.join(folder, "args.json")
         runs.append((json.load(open(args_file)) if os.path.exists(args_file) else {}, folder))
         logs.append(log)
     names, plt = labels(runs), pyplot()
-    rows = ["| run | best val ppl | at step | last r_nt(L) | last p(eos) at end |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| run | best val ppl | at step | last r_nt(L) | last p(eos) at end |",
+        "|---|---|---|---|---|",
+    ]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, (name, log) in enumerate(zip(names, logs)):
         best, probe = min(log, key=lambda r: r["val_loss"]), [r for r in log if "probe_r_nt" in r]
-        rows.append(f"| {name} | {best['val_ppl']:.2f} | {best['step']} | " + (
-            f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
-            f"{probe[-1]['eos_prob_at_end']:.4f} |" if probe else "- | - |"))
-        style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4], marker="o^sD"[i % 4],
-                     fillstyle="none")
+        rows.append(
+            f"| {name} | {best['val_ppl']:.2f} | {best['step']} | "
+            + (
+                f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
+                f"{probe[-1]['eos_prob_at_end']:.4f} |"
+                if probe
+                else "- | - |"
+            )
+        )
+        style = dict(
+            color=f"C{i}",
+            linestyle=("-", "--", ":", "-.")[i % 4],
+            marker="o^sD"[i % 4],
+            fillstyle="none",
+        )
         ax[0].plot([r["step"] for r in log], [ppl(r["val_loss"]) for r in log], label=name, **style)
         ax[1].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe], **style)
     ax[0].set(yscale="log", xlabel="step", ylabel="validation perplexity")
     ax[1].set(xlabel="step", ylabel="r_nt(L), greedy", ylim=(-0.02, 1.02), title="the probe")
-    fig.legend(*ax[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(0, 0),
-               fontsize=8)
+    fig.legend(
+        *ax[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(0, 0), fontsize=8
+    )
     save_figure(fig, path)
     return rows
 

@@ -23,6 +23,7 @@ A decode returns, per prompt, the continuation tokens (eos included when it was 
 whether it terminated within L tokens.  A continuation that has not produced eos after L
 tokens is cut there: |y| > L, it counts as non-terminated in r_nt(L).
 """
+
 import math
 
 import torch
@@ -60,8 +61,9 @@ def nucleus_mask(log_probs, p):
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
-def filter_log_probs(log_probs, decoder, k=None, p=None, temperature=1.0, eos_id=None,
-                     consistent=False):
+def filter_log_probs(
+    log_probs, decoder, k=None, p=None, temperature=1.0, eos_id=None, consistent=False
+):
     """q(y_t = v) of eq. 12 / 14 (and plain sampling): temperature, then the candidate set,
     renormalised.  consistent=True always adds eos to V_t.  -> log q (N, V), -inf outside V_t."""
     if temperature != 1.0:  # shifted first: (lp - max) / T lies in [-inf, 0] for any T > 0, so
@@ -106,8 +108,19 @@ class CachedStepper:
 
 # --- the decoders -----------------------------------------------------------------------------
 @torch.no_grad()
-def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, temperature=1.0,
-           consistent=False, length_penalty=0.0, generator=None):
+def decode(
+    lm,
+    prompts,
+    L,
+    decoder="greedy",
+    k=None,
+    p=None,
+    beam_size=None,
+    temperature=1.0,
+    consistent=False,
+    length_penalty=0.0,
+    generator=None,
+):
     """Continue every prompt for at most L tokens.
     prompts: list of 1-D LongTensors (different lengths allowed), or an (N, P) tensor.
     -> dict(tokens: list of lists (eos included when produced), terminated: bool tensor (N,),
@@ -118,15 +131,24 @@ def decode(lm, prompts, L, decoder="greedy", k=None, p=None, beam_size=None, tem
     cap = longest_continuation(lm, int(lengths.max()))
     if cap is not None and L > cap:
         fix = f"use --L {cap} or less" if cap >= 1 else "use a shorter prompt"
-        raise UserError(f"prompt of {int(lengths.max())} tokens + L={L} exceeds the "
-                        f"{lm.cfg['model'].upper()} context window of {lm.cfg['block_size']} "
-                        f"tokens: {fix}")
+        raise UserError(
+            f"prompt of {int(lengths.max())} tokens + L={L} exceeds the "
+            f"{lm.cfg['model'].upper()} context window of {lm.cfg['block_size']} "
+            f"tokens: {fix}"
+        )
     with eval_mode(lm):
         stepper = CachedStepper(lm)
         if decoder == "beam":
             return _beam(stepper, padded, lengths, L, beam_size, lm.eos_id, length_penalty)
-        return _sample(stepper, padded, lengths, L, decoder, dict(k=k, p=p, temperature=temperature,
-                       eos_id=lm.eos_id, consistent=consistent), generator)
+        return _sample(
+            stepper,
+            padded,
+            lengths,
+            L,
+            decoder,
+            dict(k=k, p=p, temperature=temperature, eos_id=lm.eos_id, consistent=consistent),
+            generator,
+        )
 
 
 def longest_continuation(lm, prompt_len):
@@ -140,10 +162,16 @@ def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **k
     """decode() over many prompts, `batch` at a time (a tqdm bar when `desc` is given): what
     evaluate.py's study and train.py's termination probe both run, batched the same way so that
     they decode the same.  -> decode()'s dict for all prompts."""
-    parts = [decode(lm, prompts[lo:lo + batch], L, decoder, **kw) for lo in tqdm(
-        range(0, len(prompts), batch), desc, disable=None if desc else True, leave=False)]
-    return dict(tokens=[x for r in parts for x in r["tokens"]], **{
-        k: torch.cat([r[k] for r in parts]) for k in ("lengths", "terminated", "scores")})
+    parts = [
+        decode(lm, prompts[lo : lo + batch], L, decoder, **kw)
+        for lo in tqdm(
+            range(0, len(prompts), batch), desc, disable=None if desc else True, leave=False
+        )
+    ]
+    return dict(
+        tokens=[x for r in parts for x in r["tokens"]],
+        **{k: torch.cat([r[k] for r in parts]) for k in ("lengths", "terminated", "scores")},
+    )
 
 
 def pad_prompts(prompts, device):
@@ -156,26 +184,40 @@ def pad_prompts(prompts, device):
         raise UserError("every prompt needs at least one token")
     padded = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
     for i, x in enumerate(prompts):
-        padded[i, :len(x)] = torch.as_tensor(x, device=device)
+        padded[i, : len(x)] = torch.as_tensor(x, device=device)
     return padded, lengths
 
 
 STORY_DECODERS = ("greedy", "sample", "topk")  # insertion decoding: slot, then token
 
 
-def check_decoder_args(decoder, k=None, p=None, beam_size=None, temperature=1.0,
-                       consistent=False, length_penalty=0.0, allowed=DECODERS):
+def check_decoder_args(
+    decoder,
+    k=None,
+    p=None,
+    beam_size=None,
+    temperature=1.0,
+    consistent=False,
+    length_penalty=0.0,
+    allowed=DECODERS,
+):
     """Every entry point's decoder flags, for every kind of checkpoint: the decoder's own
     arguments present and in range, and none it would silently ignore."""
     if decoder not in allowed:
         what = "is not for this checkpoint" if decoder in DECODERS else "is unknown"
         raise UserError(f"--decoder {decoder} {what} (choose from {', '.join(allowed)})")
-    unused = [f for f, given, users in (
-        ("--k", k is not None, ("topk",)), ("--p", p is not None, ("nucleus",)),
-        ("--beam_size", beam_size is not None, ("beam",)), ("--temperature", temperature != 1.0,
-                                                            SAMPLING),
-        ("--consistent", consistent, ("topk", "nucleus")),
-        ("--length_penalty", bool(length_penalty), ("beam",))) if given and decoder not in users]
+    unused = [
+        f
+        for f, given, users in (
+            ("--k", k is not None, ("topk",)),
+            ("--p", p is not None, ("nucleus",)),
+            ("--beam_size", beam_size is not None, ("beam",)),
+            ("--temperature", temperature != 1.0, SAMPLING),
+            ("--consistent", consistent, ("topk", "nucleus")),
+            ("--length_penalty", bool(length_penalty), ("beam",)),
+        )
+        if given and decoder not in users
+    ]
     if unused:
         raise UserError(f"--decoder {decoder} does not use {' / '.join(unused)}: drop it")
     if decoder == "topk" and (k is None or int(k) < 1):
@@ -190,8 +232,10 @@ def draw(log_q, generator=None):
     """One sample per row of exp(log_q) (N, V), drawn where log_q lives, with `generator`
     (which must live there too: make it with sampling_generator).  -> (N,) long."""
     if generator is not None and generator.device != log_q.device:
-        raise ValueError(f"the sampling generator is on {generator.device} but the "
-                         f"probabilities on {log_q.device}: use decode.sampling_generator")
+        raise ValueError(
+            f"the sampling generator is on {generator.device} but the "
+            f"probabilities on {log_q.device}: use decode.sampling_generator"
+        )
     return torch.multinomial(log_q.exp(), 1, generator=generator).squeeze(1)
 
 
@@ -258,8 +302,13 @@ def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):
         cand = (score.view(n * k, 1) + top_lp.double()).view(n, k * kk)  # eq. 16
         best, pos = torch.topk(cand, k, dim=-1)  # eq. 18, (n, k)
         beam_of, tok = pos // kk, top_tok.view(n, k * kk).gather(1, pos)
-        prefix = torch.cat([prefix.gather(1, beam_of.unsqueeze(-1).expand(-1, -1, prefix.size(-1))),
-                            tok.unsqueeze(-1)], dim=-1)
+        prefix = torch.cat(
+            [
+                prefix.gather(1, beam_of.unsqueeze(-1).expand(-1, -1, prefix.size(-1))),
+                tok.unsqueeze(-1),
+            ],
+            dim=-1,
+        )
         ends = (tok == eos_id) & torch.isfinite(best)
         score = best.masked_fill(ends, float("-inf"))  # finished prefixes are not expanded
         for g, b in ends.nonzero().tolist():
@@ -287,7 +336,7 @@ def _beam_result(finished, unfinished, N, L, k, length_penalty):
     for i in range(N):
         if len(finished[i]) >= k:
             s, seq = max(finished[i], key=norm)
-            tokens[i, :len(seq)] = torch.tensor(seq)
+            tokens[i, : len(seq)] = torch.tensor(seq)
             out_len[i], terminated[i], scores[i] = len(seq), True, s
         else:
             s, pre = unfinished[i]
@@ -298,8 +347,12 @@ def _beam_result(finished, unfinished, N, L, k, length_penalty):
 
 
 def _result(tokens, lengths, terminated, scores):
-    return dict(tokens=[row[:n].tolist() for row, n in zip(tokens, lengths.tolist())],
-                lengths=lengths, terminated=terminated, scores=scores)
+    return dict(
+        tokens=[row[:n].tolist() for row, n in zip(tokens, lengths.tolist())],
+        lengths=lengths,
+        terminated=terminated,
+        scores=scores,
+    )
 
 
 # --- statistics of a set of decodes (NMST paper section 4, Table 2-4, Fig. 2, 7, 8) -----------
@@ -315,10 +368,13 @@ def decode_stats(result, Ls):
     continuations."""
     lengths, terminated = result["lengths"], result["terminated"]
     nonterm = [tuple(t) for t, done in zip(result["tokens"], terminated.tolist()) if not done]
-    return dict(r_nt={int(L): non_termination_ratio(lengths, terminated, L) for L in Ls},
-                mean_length=float(lengths.double().mean()), n=len(lengths),
-                n_non_terminated=len(nonterm),
-                unique_non_terminated=(len(set(nonterm)) / len(nonterm)) if nonterm else math.nan)
+    return dict(
+        r_nt={int(L): non_termination_ratio(lengths, terminated, L) for L in Ls},
+        mean_length=float(lengths.double().mean()),
+        n=len(lengths),
+        n_non_terminated=len(nonterm),
+        unique_non_terminated=(len(set(nonterm)) / len(nonterm)) if nonterm else math.nan,
+    )
 
 
 @torch.no_grad()
@@ -330,4 +386,4 @@ def eos_probs(lm, context, continuation):
     t = (torch.arange(seq.size(1), device=device) - len(context) + 2).unsqueeze(0)  # (1, n)
     with eval_mode(lm):
         log_p, _ = lm(seq, t)  # (1, n, V)
-    return log_p[0, len(context) - 1:, lm.eos_id].exp().tolist()
+    return log_p[0, len(context) - 1 :, lm.eos_id].exp().tolist()

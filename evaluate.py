@@ -9,6 +9,7 @@ The study (--decoder) continues every context once up to max(--L) tokens: r_nt(L
 eq. 11) and its curve (Fig. 2, 7), the lengths (Fig. 8), unique non-terminated continuations,
 examples, and p(eos) along true continuations (Fig. 3).
 """
+
 import argparse
 import json
 import math
@@ -21,16 +22,47 @@ import curves
 from data import UserError, run
 from data.loader import batchify, bptt_windows, load_data
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
-from decode import (DECODERS, STORY_DECODERS, check_decoder_args, decode, decode_in_batches,
-                    decode_stats, eos_probs, longest_continuation, sampling_generator)
+from decode import (
+    DECODERS,
+    STORY_DECODERS,
+    check_decoder_args,
+    decode,
+    decode_in_batches,
+    decode_stats,
+    eos_probs,
+    longest_continuation,
+    sampling_generator,
+)
 from heads import EPSILON_HEADS, paper_name
 from insnet import generate
 from model import LanguageModel, eval_mode
-from train import (INSERTION, INT0, INT1, POS, SEED, Parser, autocast, check_vocab, evaluate,
-                   get_device, load_checkpoint, number)
+from train import (
+    INSERTION,
+    INT0,
+    INT1,
+    POS,
+    SEED,
+    Parser,
+    autocast,
+    check_vocab,
+    evaluate,
+    get_device,
+    load_checkpoint,
+    number,
+)
 
-STUDY_FLAGS = ("L", "k", "p", "beam_size", "temperature", "consistent", "length_penalty",
-               "decode_batch", "examples", "traces")
+STUDY_FLAGS = (
+    "L",
+    "k",
+    "p",
+    "beam_size",
+    "temperature",
+    "consistent",
+    "length_penalty",
+    "decode_batch",
+    "examples",
+    "traces",
+)
 
 
 def parser():
@@ -45,16 +77,30 @@ def parser():
     p.add_argument("--out", help="the results as JSON")
     p.add_argument("--no_ppl", action="store_true", help="no perplexity pass")
     add_decoding_flags(p)
-    p.add_argument("--L", type=number(int, lambda v: 1 <= v <= 10 ** 6, "in [1, 10^6]"), nargs="+",
-                   default=[10, 100, 1000], help="r_nt(L) thresholds; decodes run to max(L)")
+    p.add_argument(
+        "--L",
+        type=number(int, lambda v: 1 <= v <= 10**6, "in [1, 10^6]"),
+        nargs="+",
+        default=[10, 100, 1000],
+        help="r_nt(L) thresholds; decodes run to max(L)",
+    )
     p.add_argument("--decode_batch", type=INT1, default=64, help="prompts decoded together")
     p.add_argument("--examples", type=INT0, default=3, help="examples of each kind")
     p.add_argument("--traces", type=INT0, default=5, help="sequences with p(eos) traces (Fig. 3)")
     p.add_argument("--plot", metavar="DIR", help="PNG figures of the study into DIR")
-    p.add_argument("--tau_report", action="store_true", help="ct / ctmos: temperature by position "
-                   "and the words of highest / lowest temperature (CT paper Fig. 1, Tables 5-6)")
-    p.add_argument("--compare", nargs="+", metavar="JSON", help="no evaluation: the studies of "
-                   "these --out files side by side (and overlaid with --plot)")
+    p.add_argument(
+        "--tau_report",
+        action="store_true",
+        help="ct / ctmos: temperature by position "
+        "and the words of highest / lowest temperature (CT paper Fig. 1, Tables 5-6)",
+    )
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="JSON",
+        help="no evaluation: the studies of "
+        "these --out files side by side (and overlaid with --plot)",
+    )
     return p
 
 
@@ -66,8 +112,12 @@ def add_decoding_flags(p):
     p.add_argument("--beam_size", type=number(int, lambda v: 1 <= v <= 1000, "in [1, 1000]"))
     p.add_argument("--temperature", type=POS, default=1.0, help="sampling temperature")
     p.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
-    p.add_argument("--length_penalty", type=number(float, lambda v: v >= 0, ">= 0"), default=0.0,
-                   help="beam: s / |y|^a")
+    p.add_argument(
+        "--length_penalty",
+        type=number(float, lambda v: v >= 0, ">= 0"),
+        default=0.0,
+        help="beam: s / |y|^a",
+    )
     p.add_argument("--seed", type=SEED, help="sampling seed")
 
 
@@ -76,26 +126,43 @@ def check_flags(a):
     given = {k for k, v in vars(a).items() if v != parser().get_default(k)}
     study = {k for k in STUDY_FLAGS if k in given}
     for wrong, message in [
-            (not a.compare and not a.ckpt, "give --ckpt CKPT (or --compare JSON ...)"),
-            (a.compare and given - {"compare", "plot"}, "--compare draws studies already written "
-             "(--out files) and takes only --plot"),
-            (study and not a.decoder, f"--{' / --'.join(sorted(study))} are options of a --decoder "
-             f"study: give one"),
-            (a.plot and not (a.decoder or a.tau_report or a.compare), "--plot draws the figures of "
-             "--decoder, --tau_report or --compare: give one"),
-            (a.no_ppl and not (a.decoder or a.tau_report), "--no_ppl leaves nothing to do: give a "
-             "--decoder or --tau_report"),
-            (a.no_ppl and (a.batch_size or a.max_tokens), "--batch_size / --max_tokens batch the "
-             "perplexity pass, which --no_ppl skips")]:
+        (not a.compare and not a.ckpt, "give --ckpt CKPT (or --compare JSON ...)"),
+        (
+            a.compare and given - {"compare", "plot"},
+            "--compare draws studies already written (--out files) and takes only --plot",
+        ),
+        (
+            study and not a.decoder,
+            f"--{' / --'.join(sorted(study))} are options of a --decoder study: give one",
+        ),
+        (
+            a.plot and not (a.decoder or a.tau_report or a.compare),
+            "--plot draws the figures of --decoder, --tau_report or --compare: give one",
+        ),
+        (
+            a.no_ppl and not (a.decoder or a.tau_report),
+            "--no_ppl leaves nothing to do: give a --decoder or --tau_report",
+        ),
+        (
+            a.no_ppl and (a.batch_size or a.max_tokens),
+            "--batch_size / --max_tokens batch the perplexity pass, which --no_ppl skips",
+        ),
+    ]:
         if wrong:
             raise UserError(message)
     if a.decoder:
-        check_decoder_args(a.decoder, a.k, a.p, a.beam_size, a.temperature, a.consistent,
-                           a.length_penalty)
+        check_decoder_args(
+            a.decoder, a.k, a.p, a.beam_size, a.temperature, a.consistent, a.length_penalty
+        )
     for path in (a.out, a.plot):  # an output never replaces an input or a checkpoint
-        if path and (path.endswith(".pt") or any(os.path.exists(x) and os.path.exists(path) and
-                                                  os.path.samefile(path, x) for x in
-                                                  [a.ckpt, *(a.compare or [])] if x)):
+        if path and (
+            path.endswith(".pt")
+            or any(
+                os.path.exists(x) and os.path.exists(path) and os.path.samefile(path, x)
+                for x in [a.ckpt, *(a.compare or [])]
+                if x
+            )
+        ):
             raise UserError(f"{path} would replace a checkpoint or an input: choose another path")
     try:  # refused before any computation, not after
         os.makedirs(a.plot or os.path.dirname(os.path.abspath(a.out or ".")), exist_ok=True)
@@ -122,8 +189,10 @@ def load_run(path, data_dir=None, device="cpu", sizes=None):
     args = argparse.Namespace(**dict(ckpt["args"], train_seqs=0, eval_seqs=0))
     if data_dir or (args.data_dir and not os.path.isdir(args.data_dir)):
         if not data_dir and args.dataset == "text":
-            raise UserError(f"the run's --data_dir {args.data_dir} is not there (moved?): give "
-                            f"--data_dir DIR where its text is now")
+            raise UserError(
+                f"the run's --data_dir {args.data_dir} is not there (moved?): give "
+                f"--data_dir DIR where its text is now"
+            )
         args.data_dir = data_dir
     if sizes and args.task == "stream":
         raise UserError("a stream checkpoint reads 10 columns: drop --batch_size / --max_tokens")
@@ -142,24 +211,47 @@ def main(argv=None):
     device = get_device(a.device)
     sizes = (a.batch_size, a.max_tokens) if a.batch_size or a.max_tokens else None
     ckpt, args, data, model = load_run(a.ckpt, a.data_dir, device, sizes)
-    res = dict(ckpt=os.path.abspath(a.ckpt), split=a.split, dataset=args.dataset, model=args.model,
-               head=args.head, epsilon=args.epsilon, step=ckpt["state"]["step"], task=args.task)
+    res = dict(
+        ckpt=os.path.abspath(a.ckpt),
+        split=a.split,
+        dataset=args.dataset,
+        model=args.model,
+        head=args.head,
+        epsilon=args.epsilon,
+        step=ckpt["state"]["step"],
+        task=args.task,
+    )
     story = args.task in ("story", "storyline")
     if story and (a.tau_report or a.plot or {"consistent", "L", "traces", "decode_batch"} & given):
-        raise UserError("--tau_report / --plot / --consistent / --L / --traces / --decode_batch "
-                        "are for left-to-right text checkpoints, not a story one (NLL, BLEU)")
+        raise UserError(
+            "--tau_report / --plot / --consistent / --L / --traces / --decode_batch "
+            "are for left-to-right text checkpoints, not a story one (NLL, BLEU)"
+        )
     if a.decoder and args.task != "completion" and not story:
         raise UserError(f"--decoder continues completion contexts, not a --task {args.task} run")
     if not a.no_ppl:
         sizes = dict(batch_size=a.batch_size, max_tokens=a.max_tokens) if sizes else None
-        res.update(evaluate(args, model, data, a.split, a.limit, device,
-                            autocast(device, args.dtype), f"perplexity ({a.split})", sizes))
+        res.update(
+            evaluate(
+                args,
+                model,
+                data,
+                a.split,
+                a.limit,
+                device,
+                autocast(device, args.dtype),
+                f"perplexity ({a.split})",
+                sizes,
+            )
+        )
         print(report(args, res, a.split))
     if story and a.decoder:
         res["generation"] = story_generation(model, args, data, a, device)
     elif a.decoder:
-        res.update(decoding=decoding_study(model, data, a, device),
-                   eos_traces=eos_traces(model, data[a.split], a.traces))
+        res.update(
+            decoding=decoding_study(model, data, a, device),
+            eos_traces=eos_traces(model, data[a.split], a.traces),
+        )
         print_study_table([res])
         if a.plot:
             plot_study([res], a.plot)
@@ -171,21 +263,33 @@ def main(argv=None):
 
 def report(args, res, split):
     if args.task == "stream":
-        return f"{split}: stream perplexity {res['ppl']:.2f} (nll {res['nll']:.4f} over " \
-               f"{res['tokens']:,} tokens, 10 columns, BPTT {args.bptt})"
+        return (
+            f"{split}: stream perplexity {res['ppl']:.2f} (nll {res['nll']:.4f} over "
+            f"{res['tokens']:,} tokens, 10 columns, BPTT {args.bptt})"
+        )
     if args.task in ("story", "storyline"):
-        bound = f"; -log p(story) <= {res['nll_bound_per_story']:.2f} (mean over orders - log n!)" \
-            if args.order == "random" and args.model in INSERTION else ""
-        return f"{args.dataset} {split} {args.model}: {res['sequences']} stories, NLL " \
-               f"{res['nll_per_story']:.2f} per story, {res['nll']:.4f} per event (ppl " \
-               f"{res['ppl']:.2f}){bound}"
+        bound = (
+            f"; -log p(story) <= {res['nll_bound_per_story']:.2f} (mean over orders - log n!)"
+            if args.order == "random" and args.model in INSERTION
+            else ""
+        )
+        return (
+            f"{args.dataset} {split} {args.model}: {res['sequences']} stories, NLL "
+            f"{res['nll_per_story']:.2f} per story, {res['nll']:.4f} per event (ppl "
+            f"{res['ppl']:.2f}){bound}"
+        )
     if res["sequences"] == 0:
         raise UserError(f"the {split} split holds no sequence that fits this model: no perplexity")
-    return (f"{'split':6s} {'sequences':>9s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s} "
-            f"{'p(eos@end)':>10s}\n{split:6s} {res['sequences']:9d} {res['tokens']:9d} "
-            f"{res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}"
-            + (f"\n({res['skipped']:,} sequences longer than the model's window left out)"
-               if res["skipped"] else ""))
+    return (
+        f"{'split':6s} {'sequences':>9s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s} "
+        f"{'p(eos@end)':>10s}\n{split:6s} {res['sequences']:9d} {res['tokens']:9d} "
+        f"{res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}"
+        + (
+            f"\n({res['skipped']:,} sequences longer than the model's window left out)"
+            if res["skipped"]
+            else ""
+        )
+    )
 
 
 def write_json(path, obj):
@@ -222,13 +326,25 @@ def decoding_study(model, data, a, device):
     contexts = [torch.as_tensor(split.context(i)) for i in range(n)]
     cap = longest_continuation(model, max(map(len, contexts)))
     if cap is not None and max(a.L) > cap:
-        raise UserError(f"--L {max(a.L)} does not fit the model's window: a context and its "
-                        f"continuation must fit, use --L {cap} or less")
-    result = decode_in_batches(model, contexts, max(a.L), a.decoder, a.decode_batch,
-                               f"decoding ({a.decoder})", k=a.k, p=a.p, beam_size=a.beam_size,
-                               temperature=a.temperature, consistent=a.consistent,
-                               length_penalty=a.length_penalty,
-                               generator=sampling_generator(device, a.seed or 0))
+        raise UserError(
+            f"--L {max(a.L)} does not fit the model's window: a context and its "
+            f"continuation must fit, use --L {cap} or less"
+        )
+    result = decode_in_batches(
+        model,
+        contexts,
+        max(a.L),
+        a.decoder,
+        a.decode_batch,
+        f"decoding ({a.decoder})",
+        k=a.k,
+        p=a.p,
+        beam_size=a.beam_size,
+        temperature=a.temperature,
+        consistent=a.consistent,
+        length_penalty=a.length_penalty,
+        generator=sampling_generator(device, a.seed or 0),
+    )
     stats = decode_stats(result, a.L)
     curve = sorted({int(round(x)) for x in torch.logspace(0, math.log10(max(a.L)), 60).tolist()})
     detok = data["tokenizer"].decode
@@ -237,17 +353,42 @@ def decoding_study(model, data, a, device):
         done, c = bool(result["terminated"][i]), int(split.contexts[i])
         if seen[done] < a.examples:
             seen[done] += 1
-            examples.append(ex := dict(index=i, terminated=done, context=detok(
-                split[i][:c].tolist()), continuation=detok(toks[:200]) + " ..." * (len(toks) > 200),
-                ground_truth=detok(split[i][c:].tolist()[:200])))
-            print(f"\n[{'terminated' if done else 'NOT terminated'}] context: {ex['context']}"
-                  f"\n  continuation: {ex['continuation'][:400]}")
-    return dict(stats, r_nt_curve=decode_stats(result, curve)["r_nt"], examples=examples,
-                generated_lengths=[m if done else None for m, done in zip(
-                    result["lengths"].tolist(), result["terminated"].tolist())],
-                ground_truth_lengths=(split.lengths[:n] - split.contexts[:n]).tolist(),
-                **{k: getattr(a, k) for k in ("decoder", "k", "p", "beam_size", "temperature",
-                                              "consistent", "length_penalty", "seed")})
+            examples.append(
+                ex := dict(
+                    index=i,
+                    terminated=done,
+                    context=detok(split[i][:c].tolist()),
+                    continuation=detok(toks[:200]) + " ..." * (len(toks) > 200),
+                    ground_truth=detok(split[i][c:].tolist()[:200]),
+                )
+            )
+            print(
+                f"\n[{'terminated' if done else 'NOT terminated'}] context: {ex['context']}"
+                f"\n  continuation: {ex['continuation'][:400]}"
+            )
+    return dict(
+        stats,
+        r_nt_curve=decode_stats(result, curve)["r_nt"],
+        examples=examples,
+        generated_lengths=[
+            m if done else None
+            for m, done in zip(result["lengths"].tolist(), result["terminated"].tolist())
+        ],
+        ground_truth_lengths=(split.lengths[:n] - split.contexts[:n]).tolist(),
+        **{
+            k: getattr(a, k)
+            for k in (
+                "decoder",
+                "k",
+                "p",
+                "beam_size",
+                "temperature",
+                "consistent",
+                "length_penalty",
+                "seed",
+            )
+        },
+    )
 
 
 def eos_traces(model, split, n):
@@ -268,33 +409,50 @@ def tau_report(model, args, data, a, device, top=10):
     stream): tau of the word that comes next at every position, and each word's mean tau.
     Sentences of 16-24 words are cut to their first, middle and last 5 words, as in the paper,
     and tau at each of those 15 positions is averaged (with a 95% interval)."""
-    if args.head not in ("ct", "ctmos") or args.model not in ("rnn", "lstm") or \
-            data["tokenizer"].kind != "word":
-        raise UserError("--tau_report is the CT paper's word-level analysis: a ct / ctmos head on "
-                        "an rnn / lstm, word-level data")
-    cols = batchify(data["streams"][a.split], 10, a.split)[:, :a.limit and a.limit + 1]
-    spans = [(b, s, e) for b in range(10)
-             for s, e in sentences(cols[b, 1:].tolist(), data["eos_id"])]
+    if (
+        args.head not in ("ct", "ctmos")
+        or args.model not in ("rnn", "lstm")
+        or data["tokenizer"].kind != "word"
+    ):
+        raise UserError(
+            "--tau_report is the CT paper's word-level analysis: a ct / ctmos head on "
+            "an rnn / lstm, word-level data"
+        )
+    cols = batchify(data["streams"][a.split], 10, a.split)[:, : a.limit and a.limit + 1]
+    spans = [
+        (b, s, e) for b in range(10) for s, e in sentences(cols[b, 1:].tolist(), data["eos_id"])
+    ]
     if not spans:
         raise UserError("no sentence of 16-24 words here (or within --limit): nothing to report")
     tau_next = torch.zeros(10, cols.size(1) - 1, dtype=torch.float64)
     tau_sum, n, state = torch.zeros(data["vocab_size"], dtype=torch.float64), 0, None
     with eval_mode(model):
         for i, L in bptt_windows(cols.size(1), args.bptt):
-            x, y = cols[:, i:i + L].to(device), cols[:, i + 1:i + 1 + L].to(device)
+            x, y = cols[:, i : i + L].to(device), cols[:, i + 1 : i + 1 + L].to(device)
             h, state = model.backbone(x, state)
             tau = model.head.temperatures(h).double()  # (10, L, V), CT eq. 6
-            tau_next[:, i:i + L] = tau.gather(-1, y.unsqueeze(-1)).squeeze(-1).cpu()
+            tau_next[:, i : i + L] = tau.gather(-1, y.unsqueeze(-1)).squeeze(-1).cpu()
             tau_sum, n = tau_sum + tau.sum((0, 1)).cpu(), n + y.numel()
-    rows = torch.stack([torch.cat([w[:5], w[(len(w) - 5) // 2:][:5], w[-5:]]) for w in
-                        (tau_next[b, s:e] for b, s, e in spans)])  # (sentences, 15)
-    mean, half, order = rows.mean(0), 1.96 * rows.std(0) / math.sqrt(len(rows)), \
-        torch.argsort(tau_sum / n, descending=True)
+    rows = torch.stack(
+        [
+            torch.cat([w[:5], w[(len(w) - 5) // 2 :][:5], w[-5:]])
+            for w in (tau_next[b, s:e] for b, s, e in spans)
+        ]
+    )  # (sentences, 15)
+    mean, half, order = (
+        rows.mean(0),
+        1.96 * rows.std(0) / math.sqrt(len(rows)),
+        torch.argsort(tau_sum / n, descending=True),
+    )
     word = lambda v: (data["tokenizer"].decode([int(v)]), (tau_sum[v] / n).item())  # noqa: E731
-    rep = dict(sentences=len(rows), position_mean=mean.tolist(), position_ci95=half.tolist(),
-               positions=[f"{part}-{i + 1}" for part in ("first", "mid", "last") for i in range(5)],
-               highest=[word(v) for v in order[:top]],
-               lowest=[word(v) for v in order[-top:].flip(0)])
+    rep = dict(
+        sentences=len(rows),
+        position_mean=mean.tolist(),
+        position_ci95=half.tolist(),
+        positions=[f"{part}-{i + 1}" for part in ("first", "mid", "last") for i in range(5)],
+        highest=[word(v) for v in order[:top]],
+        lowest=[word(v) for v in order[-top:].flip(0)],
+    )
     print(f"temperature of the next word by position ({len(rows)} sentences of 16-24 words):")
     for name, m, c in zip(rep["positions"], rep["position_mean"], rep["position_ci95"]):
         print(f"  {name:8s} {m:.6f} +- {c:.6f}")
@@ -304,8 +462,10 @@ def tau_report(model, args, data, a, device, top=10):
         fig, ax = curves.pyplot().subplots(figsize=(7, 3.5))
         ax.errorbar(range(15), rep["position_mean"], yerr=rep["position_ci95"], fmt="o-", capsize=3)
         ax.set_xticks(range(15), rep["positions"], rotation=60, fontsize=7)
-        ax.set(ylabel="tau of the next word", title=f"contextual temperature by position "
-                                                   f"({rep['sentences']} sentences)")
+        ax.set(
+            ylabel="tau of the next word",
+            title=f"contextual temperature by position ({rep['sentences']} sentences)",
+        )
         curves.save_figure(fig, os.path.join(a.plot, "tau_by_position.png"))
     return rep
 
@@ -332,8 +492,8 @@ def bleu(hypotheses, references, max_n=4):
     for hyp, ref in zip(hypotheses, references, strict=True):
         c, r = c + len(hyp), r + len(ref)
         for n in range(1, max_n + 1):
-            h = Counter(tuple(hyp[i:i + n]) for i in range(len(hyp) - n + 1))
-            rc = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
+            h = Counter(tuple(hyp[i : i + n]) for i in range(len(hyp) - n + 1))
+            rc = Counter(tuple(ref[i : i + n]) for i in range(len(ref) - n + 1))
             matches[n - 1] += sum(min(k, rc[g]) for g, k in h.items())
             totals[n - 1] += max(len(hyp) - n + 1, 0)
     if c == 0 or min(matches) == 0:
@@ -353,38 +513,71 @@ def story_generation(model, args, data, a, device):
         raise UserError("generation is scored against ROCStories: use a rocstories checkpoint")
     vocab, g, banned = data["vocab"], sampling_generator(device, a.seed or 0), (PAD, BOS, EOS, SEP)
     hyps, refs, included, total, shown = [], [], 0, 0, []
-    for story, seq in list(zip(data["stories"][a.split], data[a.split]))[:a.limit]:
-        prefix, cap = seq["tokens"][:seq["n_given"]], 2 * len(story["story"]) + 10
+    for story, seq in list(zip(data["stories"][a.split], data[a.split]))[: a.limit]:
+        prefix, cap = seq["tokens"][: seq["n_given"]], 2 * len(story["story"]) + 10
         if args.model in INSERTION:  # the canvas BOS title SEP [keywords] EOS, filled in
             kw = seq["keywords"] if args.task == "storyline" else []
-            out = generate(model, [*prefix, *kw, EOS], min(len(prefix) + cap + 1, model.max_canvas()
-                                                           or math.inf), a.decoder, a.k,
-                           a.temperature, len(prefix) - 1, banned, generator=g)
+            out = generate(
+                model,
+                [*prefix, *kw, EOS],
+                min(len(prefix) + cap + 1, model.max_canvas() or math.inf),
+                a.decoder,
+                a.k,
+                a.temperature,
+                len(prefix) - 1,
+                banned,
+                generator=g,
+            )
             words = iter(story["keywords"])  # a given keyword keeps its word, <unk> or not
-            hyp = [next(words) if given else vocab[t] for t, given in
-                   zip(out["tokens"][len(prefix):-1], out["given"][len(prefix):-1])]
+            hyp = [
+                next(words) if given else vocab[t]
+                for t, given in zip(out["tokens"][len(prefix) : -1], out["given"][len(prefix) : -1])
+            ]
         else:
             L = min(cap, longest_continuation(model, len(prefix)))
-            out = decode(model, [torch.tensor(prefix, device=device)], L, a.decoder, k=a.k,
-                         temperature=a.temperature, generator=g)
+            out = decode(
+                model,
+                [torch.tensor(prefix, device=device)],
+                L,
+                a.decoder,
+                k=a.k,
+                temperature=a.temperature,
+                generator=g,
+            )
             hyp = [vocab[t] for t in out["tokens"][0] if t not in banned]
         hyps.append(hyp), refs.append(story["story"])
         total += len(story["keywords"])
         included += len(keyword_positions(hyp, story["keywords"]))  # found in order
         if len(shown) < a.examples:
-            shown.append(dict(title=" ".join(story["title"]), storyline=" ".join(story["keywords"]),
-                              generated=" ".join(hyp), reference=" ".join(story["story"])))
-    gen = dict(bleu={n: bleu(hyps, refs, n) for n in range(1, 5)}, stories=len(hyps),
-               keyword_inclusion=included / total if args.task == "storyline" and total else None,
-               mean_length=sum(map(len, hyps)) / max(len(hyps), 1), examples=shown,
-               decoder=a.decoder, k=a.k, temperature=a.temperature)
+            shown.append(
+                dict(
+                    title=" ".join(story["title"]),
+                    storyline=" ".join(story["keywords"]),
+                    generated=" ".join(hyp),
+                    reference=" ".join(story["story"]),
+                )
+            )
+    gen = dict(
+        bleu={n: bleu(hyps, refs, n) for n in range(1, 5)},
+        stories=len(hyps),
+        keyword_inclusion=included / total if args.task == "storyline" and total else None,
+        mean_length=sum(map(len, hyps)) / max(len(hyps), 1),
+        examples=shown,
+        decoder=a.decoder,
+        k=a.k,
+        temperature=a.temperature,
+    )
     b, kw = gen["bleu"], gen["keyword_inclusion"]
-    print(f"generation ({a.decoder}): BLEU-1/2/3/4 {b[1]:.2f} / {b[2]:.2f} / {b[3]:.2f} / "
-          f"{b[4]:.2f}, mean length {gen['mean_length']:.1f}" + (
-              f", storyline keywords included {100 * kw:.2f}%" if kw is not None else ""))
+    print(
+        f"generation ({a.decoder}): BLEU-1/2/3/4 {b[1]:.2f} / {b[2]:.2f} / {b[3]:.2f} / "
+        f"{b[4]:.2f}, mean length {gen['mean_length']:.1f}"
+        + (f", storyline keywords included {100 * kw:.2f}%" if kw is not None else "")
+    )
     for ex in shown:
-        print(f"  [{ex['title']} | {ex['storyline']}] {ex['generated']}\n    reference: "
-              f"{ex['reference']}")
+        print(
+            f"  [{ex['title']} | {ex['storyline']}] {ex['generated']}\n    reference: "
+            f"{ex['reference']}"
+        )
     return gen
 
 
@@ -396,8 +589,14 @@ def compare(a):
         try:
             with open(path) as f:
                 r = json.load(f)
-            ok = {"model", "head", "epsilon", "dataset"} <= r.keys() and {"decoder", "r_nt",
-                  "r_nt_curve", "mean_length", "n", "generated_lengths"} <= r["decoding"].keys()
+            ok = {"model", "head", "epsilon", "dataset"} <= r.keys() and {
+                "decoder",
+                "r_nt",
+                "r_nt_curve",
+                "mean_length",
+                "n",
+                "generated_lengths",
+            } <= r["decoding"].keys()
         except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             ok = False
         if not ok:
@@ -409,36 +608,56 @@ def compare(a):
 
 
 def decoder_name(d):
-    extra = {"topk": f"-{d.get('k')}", "nucleus": f"-{d.get('p')}",
-             "beam": f"-{d.get('beam_size')}"}.get(d["decoder"], "")
+    extra = {
+        "topk": f"-{d.get('k')}",
+        "nucleus": f"-{d.get('p')}",
+        "beam": f"-{d.get('beam_size')}",
+    }.get(d["decoder"], "")
     t = d.get("temperature") or 1
-    return d["decoder"] + extra + ("+c" if d.get("consistent") else "") + (
-        f"/lp{d['length_penalty']:g}" if d.get("length_penalty") else "") + (
-        f"/T{t:g}" if t != 1 else "")
+    return (
+        d["decoder"]
+        + extra
+        + ("+c" if d.get("consistent") else "")
+        + (f"/lp{d['length_penalty']:g}" if d.get("length_penalty") else "")
+        + (f"/T{t:g}" if t != 1 else "")
+    )
 
 
 def print_study_table(results):
     """A row a study: r_nt(L) for every L, the mean length, unique non-terminated (eps only for
     the heads that read it)."""
     Ls = sorted({int(L) for r in results for L in r["decoding"]["r_nt"]})
-    print(f"{'model':5s} {'head':8s} {'eps':>7s} {'decoder':12s} " + " ".join(
-        f"{'r_nt(%d)' % L:>11s}" for L in Ls) + f" {'mean len':>9s} {'uniq non-term':>13s} "
-        f"{'n':>6s}")
+    print(
+        f"{'model':5s} {'head':8s} {'eps':>7s} {'decoder':12s} "
+        + " ".join(f"{'r_nt(%d)' % L:>11s}" for L in Ls)
+        + f" {'mean len':>9s} {'uniq non-term':>13s} "
+        f"{'n':>6s}"
+    )
     for r in results:
         d, eps = r["decoding"], f"{r['epsilon']:.0e}" if r["head"] in EPSILON_HEADS else "-"
         r_nt = {int(L): v for L, v in d["r_nt"].items()}
-        print(f"{r['model']:5s} {r['head']:8s} {eps:>7s} {decoder_name(d):12s} " + " ".join(
-            f"{r_nt.get(L, math.nan):11.4f}" for L in Ls) + f" {d['mean_length']:9.1f} "
-            f"{d['unique_non_terminated'] or math.nan:13.3f} {d['n']:6d}")
+        print(
+            f"{r['model']:5s} {r['head']:8s} {eps:>7s} {decoder_name(d):12s} "
+            + " ".join(f"{r_nt.get(L, math.nan):11.4f}" for L in Ls)
+            + f" {d['mean_length']:9.1f} "
+            f"{d['unique_non_terminated'] or math.nan:13.3f} {d['n']:6d}"
+        )
 
 
 def plot_study(results, out_dir, files=None):
     """r_nt(L) (log-log, Fig. 2 / 7), the length histograms (Fig. 8) and p(eos) traces (Fig. 3),
     the runs labelled by what differs between them (head, eps, model, decoder, dataset)."""
     plt = curves.pyplot()
-    parts = [dict(head=paper_name(r["head"]), eps=f"eps={r['epsilon']:g}" if r["head"] in
-                  EPSILON_HEADS else "", model=r["model"], decoder=decoder_name(r["decoding"]),
-                  dataset=r["dataset"]) for r in results]
+    parts = [
+        dict(
+            head=paper_name(r["head"]),
+            eps=f"eps={r['epsilon']:g}" if r["head"] in EPSILON_HEADS else "",
+            model=r["model"],
+            decoder=decoder_name(r["decoding"]),
+            dataset=r["dataset"],
+        )
+        for r in results
+    ]
     varying = [k for k in parts[0] if len({p[k] for p in parts}) > 1] or ["head"]
     labels = [" ".join(p[k] for k in varying if p[k]) for p in parts]
     if len(set(labels)) < len(labels) and files:  # two files of one run
@@ -448,8 +667,9 @@ def plot_study(results, out_dir, files=None):
     cut = [max(int(L) for L in r["decoding"]["r_nt"]) for r in results]
     bins = torch.linspace(0, max(cut) + 1, 41).tolist()
     truth = results[0]["decoding"]["ground_truth_lengths"]
-    figs["lengths"][1].hist([min(m, max(cut)) for m in truth], bins=bins, alpha=0.4, color="gray",
-                            label="ground truth")
+    figs["lengths"][1].hist(
+        [min(m, max(cut)) for m in truth], bins=bins, alpha=0.4, color="gray", label="ground truth"
+    )
     traced = [{t["index"]: t["p_eos"] for t in r.get("eos_traces") or []} for r in results]
     shown = next((list(t)[:3] for t in traced if t), [])
     if shown:
@@ -457,18 +677,28 @@ def plot_study(results, out_dir, files=None):
     for i, (r, label, L) in enumerate(zip(results, labels, cut)):
         style = dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
         curve, lengths = r["decoding"]["r_nt_curve"], r["decoding"]["generated_lengths"]
-        figs["r_nt"][1].plot([int(x) for x in curve], [max(y, 1e-4) for y in curve.values()],
-                             label=label, **style)
+        figs["r_nt"][1].plot(
+            [int(x) for x in curve], [max(y, 1e-4) for y in curve.values()], label=label, **style
+        )
         n_cut = sum(m is None for m in lengths)
-        figs["lengths"][1].hist([L if m is None else m for m in lengths], bins=bins,
-                                histtype="step", color=style["color"], label=f"{label} ({n_cut} "
-                                f"non-terminated, drawn at L={L})" if n_cut else label)
+        figs["lengths"][1].hist(
+            [L if m is None else m for m in lengths],
+            bins=bins,
+            histtype="step",
+            color=style["color"],
+            label=f"{label} ({n_cut} non-terminated, drawn at L={L})" if n_cut else label,
+        )
         for ax, index in zip(figs["p_eos"][1][:, 0] if shown else [], shown):
             if index in traced[i]:
                 ax.plot(range(1, len(traced[i][index]) + 1), traced[i][index], label=label, **style)
                 ax.set(yscale="log", ylabel="p(eos)", title=f"sequence {index}")
-    figs["r_nt"][1].set(xscale="log", yscale="log", xlabel="L", ylabel="r_nt(L)  (0 drawn at 1e-4)",
-                        title="non-termination ratio" + (f" ({title})" if title else ""))
+    figs["r_nt"][1].set(
+        xscale="log",
+        yscale="log",
+        xlabel="L",
+        ylabel="r_nt(L)  (0 drawn at 1e-4)",
+        title="non-termination ratio" + (f" ({title})" if title else ""),
+    )
     figs["lengths"][1].set(xlabel="continuation length", ylabel="count", yscale="log")
     os.makedirs(out_dir, exist_ok=True)
     for name, (fig, ax) in figs.items():

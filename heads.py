@@ -31,6 +31,7 @@ analyses may look at them, so they must be finite: a context position is scored 
 continuation started there*, i.e. with t = 1 and (ST) a fresh one-term product that is not
 carried into the running `log_keep`.  p(eos) is then >= eps > 0 there, never -inf.
 """
+
 import math
 
 import torch
@@ -100,8 +101,9 @@ def nmst_log_alpha(z_eos, t, epsilon):
     t = torch.clamp(torch.as_tensor(t, device=z_eos.device), min=1).to(z_eos.dtype)
     log_lower_keep = t * math.log1p(-epsilon)  # log (1 - eps)^t
     log_one_minus_alpha = F.logsigmoid(-z_eos) + log_lower_keep
-    log_alpha = torch.logaddexp(F.logsigmoid(z_eos),
-                                F.logsigmoid(-z_eos) + log1mexp(log_lower_keep))
+    log_alpha = torch.logaddexp(
+        F.logsigmoid(z_eos), F.logsigmoid(-z_eos) + log1mexp(log_lower_keep)
+    )
     return log_alpha, log_one_minus_alpha
 
 
@@ -141,8 +143,9 @@ def _assemble(logits, eos_id, log_alpha, log_one_minus_alpha):
         p(v) = (1 - alpha_t) * exp(z_v) / sum_{v' != eos} exp(z_v').
     logits (..., V); log_alpha, log_one_minus_alpha (...)  ->  log_probs (..., V)."""
     log_rest, is_eos = _log_softmax_without_eos(logits, eos_id)
-    return torch.where(is_eos, log_alpha.unsqueeze(-1),
-                       log_one_minus_alpha.unsqueeze(-1) + log_rest)
+    return torch.where(
+        is_eos, log_alpha.unsqueeze(-1), log_one_minus_alpha.unsqueeze(-1) + log_rest
+    )
 
 
 def nmst_log_probs(logits, t, eos_id, epsilon):
@@ -153,8 +156,9 @@ def nmst_log_probs(logits, t, eos_id, epsilon):
 def st_log_probs(logits, t, eos_id, epsilon, log_keep=None):
     """ST (eq. 9) log-probabilities.  logits (..., T, V), t (..., T), log_keep as in st_log_alpha
     -> (log_probs (..., T, V), log_keep (...,) after the last position)."""
-    log_alpha, log_one_minus_alpha, log_keep = st_log_alpha(logits[..., eos_id], t, epsilon,
-                                                            log_keep)
+    log_alpha, log_one_minus_alpha, log_keep = st_log_alpha(
+        logits[..., eos_id], t, epsilon, log_keep
+    )
     return _assemble(logits, eos_id, log_alpha, log_one_minus_alpha), log_keep
 
 
@@ -195,8 +199,9 @@ def log_softmax_at(h, W, targets, V, exclude=None, bias=None):
         logits[..., V:] = float("-inf")  # output (a recorded fill copies the whole gradient)
         if exclude is not None:
             logits[..., exclude] = float("-inf")
-    return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(),
-                            reduction="none").view(targets.shape)
+    return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(
+        targets.shape
+    )
 
 
 # --- nn.Module wrapper: owns the output projection U (V, D), optionally tied to the embedding ---
@@ -207,8 +212,9 @@ def check_head_options(kind, epsilon, temperature):
     if kind in EPSILON_HEADS:  # eq. 9, 10: epsilon in (0, 1)
         _check_epsilon(epsilon)
     if temperature != 1.0 and kind not in ("softmax", "mos"):
-        raise ValueError(f"a constant --temperature is the baseline of the softmax / mos heads, "
-                         f"not of {kind}")
+        raise ValueError(
+            f"a constant --temperature is the baseline of the softmax / mos heads, not of {kind}"
+        )
 
 
 class Head(nn.Module):
@@ -218,8 +224,20 @@ class Head(nn.Module):
     running `log_keep` (B,) and None for the others.  t (B, T) is the continuation step of every
     position (only ST / NMST read it; None is fine for the others)."""
 
-    def __init__(self, kind, d_model, vocab_size, eos_id, epsilon=None, bias=False, n_experts=1,
-                 ct_alpha=None, ct_beta=None, ct_rank=0, temperature=1.0):
+    def __init__(
+        self,
+        kind,
+        d_model,
+        vocab_size,
+        eos_id,
+        epsilon=None,
+        bias=False,
+        n_experts=1,
+        ct_alpha=None,
+        ct_beta=None,
+        ct_rank=0,
+        temperature=1.0,
+    ):
         super().__init__()
         check_head_options(kind, epsilon, temperature)
         self.kind, self.eos_id, self.epsilon = kind, int(eos_id), epsilon
@@ -231,9 +249,13 @@ class Head(nn.Module):
             self.prior = nn.Linear(d_model, n_experts, bias=False)
             self.latent = nn.Linear(d_model, n_experts * d_model)
         if kind in ("ct", "ctmos"):  # W_tau, optionally factorised W_tau1 W_tau2 (rank ct_rank)
-            self.tau = nn.Linear(d_model, vocab_size) if ct_rank <= 0 else \
-                nn.Sequential(nn.Linear(d_model, ct_rank, bias=False),
-                              nn.Linear(ct_rank, vocab_size))
+            self.tau = (
+                nn.Linear(d_model, vocab_size)
+                if ct_rank <= 0
+                else nn.Sequential(
+                    nn.Linear(d_model, ct_rank, bias=False), nn.Linear(ct_rank, vocab_size)
+                )
+            )
 
     def temperatures(self, h):
         """The temperature vector tau (B, T, V) of the CT heads (CT paper eq. 6)."""
@@ -243,7 +265,7 @@ class Head(nn.Module):
         """MoS experts z_m = U tanh(W_m h): (B, T, K, V)."""
         B, T, D = h.shape
         latent = torch.tanh(self.latent(h)).view(B, T, self.n_experts, D)
-        return self.proj(latent)[..., :self.vocab_size]
+        return self.proj(latent)[..., : self.vocab_size]
 
     def _needs_t(self, t):
         if self.kind in TERMINATION_HEADS and t is None:
@@ -257,7 +279,7 @@ class Head(nn.Module):
         if self.kind == "ctmos":  # eq. 7: the same contextual tau divides every expert's logits
             tau = self.temperatures(h).unsqueeze(-2)
             return mos_log_probs(self.prior(h), self._expert_logits(h) / tau), None
-        logits = self.proj(h)[..., :self.vocab_size]  # (B, T, V)
+        logits = self.proj(h)[..., : self.vocab_size]  # (B, T, V)
         if self.kind == "ct":
             return ct_log_probs(logits, self.temperatures(h)), None
         if self.kind == "softmax":  # (a constant temperature c: no division at c = 1, decoding)
@@ -294,8 +316,9 @@ class Head(nn.Module):
         if self.kind == "nmst":
             log_alpha, log_one_minus_alpha = nmst_log_alpha(z_eos, t, self.epsilon)
         elif self.kind == "st":
-            log_alpha, log_one_minus_alpha, head_state = st_log_alpha(z_eos, t, self.epsilon,
-                                                                      head_state)
+            log_alpha, log_one_minus_alpha, head_state = st_log_alpha(
+                z_eos, t, self.epsilon, head_state
+            )
         else:
             raise ValueError(f"Head.target_log_probs has no branch for the head {self.kind!r}")
         return torch.where(is_eos, log_alpha, log_one_minus_alpha + log_rest), head_state

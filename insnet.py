@@ -35,6 +35,7 @@ The model (nanogen's choices where the paper leaves room, each named below):
 The baseline, IT-vanilla (InsertionTransformer below): a bidirectional encoder with absolute
 positions, re-run over the whole canvas before every insertion; slot = W [h_left ; h_right] + b.
 """
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -120,8 +121,9 @@ def slot_log_probs(gap_logits, end_logit, n_canvas, slot_start):
     -> (..., G + 1) log-probs, the last entry = terminate, -inf on invalid gaps."""
     g = torch.arange(gap_logits.size(-1), device=gap_logits.device)
     valid = (g < (n_canvas - 1).unsqueeze(-1)) & (g >= slot_start.unsqueeze(-1))
-    logits = torch.cat([gap_logits.masked_fill(~valid, float("-inf")), end_logit.unsqueeze(-1)],
-                       dim=-1)
+    logits = torch.cat(
+        [gap_logits.masked_fill(~valid, float("-inf")), end_logit.unsqueeze(-1)], dim=-1
+    )
     return torch.log_softmax(_upcast(logits), dim=-1)
 
 
@@ -140,6 +142,7 @@ def insertion_targets(order, offsets=None):
 class InsertionModel(nn.Module):
     """What InsNet and IT-vanilla share: embeddings, slot aggregation, the termination slot and
     the token head; and the loss.  Subclasses provide `step_representations`."""
+
     n_parts = 3  # slot = W [left; right; latest]
 
     def __init__(self, cfg):
@@ -148,8 +151,9 @@ class InsertionModel(nn.Module):
         V, D = padded(cfg["vocab_size"]), cfg["d_model"]  # (rows past vocab_size: padding)
         self.wte = nn.Embedding(V, D)
         self.drop = nn.Dropout(cfg["dropout"])
-        self.h = nn.ModuleList([Block(D, cfg["n_head"], cfg["dropout"], True)
-                                for _ in range(cfg["n_layer"])])
+        self.h = nn.ModuleList(
+            [Block(D, cfg["n_head"], cfg["dropout"], True) for _ in range(cfg["n_layer"])]
+        )
         self.ln_f = nn.LayerNorm(D)
         self.slot_proj = nn.Linear(self.n_parts * D, D)  # shallow aggregation (section 3.2)
         self.slot_query = nn.Linear(D, 1, bias=False)  # gap logit = q . slot
@@ -160,8 +164,10 @@ class InsertionModel(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied input / output embeddings
 
     def num_params(self):  # those in use: not the padding rows of the vocabulary
-        return sum(p.numel() for p in self.parameters()) - (padded(V := self.cfg["vocab_size"]) -
-                                                            V) * self.cfg["d_model"]
+        return (
+            sum(p.numel() for p in self.parameters())
+            - (padded(V := self.cfg["vocab_size"]) - V) * self.cfg["d_model"]
+        )
 
     def max_canvas(self):
         """The most tokens a canvas may hold: None (InsNet's positions are relative offsets)."""
@@ -176,7 +182,7 @@ class InsertionModel(nn.Module):
     def token_logits(self, slot):
         """p(token | slot) logits: slot (..., D) -> (..., padded(V)), -inf on the padding rows."""
         logits = self.lm_head(self.ln_slot(F.gelu(slot)))
-        logits[..., self.cfg["vocab_size"]:] = float("-inf")  # (linear's backward: not read)
+        logits[..., self.cfg["vocab_size"] :] = float("-inf")  # (linear's backward: not read)
         return logits
 
     def forward(self, **batch):
@@ -201,22 +207,29 @@ class InsertionModel(nn.Module):
         gap = insertion_targets(order, offsets).clamp(min=0)  # (B, n), gap of step s in canvas s-1
         s = torch.arange(n, device=dev)
         loss_mask = (s >= n_given.unsqueeze(1)) & (s < lengths.unsqueeze(1)) & (s >= 1)
-        gap_logits, end_logits, slot_of = self.step_representations(step_tokens, offsets, canvas,
-                                                                    lengths)
+        gap_logits, end_logits, slot_of = self.step_representations(
+            step_tokens, offsets, canvas, lengths
+        )
         # gap_logits (B, n, n-1) [j, g]; end_logits (B, n) [j]; slot_of(j, g (B, n)) -> (B, n, D)
         n_canvas = s.expand(B, n) + 1  # canvas after step j holds j+1 tokens
-        lp = slot_log_probs(gap_logits, end_logits, n_canvas,
-                            slot_start.unsqueeze(1).expand(B, n))  # (B, n, n)
+        lp = slot_log_probs(
+            gap_logits, end_logits, n_canvas, slot_start.unsqueeze(1).expand(B, n)
+        )  # (B, n, n)
         prev = (s - 1).clamp(min=0).expand(B, n)  # the canvas a step's insertion is chosen on
         slot_lp = lp.gather(1, prev.unsqueeze(-1).expand(B, n, n))
         slot_lp = slot_lp.gather(2, gap.unsqueeze(-1))[..., 0]  # (B, n)
         logits = self.token_logits(slot_of(prev, gap))  # (B, n, V)
-        token_lp = -F.cross_entropy(_upcast(logits).flatten(0, 1), step_tokens.flatten(),
-                                    reduction="none").view(B, n)  # class dim last: the fast kernel
+        token_lp = -F.cross_entropy(
+            _upcast(logits).flatten(0, 1), step_tokens.flatten(), reduction="none"
+        ).view(B, n)  # class dim last: the fast kernel
         end_lp = lp[torch.arange(B, device=dev), lengths - 1, -1]
         zero = torch.zeros((), device=dev)
-        return dict(slot=torch.where(loss_mask, slot_lp, zero),
-                    token=torch.where(loss_mask, token_lp, zero), end=end_lp, loss_mask=loss_mask)
+        return dict(
+            slot=torch.where(loss_mask, slot_lp, zero),
+            token=torch.where(loss_mask, token_lp, zero),
+            end=end_lp,
+            loss_mask=loss_mask,
+        )
 
 
 class InsNet(InsertionModel):
@@ -225,8 +238,9 @@ class InsNet(InsertionModel):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.max_offset = cfg["max_offset"]  # K: offsets are clipped to [-K, K]
-        self.rel_bias = nn.Parameter(torch.zeros(cfg["n_layer"], 2 * self.max_offset + 1,
-                                                 cfg["n_head"]))
+        self.rel_bias = nn.Parameter(
+            torch.zeros(cfg["n_layer"], 2 * self.max_offset + 1, cfg["n_head"])
+        )
 
     def attention_bias(self, layer, offsets, allowed):
         """offsets (B, T, S) long, allowed (B, T, S) bool -> additive mask (B, H, T, S)."""
@@ -249,8 +263,11 @@ class InsNet(InsertionModel):
         u, c = self._gap_parts()
         s_left, s_right, s_latest = (h @ u[p] for p in range(3))  # (B, n) each
         left, right = canvas[:, :, :-1], canvas[:, :, 1:]  # (B, n, n-1): steps beside gap g
-        gap_logits = s_left.gather(1, left.flatten(1)).view_as(left) + \
-            s_right.gather(1, right.flatten(1)).view_as(right) + (s_latest + c).unsqueeze(-1)
+        gap_logits = (
+            s_left.gather(1, left.flatten(1)).view_as(left)
+            + s_right.gather(1, right.flatten(1)).view_as(right)
+            + (s_latest + c).unsqueeze(-1)
+        )
         end_logits = self.end_proj(h)[..., 0]
 
         def slot_of(j, g):  # j, g (B, m) -> slot representations (B, m, D)
@@ -258,7 +275,8 @@ class InsNet(InsertionModel):
             lft = cj.gather(2, g.unsqueeze(-1))[..., 0]
             rgt = cj.gather(2, (g + 1).unsqueeze(-1))[..., 0]
             pick = lambda idx: h.gather(  # noqa: E731
-                1, idx.unsqueeze(-1).expand(-1, -1, h.size(-1)))
+                1, idx.unsqueeze(-1).expand(-1, -1, h.size(-1))
+            )
             return self.slot_proj(torch.cat([pick(lft), pick(rgt), pick(j)], dim=-1))
 
         return gap_logits, end_logits, slot_of
@@ -299,6 +317,7 @@ class InsertionTransformer(InsertionModel):
     """IT-vanilla (Stern et al. 2019; InsNet section 2): a bidirectional encoder with absolute
     positions re-run over the whole canvas before every insertion; slot = W [h_left; h_right] + b;
     the termination logit comes from BOS's representation."""
+
     n_parts = 2
 
     def __init__(self, cfg):
@@ -331,8 +350,9 @@ class InsertionTransformer(InsertionModel):
         canvas_tokens = canvas_tokens.masked_fill(j.view(1, 1, n) > j.view(1, n, 1), 0)
         need = j.view(1, n) < lengths.view(B, 1)  # canvases whose next event is scored
         H = torch.zeros(B, n, n, self.cfg["d_model"], device=dev, dtype=self.wte.weight.dtype)
-        H[need] = self.encode(canvas_tokens[need],
-                              (j + 1).expand(B, n)[need]).to(H.dtype)  # (B, j, r, D)
+        H[need] = self.encode(canvas_tokens[need], (j + 1).expand(B, n)[need]).to(
+            H.dtype
+        )  # (B, j, r, D)
         u, c = self._gap_parts()
         s = H @ u.T  # (B, n, n, 2)
         gap_logits = s[:, :, :-1, 0] + s[:, :, 1:, 1] + c
@@ -341,7 +361,8 @@ class InsertionTransformer(InsertionModel):
         def slot_of(jj, g):
             Hj = H.gather(1, jj.view(B, -1, 1, 1).expand(-1, -1, n, H.size(-1)))  # (B, m, n, D)
             pick = lambda idx: Hj.gather(  # noqa: E731
-                2, idx.view(B, -1, 1, 1).expand(-1, -1, 1, H.size(-1)))[:, :, 0]
+                2, idx.view(B, -1, 1, 1).expand(-1, -1, 1, H.size(-1))
+            )[:, :, 0]
             return self.slot_proj(torch.cat([pick(g), pick(g + 1)], dim=-1))
 
         return gap_logits, end_logits, slot_of
@@ -365,8 +386,9 @@ class InsertionTransformer(InsertionModel):
         u, c = self._gap_parts()
         gap_logits = H[:-1] @ u[0] + H[1:] @ u[1] + c
         n = torch.tensor(H.size(0), device=H.device)
-        return slot_log_probs(gap_logits, self.end_proj(H[0])[0], n,
-                              torch.tensor(slot_start, device=H.device))
+        return slot_log_probs(
+            gap_logits, self.end_proj(H[0])[0], n, torch.tensor(slot_start, device=H.device)
+        )
 
     def next_token_log_probs(self, state, gap):
         H = self._encoded(state)
@@ -385,8 +407,19 @@ def start_canvas(model, given):
 
 
 @torch.no_grad()
-def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, slot_start=0,
-             banned=(), min_len=0, generator=None, trace=None):
+def generate(
+    model,
+    given,
+    max_len,
+    decoder="greedy",
+    k=None,
+    temperature=1.0,
+    slot_start=0,
+    banned=(),
+    min_len=0,
+    generator=None,
+    trace=None,
+):
     """Insertion decoding (section 3.3): one insertion per step; choose the slot (a gap or
     terminate) from p(slot), then the token from p(token | slot); stop at the termination slot or
     when the canvas holds max_len tokens.  decoder: greedy (argmax of each), sample (temperature)
@@ -407,8 +440,12 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
     def choose(log_probs):
         if decoder == "greedy":
             return int(torch.argmax(log_probs))
-        q = filter_log_probs(log_probs.unsqueeze(0), "topk" if decoder == "topk" else "sample",
-                             k=k, temperature=temperature)
+        q = filter_log_probs(
+            log_probs.unsqueeze(0),
+            "topk" if decoder == "topk" else "sample",
+            k=k,
+            temperature=temperature,
+        )
         return int(draw(q, generator))
 
     canvas, is_given, terminated = list(given), [True] * len(given), False
@@ -434,8 +471,9 @@ def generate(model, given, max_len, decoder="greedy", k=None, temperature=1.0, s
         if trace is not None and not terminated:  # cut at max_len: the last canvas too
             p_end = model.next_slot_log_probs(state, slot_start)[-1].exp()
             trace.append((list(canvas), float(p_end)))
-    return dict(tokens=canvas, given=is_given, inserted=len(canvas) - len(given),
-                terminated=terminated)
+    return dict(
+        tokens=canvas, given=is_given, inserted=len(canvas) - len(given), terminated=terminated
+    )
 
 
 def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device="cpu"):
@@ -445,9 +483,13 @@ def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device=
     tokens = torch.zeros(len(seqs), n := max(map(len, seqs)), dtype=torch.long)  # right-padded
     order = torch.arange(n).repeat(len(seqs), 1)  # padding keeps order values >= the length
     for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = torch.as_tensor(s)
-        order[b, :len(s)] = insertion_order(len(s), n_given[b], keyword_pos[b], mode, generator)
-    batch = dict(tokens=tokens, order=order, lengths=torch.tensor([len(s) for s in seqs]),
-                 n_given=torch.tensor([1 + g + len(k) for g, k in zip(n_given, keyword_pos)]),
-                 slot_start=torch.tensor([g - 1 for g in n_given]))  # the gap after the prefix
+        tokens[b, : len(s)] = torch.as_tensor(s)
+        order[b, : len(s)] = insertion_order(len(s), n_given[b], keyword_pos[b], mode, generator)
+    batch = dict(
+        tokens=tokens,
+        order=order,
+        lengths=torch.tensor([len(s) for s in seqs]),
+        n_given=torch.tensor([1 + g + len(k) for g, k in zip(n_given, keyword_pos)]),
+        slot_start=torch.tensor([g - 1 for g in n_given]),
+    )  # the gap after the prefix
     return {k: v.to(device) for k, v in batch.items()}  # (n_given: BOS, EOS, prefix, keywords)

@@ -29,6 +29,7 @@ needs no `lengths` when only the real positions' outputs are read and no state i
 and perplexity): the padding comes after them and cannot change them.  That path runs
 attention with is_causal and no mask (FlashAttention on a GPU) and the LSTM unpacked.
 """
+
 import collections
 import contextlib
 import math
@@ -62,16 +63,21 @@ class Recurrent(nn.Module):
     """Embedding -> dropout -> n_layer nn.RNN(tanh) / nn.LSTM (dropout between layers) -> dropout.
     d_model is both the embedding and the hidden size, so the output layer can be tied."""
 
-    def __init__(self, cell, vocab_size, d_model=512, n_layer=2, dropout=0.5,
-                 locked_dropout=False):
+    def __init__(self, cell, vocab_size, d_model=512, n_layer=2, dropout=0.5, locked_dropout=False):
         super().__init__()
         self.cell, self.d_model, self.locked, self.p = cell, d_model, locked_dropout, dropout
         self.wte = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
         rnn_cls = nn.LSTM if cell == "lstm" else nn.RNN
         kw = {} if cell == "lstm" else {"nonlinearity": "tanh"}
-        self.rnn = rnn_cls(d_model, d_model, num_layers=n_layer, batch_first=True,
-                           dropout=dropout if n_layer > 1 else 0.0, **kw)
+        self.rnn = rnn_cls(
+            d_model,
+            d_model,
+            num_layers=n_layer,
+            batch_first=True,
+            dropout=dropout if n_layer > 1 else 0.0,
+            **kw,
+        )
         nn.init.uniform_(self.wte.weight, -0.1, 0.1)
 
     def _dropout(self, x):
@@ -90,8 +96,9 @@ class Recurrent(nn.Module):
             if lengths is None:
                 out, state = self.rnn(x, state)
             else:  # packed: the returned state is the one after each row's last real token
-                packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True,
-                                              enforce_sorted=False)
+                packed = pack_padded_sequence(
+                    x, lengths.cpu(), batch_first=True, enforce_sorted=False
+                )
                 out, state = self.rnn(packed, state)
                 out, _ = pad_packed_sequence(out, batch_first=True, total_length=idx.size(1))
         dropped = self._dropout(out)
@@ -103,8 +110,10 @@ class Recurrent(nn.Module):
         AR  = ar  * mean(dropped output ^ 2)                 (penalises large activations)
         TAR = tar * mean((h_t - h_{t-1}) ^ 2), raw output     (penalises fast changes)."""
         raw, dropped = self.last_output
-        return ar * dropped.float().pow(2).mean() + \
-            tar * (raw[:, 1:] - raw[:, :-1]).float().pow(2).mean()
+        return (
+            ar * dropped.float().pow(2).mean()
+            + tar * (raw[:, 1:] - raw[:, :-1]).float().pow(2).mean()
+        )
 
     @staticmethod
     def reorder_state(state, index):
@@ -175,8 +184,9 @@ class GPT(nn.Module):
     """GPT-2: token + learned position embeddings, n_layer pre-LN blocks, final LayerNorm.
     Module names follow GPT-2's checkpoints (wte, wpe, h.i.attn.c_attn, ...)."""
 
-    def __init__(self, vocab_size, block_size=1024, n_layer=12, n_head=12, n_embd=768,
-                 dropout=0.1, bias=True):
+    def __init__(
+        self, vocab_size, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1, bias=True
+    ):
         super().__init__()
         self.block_size, self.d_model, self.n_layer = block_size, n_embd, n_layer
         self.wte = nn.Embedding(vocab_size, n_embd)
@@ -201,15 +211,25 @@ class GPT(nn.Module):
     def forward(self, idx, state=None, lengths=None):
         B, T = idx.shape
         dev = idx.device
-        new_valid = torch.ones(B, T, dtype=torch.bool, device=dev) if lengths is None else \
-            torch.arange(T, device=dev) < lengths.to(dev).unsqueeze(1)  # (B, T)
+        new_valid = (
+            torch.ones(B, T, dtype=torch.bool, device=dev)
+            if lengths is None
+            else torch.arange(T, device=dev) < lengths.to(dev).unsqueeze(1)
+        )  # (B, T)
         if state is None:
-            state = GPTState([None] * self.n_layer, new_valid[:, :0],
-                             torch.zeros(B, dtype=torch.long, device=dev), 0, False)
+            state = GPTState(
+                [None] * self.n_layer,
+                new_valid[:, :0],
+                torch.zeros(B, dtype=torch.long, device=dev),
+                0,
+                False,
+            )
         pos = state.next_pos.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T) absolute
         if state.end + T > self.block_size:  # checked on the host: no device sync
-            raise ValueError(f"sequence of {state.end + T} tokens exceeds the GPT context window "
-                             f"(block_size={self.block_size})")
+            raise ValueError(
+                f"sequence of {state.end + T} tokens exceeds the GPT context window "
+                f"(block_size={self.block_size})"
+            )
         padded = state.padded or (lengths is not None and bool((lengths < T).any()))
         attn_mask, key_valid = self.attention_mask(state.key_valid, new_valid, padded)
         x = self.drop(self.wte(idx) + self.wpe(pos))
@@ -218,8 +238,9 @@ class GPT(nn.Module):
             x, layer_kv = block(x, past, attn_mask)
             new_kv.append(layer_kv)
         n_real = new_valid.sum(1) if lengths is not None else T
-        return self.ln_f(x), GPTState(new_kv, key_valid, state.next_pos + n_real,
-                                      state.end + T, padded)
+        return self.ln_f(x), GPTState(
+            new_kv, key_valid, state.next_pos + n_real, state.end + T, padded
+        )
 
     @staticmethod
     def attention_mask(key_valid, new_valid, padded):
@@ -241,8 +262,11 @@ class GPT(nn.Module):
     @staticmethod
     def reorder_state(state, index):
         kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in state.kv]
-        return state._replace(kv=kv, key_valid=state.key_valid.index_select(0, index),
-                              next_pos=state.next_pos.index_select(0, index))
+        return state._replace(
+            kv=kv,
+            key_valid=state.key_valid.index_select(0, index),
+            next_pos=state.next_pos.index_select(0, index),
+        )
 
 
 # --- gated convolutional LM (the survey's chapter 4; Dauphin et al. 2017) ---------------------
@@ -272,8 +296,9 @@ class GCNN(nn.Module):
     stable training; Dauphin et al. use weight normalisation), tied output.  Receptive field
     (k-1) n_layer + 1 tokens.  The incremental state is, per layer, its last k-1 inputs."""
 
-    def __init__(self, vocab_size, block_size=1024, n_layer=8, d_model=512, kernel_size=4,
-                 dropout=0.1):
+    def __init__(
+        self, vocab_size, block_size=1024, n_layer=8, d_model=512, kernel_size=4, dropout=0.1
+    ):
         super().__init__()
         self.block_size, self.d_model, self.k = block_size, d_model, kernel_size
         self.wte = nn.Embedding(vocab_size, d_model)
@@ -293,8 +318,10 @@ class GCNN(nn.Module):
         past, pos0, end = state  # end >= max(pos0), on the host
         pos = pos0.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T)
         if end + T > self.block_size:  # checked on the host: no device sync
-            raise ValueError(f"sequence of {end + T} tokens exceeds the GCNN context window "
-                             f"(block_size={self.block_size})")
+            raise ValueError(
+                f"sequence of {end + T} tokens exceeds the GCNN context window "
+                f"(block_size={self.block_size})"
+            )
         n_real = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
         keep = n_real.view(B, 1, 1) + torch.arange(k - 1, device=dev).view(1, -1, 1)  # (B,k-1,1)
         x, new_past = self.drop(self.wte(idx) + self.wpe(pos)), []
@@ -315,13 +342,15 @@ def build_backbone(cfg):
     """The backbone of a config dict (train.py's model_config writes it, checkpoints keep it)."""
     V, D = cfg["vocab_size"], cfg["d_model"]
     if cfg["model"] == "gpt":
-        return GPT(V, cfg["block_size"], cfg["n_layer"], cfg["n_head"], D, cfg["dropout"],
-                   cfg["bias"])
+        return GPT(
+            V, cfg["block_size"], cfg["n_layer"], cfg["n_head"], D, cfg["dropout"], cfg["bias"]
+        )
     if cfg["model"] == "gcnn":
         return GCNN(V, cfg["block_size"], cfg["n_layer"], D, cfg["kernel_size"], cfg["dropout"])
     if cfg["model"] in ("rnn", "lstm"):
-        return Recurrent(cfg["model"], V, D, cfg["n_layer"], cfg["dropout"],
-                         cfg.get("locked_dropout", False))
+        return Recurrent(
+            cfg["model"], V, D, cfg["n_layer"], cfg["dropout"], cfg.get("locked_dropout", False)
+        )
     raise ValueError(f"no backbone for model '{cfg['model']}': add its branch to build_backbone")
 
 
@@ -338,10 +367,18 @@ class LanguageModel(nn.Module):
             raise ValueError(f"unknown model '{cfg['model']}' (choose from {', '.join(MODELS)})")
         self.cfg = dict(cfg)
         self.backbone = build_backbone(dict(cfg, vocab_size=padded(cfg["vocab_size"])))
-        self.head = Head(cfg["head"], cfg["d_model"], cfg["vocab_size"], cfg["eos_id"],
-                         cfg["epsilon"], n_experts=cfg.get("n_experts", 1),
-                         ct_alpha=cfg.get("ct_alpha"), ct_beta=cfg.get("ct_beta"),
-                         ct_rank=cfg.get("ct_rank", 0), temperature=cfg.get("temperature", 1.0))
+        self.head = Head(
+            cfg["head"],
+            cfg["d_model"],
+            cfg["vocab_size"],
+            cfg["eos_id"],
+            cfg["epsilon"],
+            n_experts=cfg.get("n_experts", 1),
+            ct_alpha=cfg.get("ct_alpha"),
+            ct_beta=cfg.get("ct_beta"),
+            ct_rank=cfg.get("ct_rank", 0),
+            temperature=cfg.get("temperature", 1.0),
+        )
         if cfg["tie"]:  # weight tying (NMST paper appendix D; GPT-2)
             self.head.proj.weight = self.backbone.wte.weight
         self.eos_id = self.head.eos_id
@@ -429,18 +466,23 @@ def gpt2_weights(name, path=None):
     """GPT-2's HuggingFace state_dict from `path` (a file, or a folder holding model.safetensors or
     pytorch_model.bin), else from the hub, downloaded into the cache once."""
     if path is None:  # (downloaded once)
-        path = download(HF_HUB.format(name=name), f"{cache_dir()}/hub/{name}/model.safetensors",
-                        hint="pass --weights PATH to a local copy")
+        path = download(
+            HF_HUB.format(name=name),
+            f"{cache_dir()}/hub/{name}/model.safetensors",
+            hint="pass --weights PATH to a local copy",
+        )
     for file in ("model.safetensors", "pytorch_model.bin"):
         path = os.path.join(path, file) if os.path.isfile(os.path.join(path, file)) else path
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
+
             return load_file(path)
         state = dict(torch.load(path, map_location="cpu", weights_only=True))
         if not all(torch.is_tensor(v) for v in state.values()):
             raise TypeError("not a state_dict")
         return state
     except Exception as e:  # missing, truncated, not a weights file
-        raise UserError(f"--weights {path}: not a readable GPT-2 checkpoint ({type(e).__name__})") \
-            from None
+        raise UserError(
+            f"--weights {path}: not a readable GPT-2 checkpoint ({type(e).__name__})"
+        ) from None

@@ -11,6 +11,7 @@ Scales (each *_settings function says what it trains): tiny (seconds: the tests'
 check), cpu (a coursework preset: <= 10 minutes each on 2 CPU cores, small models, several
 seeds), paper (the papers' own settings: GPU days).
 """
+
 import argparse
 import itertools
 import math
@@ -28,8 +29,8 @@ import curves
 import evaluate
 import train
 from data import UserError, run
-from heads import HEADS as HEADS_AVAILABLE
 from heads import EPSILON_HEADS, paper_name
+from heads import HEADS as HEADS_AVAILABLE
 
 RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
 SMOKE = ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."]
@@ -44,29 +45,61 @@ def nmst_settings(scale, table):
     small = "--d_model 128 --dropout 0.1 --lr 3e-3 --lr_schedule constant --batch_size 32".split()
     gpt = ["--n_layer", "2", "--n_head", "4", "--block_size", "1024", *small, "--lr", "1e-3"]
     tiny = "--d_model 16 --batch_size 8 --n_layer 1 --train_seqs 200".split()
-    return {"tiny": dict(dataset="ptb", steps=6, seeds=1, contexts=6, L=40, eps=1e-3,
-                         models={"lstm": tiny},
-                         decoders=["greedy", "topk-2", "beam-2"] if table == 4 else ["greedy"]),
-            "cpu": dict(dataset="ptb", steps=300, seeds=3, contexts=100, L=1000, eps=1e-3,
-                        models={"rnn": small, "lstm": small} if table == 1 else {"gpt": gpt},
-                        decoders=["greedy", "topk-2", "nucleus-0.4", "beam-2"] if table == 1
-                        else list(TABLE4)),
-            "paper": dict(dataset="wikitext2" if table == 1 else "wikitext103", steps=None,
-                          seeds=10, contexts=None, L=1000, eps=1e-5,
-                          models={"rnn": [], "lstm": []} if table == 1 else
-                          {"gpt": ["--init_from", "gpt2"]},
-                          decoders=["greedy", *TABLE4] if table == 1 else list(TABLE4))}[scale]
+    return {
+        "tiny": dict(
+            dataset="ptb",
+            steps=6,
+            seeds=1,
+            contexts=6,
+            L=40,
+            eps=1e-3,
+            models={"lstm": tiny},
+            decoders=["greedy", "topk-2", "beam-2"] if table == 4 else ["greedy"],
+        ),
+        "cpu": dict(
+            dataset="ptb",
+            steps=300,
+            seeds=3,
+            contexts=100,
+            L=1000,
+            eps=1e-3,
+            models={"rnn": small, "lstm": small} if table == 1 else {"gpt": gpt},
+            decoders=["greedy", "topk-2", "nucleus-0.4", "beam-2"] if table == 1 else list(TABLE4),
+        ),
+        "paper": dict(
+            dataset="wikitext2" if table == 1 else "wikitext103",
+            steps=None,
+            seeds=10,
+            contexts=None,
+            L=1000,
+            eps=1e-5,
+            models={"rnn": [], "lstm": []} if table == 1 else {"gpt": ["--init_from", "gpt2"]},
+            decoders=["greedy", *TABLE4] if table == 1 else list(TABLE4),
+        ),
+    }[scale]
 
 
-PAPER_TABLE1 = {("rnn", "softmax"): "178.6 ± 6.3", ("rnn", "st"): "180.4 ± 3.3",
-                ("rnn", "nmst"): "177.4 ± 4.5", ("lstm", "softmax"): "101.6 ± 1.0",
-                ("lstm", "st"): "104.5 ± 1.4", ("lstm", "nmst"): "101.5 ± 0.8"}
+PAPER_TABLE1 = {
+    ("rnn", "softmax"): "178.6 ± 6.3",
+    ("rnn", "st"): "180.4 ± 3.3",
+    ("rnn", "nmst"): "177.4 ± 4.5",
+    ("lstm", "softmax"): "101.6 ± 1.0",
+    ("lstm", "st"): "104.5 ± 1.4",
+    ("lstm", "nmst"): "101.5 ± 0.8",
+}
 TABLE4 = ("topk-2", "topk-4", "nucleus-0.2", "nucleus-0.4", "beam-2", "beam-4")
 PAPER_TABLE4 = {  # r_nt(1000) in the paper's Table 4, in the order of TABLE4
-    "softmax": ("0.0 ± 0.0", "0.0 ± 0.0", "0.25 ± 0.08", "0.14 ± 0.05", "0.05 ± 0.02",
-                "0.03 ± 0.01"),
+    "softmax": (
+        "0.0 ± 0.0",
+        "0.0 ± 0.0",
+        "0.25 ± 0.08",
+        "0.14 ± 0.05",
+        "0.05 ± 0.02",
+        "0.03 ± 0.01",
+    ),
     "st": ("0.0 ± 0.0", "0.0 ± 0.0", "0.73 ± 0.11", "0.55 ± 0.15", "0.29 ± 0.10", "0.15 ± 0.07"),
-    "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02", "0.01 ± 0.01")}
+    "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02", "0.01 ± 0.01"),
+}
 HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
 
 
@@ -81,21 +114,40 @@ def train_all(plan, args):
     """Train, go on with or reuse every run of the plan [(name, flags)]: in turn, or --jobs at once
     as `python train.py` processes (output: RUNS/NAME.log); --max_minutes caps each."""
     cap = ["--max_minutes", str(args.max_minutes)] if args.max_minutes else []
-    runs = [(out := os.path.join(args.runs, name), [*flags, *cap, "--out_dir", out] + ["--resume"]
-             * os.path.isfile(f"{out}/ckpt_last.pt")) for name, flags in plan]
-    most = f": {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min of training, and each " \
-        "run's set-up and evaluations" if cap else ""
+    runs = [
+        (
+            out := os.path.join(args.runs, name),
+            [*flags, *cap, "--out_dir", out] + ["--resume"] * os.path.isfile(f"{out}/ckpt_last.pt"),
+        )
+        for name, flags in plan
+    ]
+    most = (
+        f": {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min of training, and each "
+        "run's set-up and evaluations"
+        if cap
+        else ""
+    )
     print(f"training {len(plan)} runs, {args.jobs} at a time{most}", flush=True)
     if args.jobs == 1:  # in this process, in turn
         for out, argv in runs:
             train.main(argv)
             if train.STOP:  # a signal stopped the run (its checkpoint is written): the command too
-                raise UserError(f"stopped by {train.STOP[0]}; the run's checkpoint is in {out}: "
-                                f"the same command goes on from there")
+                raise UserError(
+                    f"stopped by {train.STOP[0]}; the run's checkpoint is in {out}: "
+                    f"the same command goes on from there"
+                )
     else:  # `python train.py` processes, --jobs at once
         with ThreadPoolExecutor(args.jobs) as pool:
-            codes = list(pool.map(lambda r: subprocess.call([sys.executable, train.__file__, *r[1]],
-                                  stdout=open(f"{r[0]}.log", "a"), stderr=subprocess.STDOUT), runs))
+            codes = list(
+                pool.map(
+                    lambda r: subprocess.call(
+                        [sys.executable, train.__file__, *r[1]],
+                        stdout=open(f"{r[0]}.log", "a"),
+                        stderr=subprocess.STDOUT,
+                    ),
+                    runs,
+                )
+            )
         if failed := sum(c != 0 for c in codes):
             raise UserError(f"{failed} of {len(plan)} runs failed: see their .log in {args.runs}")
     return {name: os.path.join(args.runs, name, "ckpt_best.pt") for name, _ in plan}
@@ -104,8 +156,13 @@ def train_all(plan, args):
 def mean_std(values, digits=1):
     """mean ± std over seeds; one seed: the value alone (one run has no spread to show)."""
     values = [v for v in values if v is not None and not math.isnan(v)]
-    return "-" if not values else f"{values[0]:.{digits}f}" if len(values) == 1 else \
-        f"{statistics.mean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
+    return (
+        "-"
+        if not values
+        else f"{values[0]:.{digits}f}"
+        if len(values) == 1
+        else f"{statistics.mean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
+    )
 
 
 EVAL_SEQS = 400  # the validation sequences of a run's own evaluations (tiny and cpu scales)
@@ -117,11 +174,28 @@ def base_flags(cfg, model, head, seed, eps):
     steps = []  # paper scale: the recipe's own steps and evaluations
     if cfg["steps"]:
         every = cfg["steps"] if cfg["steps"] < 20 else cfg["steps"] // 4
-        steps = ["--max_iters", str(cfg["steps"]), "--eval_interval", str(every), "--eval_seqs",
-                 str(EVAL_SEQS)]
+        steps = [
+            "--max_iters",
+            str(cfg["steps"]),
+            "--eval_interval",
+            str(every),
+            "--eval_seqs",
+            str(EVAL_SEQS),
+        ]
     eps = ["--epsilon", str(eps)] if head in EPSILON_HEADS else []  # (eq. 9, 10)
-    return ["--model", model, "--head", head, *eps, "--dataset", cfg["dataset"],
-            "--seed", str(seed), *cfg["models"][model], *steps]
+    return [
+        "--model",
+        model,
+        "--head",
+        head,
+        *eps,
+        "--dataset",
+        cfg["dataset"],
+        "--seed",
+        str(seed),
+        *cfg["models"][model],
+        *steps,
+    ]
 
 
 # --- NMST Table 1 + Fig. 2 / 7, NMST Table 4 --------------------------------------------------
@@ -131,17 +205,34 @@ def nmst_runs(table, args):
     cfg = nmst_settings(args.scale, table)
     limit = ["--limit", str(cfg["contexts"])] if cfg["contexts"] else []
     curve = [str(x) for x in sorted({1, 3, 10, 30, 100, 300, 1000, cfg["L"]}) if x <= cfg["L"]]
-    plan = [(f"{model}-{head}-s{seed}", base_flags(cfg, model, head, seed, cfg["eps"]),
-             (model, head), seed)
-            for model in cfg["models"] for head in args.heads for seed in range(cfg["seeds"])]
+    plan = [
+        (
+            f"{model}-{head}-s{seed}",
+            base_flags(cfg, model, head, seed, cfg["eps"]),
+            (model, head),
+            seed,
+        )
+        for model in cfg["models"]
+        for head in args.heads
+        for seed in range(cfg["seeds"])
+    ]
     runs, ckpts = {}, train_all([p[:2] for p in plan], args)
     for k, (name, train_flags, key, seed) in enumerate(plan):
         print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
         ckpt, ppl_flags = ckpts[name], ["--split", "valid"] + limit * (args.scale == "tiny")
         r = dict(ppl=evaluate.evaluate_once(ckpt, ppl_flags, f"{args.out}/{name}-ppl.json")["ppl"])
         for dec in cfg["decoders"]:
-            flags = ["--no_ppl", *decoder_flags(dec), "--L", *curve, *limit,
-                     "--seed", str(seed), "--traces", "3"]
+            flags = [
+                "--no_ppl",
+                *decoder_flags(dec),
+                "--L",
+                *curve,
+                *limit,
+                "--seed",
+                str(seed),
+                "--traces",
+                "3",
+            ]
             r[dec] = evaluate.evaluate_once(ckpt, flags, f"{args.out}/{name}-{dec}.json")
         runs.setdefault(key, []).append(r)
     return cfg, runs
@@ -155,15 +246,20 @@ def report_table1(cfg, runs, args):
     """Perplexity by head (a row, by the papers' names: VA+, ST+, NMST+, MoS, ...) and model (a
     column), the paper's value beside nanogen's; eps only for the heads that read it."""
     models = list(cfg["models"])
-    lines = [f"NMST Table 1 (scale {args.scale}): validation perplexity, mean ± std over "
-             f"{cfg['seeds']} seed(s); {cfg['dataset']}.  In () the paper's (WikiText-2, "
-             f"eps = 1e-5, 10 runs, converged 2x256 RNN / 2x512 LSTM).", "",
-             "| head | eps | " + " | ".join(m.upper() for m in models) + " |",
-             "|---|---|" + "---|" * len(models)]
+    lines = [
+        f"NMST Table 1 (scale {args.scale}): validation perplexity, mean ± std over "
+        f"{cfg['seeds']} seed(s); {cfg['dataset']}.  In () the paper's (WikiText-2, "
+        f"eps = 1e-5, 10 runs, converged 2x256 RNN / 2x512 LSTM).",
+        "",
+        "| head | eps | " + " | ".join(m.upper() for m in models) + " |",
+        "|---|---|" + "---|" * len(models),
+    ]
     for h in args.heads:
         eps = f"{cfg['eps']:g}" if h in EPSILON_HEADS else "-"
-        cells = [f"{mean_std([r['ppl'] for r in runs[m, h]])} ({PAPER_TABLE1.get((m, h), '-')})"
-                 for m in models]
+        cells = [
+            f"{mean_std([r['ppl'] for r in runs[m, h]])} ({PAPER_TABLE1.get((m, h), '-')})"
+            for m in models
+        ]
         lines.append(f"| {paper_name(h)} | {eps} | " + " | ".join(cells) + " |")
     return lines + rnt_rows(cfg, runs, args)
 
@@ -171,16 +267,21 @@ def report_table1(cfg, runs, args):
 def rnt_rows(cfg, runs, args):
     """r_nt(L) at L = 10, 100 and the largest L, by model, head and decoder."""
     Ls = [L for L in (10, 100, cfg["L"]) if L <= cfg["L"]]
-    lines = ["", f"Non-termination ratio r_nt(L) by decoder (mean ± std over seeds; "
-                 f"{cfg['contexts'] or 'all'} validation contexts; Fig. 2 and 7):", "",
-             "| model | head | decoder | " + " | ".join(f"r_nt({L})" for L in Ls)
-             + " | mean length |", "|---|---|---|" + "---|" * (1 + len(Ls))]
+    lines = [
+        "",
+        f"Non-termination ratio r_nt(L) by decoder (mean ± std over seeds; "
+        f"{cfg['contexts'] or 'all'} validation contexts; Fig. 2 and 7):",
+        "",
+        "| model | head | decoder | " + " | ".join(f"r_nt({L})" for L in Ls) + " | mean length |",
+        "|---|---|---|" + "---|" * (1 + len(Ls)),
+    ]
     for (m, h), res in runs.items():
         for dec in cfg["decoders"]:
             cells = [mean_std(r_nt(res, dec, L), 3) for L in Ls]
             length = mean_std([r[dec]["decoding"]["mean_length"] for r in res])
-            lines.append(f"| {m} | {paper_name(h)} | {dec} | " + " | ".join(cells)
-                         + f" | {length} |")
+            lines.append(
+                f"| {m} | {paper_name(h)} | {dec} | " + " | ".join(cells) + f" | {length} |"
+            )
     return lines + verdict_table1(cfg, runs, args)
 
 
@@ -196,44 +297,74 @@ def verdict_table1(cfg, runs, args):
         va = rates.get("softmax", [])
         looping = sum(v > 0 for v in va)
         if not (va and others):
-            verdict = "no conclusion (the paper's claim compares VA+ with ST+ / NMST+: --heads " \
+            verdict = (
+                "no conclusion (the paper's claim compares VA+ with ST+ / NMST+: --heads "
                 "softmax and st or nmst)."
+            )
         elif looping and not any(any(rates[h]) for h in others):
-            verdict = "the paper's effect shows (VA continuations that never end; none for " \
+            verdict = (
+                "the paper's effect shows (VA continuations that never end; none for "
                 f"{' and '.join(map(paper_name, others))})."
+            )
         else:
-            verdict = "the paper's effect does NOT show at this scale" + (
-                " (no VA continuation loops here: a small, briefly trained VA model need not)"
-                if not looping else "") + "."
-        out.append(f"- {m.upper()}, greedy: " + ", ".join(
-            f"{paper_name(h)} r_nt({L}) = {statistics.mean(rates[h]):.3f}" for h in args.heads)
-            + (f" (VA > 0 in {looping} of {len(va)} seeds): " if va else ": ") + verdict)
+            verdict = (
+                "the paper's effect does NOT show at this scale"
+                + (
+                    " (no VA continuation loops here: a small, briefly trained VA model need not)"
+                    if not looping
+                    else ""
+                )
+                + "."
+            )
+        out.append(
+            f"- {m.upper()}, greedy: "
+            + ", ".join(
+                f"{paper_name(h)} r_nt({L}) = {statistics.mean(rates[h]):.3f}" for h in args.heads
+            )
+            + (f" (VA > 0 in {looping} of {len(va)} seeds): " if va else ": ")
+            + verdict
+        )
         ppl = [[r["ppl"] for r in runs[m, h]] for h in args.heads]
-        gap, sd = max(map(statistics.mean, ppl)) - min(map(statistics.mean, ppl)), max(map(
-            statistics.pstdev, ppl))  # (the caveat: do the heads' perplexities differ at all?)
-        out.append(f"  Perplexity: the heads' means lie {gap:.1f} apart, the seeds' std <= {sd:.1f}"
-                   + (": under 2 std, these runs do not order the heads." if gap < 2 * sd else "."))
+        gap, sd = (
+            max(map(statistics.mean, ppl)) - min(map(statistics.mean, ppl)),
+            max(map(statistics.pstdev, ppl)),
+        )  # (the caveat: do the heads' perplexities differ at all?)
+        out.append(
+            f"  Perplexity: the heads' means lie {gap:.1f} apart, the seeds' std <= {sd:.1f}"
+            + (": under 2 std, these runs do not order the heads." if gap < 2 * sd else ".")
+        )
     return out
 
 
 def report_table4(cfg, runs, args):
     decs, model = cfg["decoders"], next(iter(cfg["models"]))
-    lines = [f"NMST Table 4 (scale {args.scale}): r_nt({cfg['L']}), mean ± std over "
-             f"{cfg['seeds']} seed(s) (beam: the seeds' models), {cfg['contexts'] or 'all'} "
-             f"validation contexts, {model} on {cfg['dataset']}, eps = {cfg['eps']:g}.  In () the "
-             f"paper's (GPT-2 finetuned on WikiText-103, eps = 1e-5).", "",
-             "| head | " + " | ".join(decs) + " |", "|---" * (1 + len(decs)) + "|"]
+    lines = [
+        f"NMST Table 4 (scale {args.scale}): r_nt({cfg['L']}), mean ± std over "
+        f"{cfg['seeds']} seed(s) (beam: the seeds' models), {cfg['contexts'] or 'all'} "
+        f"validation contexts, {model} on {cfg['dataset']}, eps = {cfg['eps']:g}.  In () the "
+        f"paper's (GPT-2 finetuned on WikiText-103, eps = 1e-5).",
+        "",
+        "| head | " + " | ".join(decs) + " |",
+        "|---" * (1 + len(decs)) + "|",
+    ]
     for h in args.heads:
         paper = dict(zip(TABLE4, PAPER_TABLE4.get(h, ())))
-        cells = [f"{mean_std(r_nt(runs[model, h], d, cfg['L']), 3)} ({paper.get(d, '-')})"
-                 for d in decs]
+        cells = [
+            f"{mean_std(r_nt(runs[model, h], d, cfg['L']), 3)} ({paper.get(d, '-')})" for d in decs
+        ]
         lines.append(f"| {paper_name(h)} | " + " | ".join(cells) + " |")
     if args.scale == "tiny":
         return lines + SMOKE
-    worst = {h: max(statistics.mean(r_nt(runs[model, h], d, cfg["L"])) for d in decs)
-             for h in args.heads}
-    return lines + ["", *(f"- {paper_name(h)}: the largest r_nt({cfg['L']}) over these decoders "
-                          f"is {worst[h]:.3f}" for h in args.heads)]
+    worst = {
+        h: max(statistics.mean(r_nt(runs[model, h], d, cfg["L"])) for d in decs) for h in args.heads
+    }
+    return lines + [
+        "",
+        *(
+            f"- {paper_name(h)}: the largest r_nt({cfg['L']}) over these decoders is {worst[h]:.3f}"
+            for h in args.heads
+        ),
+    ]
 
 
 def plot_nmst(cfg, runs, args):
@@ -242,22 +373,41 @@ def plot_nmst(cfg, runs, args):
     log axis: it is drawn at the 1e-3 floor (said in the axis label), markers telling apart heads
     that share a curve."""
     plt, models, decs = curves.pyplot(), list(cfg["models"]), cfg["decoders"]
-    fig, axes = plt.subplots(len(models), len(decs), figsize=(3.2 * len(decs), 2.8 * len(models)),
-                             squeeze=False)
-    for (i, m), (j, d), (k, h) in itertools.product(enumerate(models), enumerate(decs),
-                                                    enumerate(args.heads)):
+    fig, axes = plt.subplots(
+        len(models), len(decs), figsize=(3.2 * len(decs), 2.8 * len(models)), squeeze=False
+    )
+    for (i, m), (j, d), (k, h) in itertools.product(
+        enumerate(models), enumerate(decs), enumerate(args.heads)
+    ):
         per_seed = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
         Ls = sorted(int(L) for L in per_seed[0])
         ys = [[max(c[str(L)], 1e-3) for c in per_seed] for L in Ls]
         mean, sd = [statistics.mean(y) for y in ys], [statistics.pstdev(y) for y in ys]
-        axes[i, j].plot(Ls, mean, ("-", "--", ":", "-.")[k % 4], color=f"C{k}",
-                        marker="o^sD"[k % 4], markersize=max(5 - k, 2), fillstyle="none",
-                        label=paper_name(h))
-        axes[i, j].fill_between(Ls, [max(a - b, 1e-3) for a, b in zip(mean, sd)],
-                                [a + b for a, b in zip(mean, sd)], color=f"C{k}", alpha=0.15)
-        axes[i, j].set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}",
-                       xlabel="L" if i == len(models) - 1 else None,
-                       ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None)
+        axes[i, j].plot(
+            Ls,
+            mean,
+            ("-", "--", ":", "-.")[k % 4],
+            color=f"C{k}",
+            marker="o^sD"[k % 4],
+            markersize=max(5 - k, 2),
+            fillstyle="none",
+            label=paper_name(h),
+        )
+        axes[i, j].fill_between(
+            Ls,
+            [max(a - b, 1e-3) for a, b in zip(mean, sd)],
+            [a + b for a, b in zip(mean, sd)],
+            color=f"C{k}",
+            alpha=0.15,
+        )
+        axes[i, j].set(
+            xscale="log",
+            yscale="log",
+            ylim=(8e-4, 1.2),
+            title=f"{m.upper()}, {d}",
+            xlabel="L" if i == len(models) - 1 else None,
+            ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None,
+        )
     axes[0, 0].legend(fontsize=7)
     curves.save_figure(fig, os.path.join(args.out, "r_nt.png"))
 
@@ -270,17 +420,30 @@ def over_training(cfg, args):
         folders = [os.path.join(args.runs, f"{model}-{h}-s0") for h in args.heads]
         rows = curves.overlay(folders, os.path.join(args.out, f"training-{model}.png"))
         seqs = f"the first {EVAL_SEQS}" if cfg["steps"] else "all"
-        lines += ["", f"Over training ({model}, seed 0; training-{model}.png): the runs' own "
-                      f"evaluations (perplexity on {seqs} validation sequences); the probe greedy-"
-                      f"decodes 64 validation contexts to L = 200 at each evaluation (ST / NMST"
-                      f" may pass it: t½ = ln 2/eps = {math.log(2) / cfg['eps']:.0f}).", "", *rows]
+        lines += [
+            "",
+            f"Over training ({model}, seed 0; training-{model}.png): the runs' own "
+            f"evaluations (perplexity on {seqs} validation sequences); the probe greedy-"
+            f"decodes 64 validation contexts to L = 200 at each evaluation (ST / NMST"
+            f" may pass it: t½ = ln 2/eps = {math.log(2) / cfg['eps']:.0f}).",
+            "",
+            *rows,
+        ]
     return lines
 
 
 def run_nmst(table, args):
     cfg = nmst_settings(args.scale, table)  # a --heads subset keeps the rows of finished heads
-    done = [h for h in HEADS_AVAILABLE if h not in args.heads and all(os.path.exists(
-        f"{args.out}/{m}-{h}-s{s}-ppl.json") for m in cfg["models"] for s in range(cfg["seeds"]))]
+    done = [
+        h
+        for h in HEADS_AVAILABLE
+        if h not in args.heads
+        and all(
+            os.path.exists(f"{args.out}/{m}-{h}-s{s}-ppl.json")
+            for m in cfg["models"]
+            for s in range(cfg["seeds"])
+        )
+    ]
     args = argparse.Namespace(**{**vars(args), "heads": args.heads + done})
     cfg, runs = nmst_runs(table, args)
     lines = report_table1(cfg, runs, args) if table == 1 else report_table4(cfg, runs, args)
@@ -289,12 +452,22 @@ def run_nmst(table, args):
 
 
 # --- CT Table 3 -------------------------------------------------------------------------------
-CT_ROWS = (("softmax", "softmax", []), ("MoS (tau = 0.5)", "mos", ["--temperature", "0.5"]),
-           ("MoS (tau = 1.0)", "mos", []), ("MoS (tau = 4.0)", "mos", ["--temperature", "4"]),
-           ("CT", "ct", []), ("CT-MoS", "ctmos", []))
-PAPER_CT = {"softmax": "60.7 / 58.8 (AWD-LSTM, Table 1)", "MoS (tau = 0.5)": "60.73 / 58.38",
-            "MoS (tau = 1.0)": "58.08 / 55.97", "MoS (tau = 4.0)": "57.39 / 55.21",
-            "CT": "- (not reported)", "CT-MoS": "56.95 / 54.69"}
+CT_ROWS = (
+    ("softmax", "softmax", []),
+    ("MoS (tau = 0.5)", "mos", ["--temperature", "0.5"]),
+    ("MoS (tau = 1.0)", "mos", []),
+    ("MoS (tau = 4.0)", "mos", ["--temperature", "4"]),
+    ("CT", "ct", []),
+    ("CT-MoS", "ctmos", []),
+)
+PAPER_CT = {
+    "softmax": "60.7 / 58.8 (AWD-LSTM, Table 1)",
+    "MoS (tau = 0.5)": "60.73 / 58.38",
+    "MoS (tau = 1.0)": "58.08 / 55.97",
+    "MoS (tau = 4.0)": "57.39 / 55.21",
+    "CT": "- (not reported)",
+    "CT-MoS": "56.95 / 54.69",
+}
 
 
 def ct_settings(scale):
@@ -303,45 +476,82 @@ def ct_settings(scale):
     layer, no weight drop); cpu: a 2x64 LSTM, K = 2, 200 steps, perplexity on the first 2000
     tokens of each of the 10 evaluation columns (20,000 tokens of each split)."""
     common = "--model lstm --task stream --dataset ptb".split()
-    return {"tiny": dict(seeds=1, limit=["--limit", "100"], flags=common + (
+    return {
+        "tiny": dict(
+            seeds=1,
+            limit=["--limit", "100"],
+            flags=common
+            + (
                 "--d_model 16 --n_layer 1 --batch_size 8 --bptt 20 --max_iters 4 "
-                "--eval_interval 4 --eval_seqs 200 --n_experts 2").split()),
-            "cpu": dict(seeds=3, limit=["--limit", "2000"], flags=common + (
+                "--eval_interval 4 --eval_seqs 200 --n_experts 2"
+            ).split(),
+        ),
+        "cpu": dict(
+            seeds=3,
+            limit=["--limit", "2000"],
+            flags=common
+            + (
                 "--d_model 64 --dropout 0.1 --batch_size 20 --bptt 35 --lr 3e-3 --lr_schedule "
                 "constant --max_iters 200 --eval_interval 200 --eval_seqs 1000 --n_experts 2"
-            ).split()),
-            "paper": dict(seeds=10, limit=[], flags=common + (
+            ).split(),
+        ),
+        "paper": dict(
+            seeds=10,
+            limit=[],
+            flags=common
+            + (
                 "--n_layer 3 --d_model 960 --dropout 0.4 --batch_size 12 --bptt 70 --n_experts 15 "
-                "--ar 2 --tar 1 --locked_dropout --lr 1e-3").split())}[scale]
+                "--ar 2 --tar 1 --locked_dropout --lr 1e-3"
+            ).split(),
+        ),
+    }[scale]
 
 
 def run_ct(args):
     cfg = ct_settings(args.scale)
-    plan = [(f"{head}{extra[1] if extra else ''}-s{seed}",
-             [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)], label)
-            for label, head, extra in CT_ROWS for seed in range(cfg["seeds"])]
+    plan = [
+        (
+            f"{head}{extra[1] if extra else ''}-s{seed}",
+            [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)],
+            label,
+        )
+        for label, head, extra in CT_ROWS
+        for seed in range(cfg["seeds"])
+    ]
     runs, ckpts = {}, train_all([p[:2] for p in plan], args)
     for k, (name, flags, label) in enumerate(plan):
         print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
-        ppl = {split: evaluate.evaluate_once(ckpts[name], ["--split", split, *cfg["limit"]],
-                                             f"{args.out}/{name}-{split}.json")["ppl"]
-               for split in ("valid", "test")}
+        ppl = {
+            split: evaluate.evaluate_once(
+                ckpts[name], ["--split", split, *cfg["limit"]], f"{args.out}/{name}-{split}.json"
+            )["ppl"]
+            for split in ("valid", "test")
+        }
         runs.setdefault(label, []).append(ppl)
-    lines = [f"CT Table 3 (scale {args.scale}): PTB, continuous LM, perplexity valid / test, "
-             f"mean ± std over {cfg['seeds']} seed(s).  Paper: AWD-LSTM-size models without "
-             f"finetuning.", "", "| model | nanogen valid | nanogen test | paper valid / test |",
-             "|---|---|---|---|"]
+    lines = [
+        f"CT Table 3 (scale {args.scale}): PTB, continuous LM, perplexity valid / test, "
+        f"mean ± std over {cfg['seeds']} seed(s).  Paper: AWD-LSTM-size models without "
+        f"finetuning.",
+        "",
+        "| model | nanogen valid | nanogen test | paper valid / test |",
+        "|---|---|---|---|",
+    ]
     for label, _, _ in CT_ROWS:
-        lines.append(f"| {label} | {mean_std([r['valid'] for r in runs[label]])} | "
-                     f"{mean_std([r['test'] for r in runs[label]])} | {PAPER_CT[label]} |")
+        lines.append(
+            f"| {label} | {mean_std([r['valid'] for r in runs[label]])} | "
+            f"{mean_std([r['test'] for r in runs[label]])} | {PAPER_CT[label]} |"
+        )
     if args.scale == "tiny":
         return lines + SMOKE, runs
     valid = {label: statistics.mean(r["valid"] for r in runs[label]) for label in runs}
     best = min(valid, key=valid.get)
     holds = all(valid["CT-MoS"] < valid[label] for label, head, _ in CT_ROWS if head == "mos")
-    lines += ["", f"- Lowest mean validation perplexity here: {best}.  The paper's claim (CT-MoS "
-                  f"beats every constant-temperature MoS) {'holds' if holds else 'does NOT hold'}"
-                  f" at this scale."]
+    lines += [
+        "",
+        f"- Lowest mean validation perplexity here: {best}.  The paper's claim (CT-MoS "
+        f"beats every constant-temperature MoS) {'holds' if holds else 'does NOT hold'}"
+        f" at this scale.",
+    ]
     return lines, runs
 
 
@@ -349,37 +559,75 @@ def run_ct(args):
 def insnet_settings(scale):
     """InsNet Table 3 (golden storylines): InsNet-full vs L2R-PNW on ROCStories.  cpu: 2x64
     models, 500 steps, greedy decoding of 100 test stories; the paper: base size, 80k steps."""
-    return {"tiny": dict(seeds=1, stories=3, lengths=[20, 40], flags=(
+    return {
+        "tiny": dict(
+            seeds=1,
+            stories=3,
+            lengths=[20, 40],
+            flags=(
                 "--n_layer 1 --d_model 16 --n_head 2 --batch_size 8 --max_iters 4 "
-                "--eval_interval 4 --eval_seqs 16 --train_seqs 64 --warmup 0").split()),
-            "cpu": dict(seeds=3, stories=100, lengths=[20, 40, 80, 120, 160], flags=(
+                "--eval_interval 4 --eval_seqs 16 --train_seqs 64 --warmup 0"
+            ).split(),
+        ),
+        "cpu": dict(
+            seeds=3,
+            stories=100,
+            lengths=[20, 40, 80, 120, 160],
+            flags=(
                 "--n_layer 2 --d_model 64 --n_head 4 --batch_size 32 --lr 2e-3 --warmup 30 "
-                "--max_iters 500 --decay_steps 500 --eval_interval 500 --eval_seqs 200").split()),
-            "paper": dict(seeds=3, stories=None, flags=[], lengths=[20, 40, 60, 80, 100, 120, 160])
-            }[scale]
+                "--max_iters 500 --decay_steps 500 --eval_interval 500 --eval_seqs 200"
+            ).split(),
+        ),
+        "paper": dict(seeds=3, stories=None, flags=[], lengths=[20, 40, 60, 80, 100, 120, 160]),
+    }[scale]
 
 
-PAPER_INSNET = {"insnet": "52.86 / 36.86 / 26.39 / 19.35, 100%",
-                "gpt": "51.74 / 35.74 / 25.64 / 18.95, 95.40%"}
+PAPER_INSNET = {
+    "insnet": "52.86 / 36.86 / 26.39 / 19.35, 100%",
+    "gpt": "51.74 / 35.74 / 25.64 / 18.95, 95.40%",
+}
 
 
 def run_insnet(args):
     cfg = insnet_settings(args.scale)
     limit = ["--limit", str(cfg["stories"])] if cfg["stories"] else []
-    plan = [(f"{model}-s{seed}", ["--model", model, "--dataset", "rocstories", "--task",
-                                  "storyline", "--seed", str(seed), *cfg["flags"]], model)
-            for model in ("insnet", "gpt") for seed in range(cfg["seeds"])]
+    plan = [
+        (
+            f"{model}-s{seed}",
+            [
+                "--model",
+                model,
+                "--dataset",
+                "rocstories",
+                "--task",
+                "storyline",
+                "--seed",
+                str(seed),
+                *cfg["flags"],
+            ],
+            model,
+        )
+        for model in ("insnet", "gpt")
+        for seed in range(cfg["seeds"])
+    ]
     runs, ckpts = {}, train_all([p[:2] for p in plan], args)
     for k, (name, flags, model) in enumerate(plan):
         print(f"[{k + 1}/{len(plan)}] generating the stories of {name}", flush=True)
-        runs.setdefault(model, []).append(evaluate.evaluate_once(
-            ckpts[name], ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
-            os.path.join(args.out, f"{name}-generation.json"))["generation"])
-    lines = [f"InsNet Table 3 (scale {args.scale}): ROCStories, golden storylines, greedy "
-             f"decoding of {cfg['stories'] or 'all'} test stories, mean ± std over "
-             f"{cfg['seeds']} seed(s).", "",
-             "| model | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | storyline inclusion | paper |",
-             "|---|---|---|---|---|---|---|"]
+        runs.setdefault(model, []).append(
+            evaluate.evaluate_once(
+                ckpts[name],
+                ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
+                os.path.join(args.out, f"{name}-generation.json"),
+            )["generation"]
+        )
+    lines = [
+        f"InsNet Table 3 (scale {args.scale}): ROCStories, golden storylines, greedy "
+        f"decoding of {cfg['stories'] or 'all'} test stories, mean ± std over "
+        f"{cfg['seeds']} seed(s).",
+        "",
+        "| model | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | storyline inclusion | paper |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for model, label in (("insnet", "InsNet (constrained)"), ("gpt", "L2R-PNW")):
         g = runs[model]
         bleu = [mean_std([r["bleu"][str(n)] for r in g], 2) for n in range(1, 5)]
@@ -393,9 +641,14 @@ def fig12(cfg, args):
     """Fig. 12 (bench.py insnet): seconds per epoch by length, InsNet / IT-vanilla / L2R (cpu: a
     2 x 256 model, so that the output layer weighs as in a real one)."""
     sizes = "64 4 8 2 1" if args.scale == "tiny" else "256 16 16 4 2"
-    flags = [*"--gpt_layers 2 --gpt_dim {} --gpt_heads 4 --seqs {} --batch {} --it_batch {} "
-             "--iters {}".format(*sizes.split()).split(), "--lengths", *map(str, cfg["lengths"]),
-             "--plot", os.path.join(args.out, "fig12.png")]
+    flags = [
+        *"--gpt_layers 2 --gpt_dim {} --gpt_heads 4 --seqs {} --batch {} --it_batch {} "
+        "--iters {}".format(*sizes.split()).split(),
+        "--lengths",
+        *map(str, cfg["lengths"]),
+        "--plot",
+        os.path.join(args.out, "fig12.png"),
+    ]
     bench_args = bench.parser().parse_args(["insnet", *flags])
     lines = bench.bench_insnet(bench_args, train.get_device("cpu"))
     return ["", f"Fig. 12 (python bench.py insnet {' '.join(flags)}):", "", "```", *lines, "```"]
@@ -403,14 +656,21 @@ def fig12(cfg, args):
 
 # --------------------------------------------------------------------------------------------
 def main(argv=None):
-    p = train.Parser(description="Reproduce a paper result in one command: train (or reuse the "
-                                  "runs), evaluate, write the paper's table beside nanogen's.")
+    p = train.Parser(
+        description="Reproduce a paper result in one command: train (or reuse the "
+        "runs), evaluate, write the paper's table beside nanogen's."
+    )
     p.add_argument("what", choices=[*RESULTS, "all"])
     p.add_argument("--scale", default="cpu", choices=["tiny", "cpu", "paper"])
     p.add_argument("--out", default=None, help="results folder (default results/NAME-SCALE)")
     p.add_argument("--runs", default=None, help="training runs (default OUT/runs)")
-    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS_AVAILABLE,
-                   help="nmst-table1 / nmst-table4: the heads compared (default softmax st nmst)")
+    p.add_argument(
+        "--heads",
+        nargs="+",
+        default=list(HEADS),
+        choices=HEADS_AVAILABLE,
+        help="nmst-table1 / nmst-table4: the heads compared (default softmax st nmst)",
+    )
     p.add_argument("--jobs", type=train.INT1, help="runs trained at once (1; a GPU: one a 24 GiB)")
     p.add_argument("--max_minutes", type=train.POS, help="caps each run: a partial grid, said so")
     args = p.parse_args(argv)
@@ -423,24 +683,40 @@ def main(argv=None):
     todo = RESULTS if args.what == "all" else (args.what,)
     base_out, base_runs = args.out, args.runs
     for name in todo:
-        args.out = base_out if base_out and len(todo) == 1 else os.path.join(
-            base_out or "results", f"{name}-{args.scale}")
+        args.out = (
+            base_out
+            if base_out and len(todo) == 1
+            else os.path.join(base_out or "results", f"{name}-{args.scale}")
+        )
         args.runs = base_runs or os.path.join(args.out, "runs")
         try:
             os.makedirs(args.runs, exist_ok=True)
         except OSError as e:
             raise UserError(f"--runs {args.runs} cannot be made: {e.strerror or e}") from None
         t0 = time.time()
-        lines, raw = run_nmst(int(name[-1]), args) if name.startswith("nmst") else \
-            run_ct(args) if name == "ct-table3" else run_insnet(args)
+        lines, raw = (
+            run_nmst(int(name[-1]), args)
+            if name.startswith("nmst")
+            else run_ct(args)
+            if name == "ct-table3"
+            else run_insnet(args)
+        )
         minutes = (time.time() - t0) / 60
-        lines += ["", f"({name}, scale {args.scale}: {minutes:.1f} min on this machine" + (
-            f"; each run capped at {args.max_minutes:g} min: partial where one reached it)"
-            if args.max_minutes else ")")]
+        lines += [
+            "",
+            f"({name}, scale {args.scale}: {minutes:.1f} min on this machine"
+            + (
+                f"; each run capped at {args.max_minutes:g} min: partial where one reached it)"
+                if args.max_minutes
+                else ")"
+            ),
+        ]
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
-        evaluate.write_json(os.path.join(args.out, "results.json"),
-                            dict(result=name, scale=args.scale, minutes=minutes, runs=raw))
+        evaluate.write_json(
+            os.path.join(args.out, "results.json"),
+            dict(result=name, scale=args.scale, minutes=minutes, runs=raw),
+        )
         print("\n".join(lines) + f"\nwrote {os.path.join(args.out, 'table.md')} and results.json")
     return 0
 

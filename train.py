@@ -1,11 +1,12 @@
 """Train a nanogen model: flags and recipes, then set-up (data, model, DDP, resume), then the loop.
 
-    python train.py --model lstm --head nmst --dataset wikitext2        # NMST Table 1's LSTM
-    python train.py --init_from gpt2 --head nmst --dataset wikitext103   # GPT-2 finetuning
-    python train.py --model lstm --task stream --head ctmos --dataset ptb   # CT paper
-    python train.py --model insnet --dataset rocstories --task storyline    # InsNet
-    torchrun --nproc_per_node=4 train.py --head nmst --dataset wikitext103  # (... --resume: go on)
+python train.py --model lstm --head nmst --dataset wikitext2        # NMST Table 1's LSTM
+python train.py --init_from gpt2 --head nmst --dataset wikitext103   # GPT-2 finetuning
+python train.py --model lstm --task stream --head ctmos --dataset ptb   # CT paper
+python train.py --model insnet --dataset rocstories --task storyline    # InsNet
+torchrun --nproc_per_node=4 train.py --head nmst --dataset wikitext103  # (... --resume: go on)
 """
+
 import argparse
 import atexit
 import ctypes
@@ -38,23 +39,63 @@ from model import MODELS, WINDOWED, LanguageModel, eval_mode, gpt2_weights, gpt_
 # InsNet paper section 4.3; gcnn and gpt from scratch: nanogen's), what you type over both -------
 INSERTION = {"insnet": InsNet, "insertion_transformer": InsertionTransformer}
 STORY_DATASETS = ("rocstories", "synthetic")
-GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
-              "gpt2-xl": (48, 25, 1600)}  # (n_layer, n_head, d_model); V = 50257, 1024 positions
-RECURRENT = dict(n_layer=2, d_model=512, dropout=0.5, lr=1e-3, lr_schedule="plateau", batch_size=32,
-                 max_iters=0, eval_interval=0, weight_decay=0.01, decay_steps=500_000, warmup=0)
-GPT = dict(n_layer=12, d_model=768, dropout=0.1, lr=6e-4, lr_schedule="linear", max_tokens=1024,
-           max_iters=300_000, eval_interval=2000, weight_decay=0.01, decay_steps=300_000,
-           warmup=2000)
-RECIPES = {"rnn": dict(RECURRENT, d_model=256, dropout=0.3), "lstm": RECURRENT,
-           "gcnn": dict(RECURRENT, n_layer=8, dropout=0.1), "gpt": GPT,  # nanoGPT's
-           "gpt_finetune": dict(GPT, lr=5e-5, decay_steps=500_000, warmup=0),  # NMST section 4.2
-           "story": dict(n_layer=12, d_model=768, dropout=0.1, lr=1e-4, lr_schedule="linear",
-                         batch_size=64, max_iters=80_000, eval_interval=1000, weight_decay=0.02,
-                         decay_steps=80_000, warmup=400)}  # every model on the story data
+GPT2_SIZES = {
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}  # (n_layer, n_head, d_model); V = 50257, 1024 positions
+RECURRENT = dict(
+    n_layer=2,
+    d_model=512,
+    dropout=0.5,
+    lr=1e-3,
+    lr_schedule="plateau",
+    batch_size=32,
+    max_iters=0,
+    eval_interval=0,
+    weight_decay=0.01,
+    decay_steps=500_000,
+    warmup=0,
+)
+GPT = dict(
+    n_layer=12,
+    d_model=768,
+    dropout=0.1,
+    lr=6e-4,
+    lr_schedule="linear",
+    max_tokens=1024,
+    max_iters=300_000,
+    eval_interval=2000,
+    weight_decay=0.01,
+    decay_steps=300_000,
+    warmup=2000,
+)
+RECIPES = {
+    "rnn": dict(RECURRENT, d_model=256, dropout=0.3),
+    "lstm": RECURRENT,
+    "gcnn": dict(RECURRENT, n_layer=8, dropout=0.1),
+    "gpt": GPT,  # nanoGPT's
+    "gpt_finetune": dict(GPT, lr=5e-5, decay_steps=500_000, warmup=0),  # NMST section 4.2
+    "story": dict(
+        n_layer=12,
+        d_model=768,
+        dropout=0.1,
+        lr=1e-4,
+        lr_schedule="linear",
+        batch_size=64,
+        max_iters=80_000,
+        eval_interval=1000,
+        weight_decay=0.02,
+        decay_steps=80_000,
+        warmup=400,
+    ),
+}  # every model on the story data
 
 
 def number(kind, ok, words):
     """An argparse type: a finite number of `kind` for which ok(value) holds."""
+
     def parse(text):
         try:
             value = kind(text)
@@ -63,55 +104,103 @@ def number(kind, ok, words):
         if not (math.isfinite(value) and ok(value)):
             raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
         return value
+
     return parse
 
 
 INT1, INT0 = number(int, lambda v: v >= 1, ">= 1"), number(int, lambda v: v >= 0, ">= 0")
 POS, NONNEG = number(float, lambda v: v > 0, "> 0"), number(float, lambda v: v >= 0, ">= 0")
-FRACTION, SEED = number(float, lambda v: 0 <= v < 1, "in [0, 1)"), number(
-    int, lambda v: 0 <= v < 2 ** 63, "in [0, 2^63)")
+FRACTION, SEED = (
+    number(float, lambda v: 0 <= v < 1, "in [0, 1)"),
+    number(int, lambda v: 0 <= v < 2**63, "in [0, 2^63)"),
+)
 FLAGS = [  # (flag, default (None: a recipe's, or none), type (tuple: choices; bool: switch), help)
     ("model", "gpt", (*MODELS, *INSERTION), "insnet, insertion_transformer: insnet.py"),
-    ("head", "softmax", HEADS, "softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10), mos, ct, "
-     "ctmos (CT eq. 4, 6, 7: K*V floats a token, size the batch to fit)"),
-    ("task", None, ("completion", "stream", "story", "storyline"), "completion (NMST), stream "
-     "(CT, rnn / lstm), story / storyline (InsNet); default: by the dataset"),
+    (
+        "head",
+        "softmax",
+        HEADS,
+        "softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10), mos, ct, "
+        "ctmos (CT eq. 4, 6, 7: K*V floats a token, size the batch to fit)",
+    ),
+    (
+        "task",
+        None,
+        ("completion", "stream", "story", "storyline"),
+        "completion (NMST), stream "
+        "(CT, rnn / lstm), story / storyline (InsNet); default: by the dataset",
+    ),
     ("epsilon", 1e-5, number(float, lambda v: 0 < v < 1, "in (0, 1)"), "ST / NMST"),
     ("dataset", "wikitext103", (*DATASETS, *STORY_DATASETS), "text: your own, in --data_dir"),
     ("vocab", "word", VOCABS, "wikitext2, ptb, text: word or char; text: bpe (GPT-2's) too"),
     ("data_dir", None, os.path.abspath, "local data (default $NANOGEN_DATA, else download)"),
-    ("out_dir", None, str, "default out/DATASET-MODEL-HEAD"), ("seed", 0, SEED, ""),
+    ("out_dir", None, str, "default out/DATASET-MODEL-HEAD"),
+    ("seed", 0, SEED, ""),
     ("init_from", "scratch", ("scratch", *GPT2_SIZES), "GPT-2's weights (and shape)"),
-    ("weights", None, str, "--init_from's, a local copy"), ("device", "auto", str, "cpu, cuda:N"),
-    ("dtype", "auto", ("auto", "float32", "bfloat16", "float16"), "autocast on CUDA (auto: "
-     "bfloat16 where native, else float32)"), ("compile", False, bool, "torch.compile"),
-    ("peak_flops", None, POS, "for MFU"), ("resume", False, bool, "from out_dir/ckpt_last.pt"),
-    ("n_layer", None, INT1, ""), ("d_model", None, INT1, ""), ("n_head", 12, INT1, ""),
-    ("block_size", 1024, INT1, "GPT / GCNN window, story canvas"), ("dropout", None, FRACTION, ""),
-    ("kernel_size", 4, INT1, "gcnn"), ("no_tie", False, bool, ""), ("no_bias", False, bool, "gpt"),
-    ("n_experts", 4, INT1, "mos / ctmos: K"), ("ct_alpha", 1.0, NONNEG, "CT eq. 6"),
-    ("ct_beta", 0.5, POS, "CT eq. 6"), ("ct_rank", 0, INT0, "ct: rank of W_tau (0: full)"),
-    ("temperature", 1.0, POS, "softmax / mos: a constant one"), ("max_offset", 256, INT1, "insnet"),
+    ("weights", None, str, "--init_from's, a local copy"),
+    ("device", "auto", str, "cpu, cuda:N"),
+    (
+        "dtype",
+        "auto",
+        ("auto", "float32", "bfloat16", "float16"),
+        "autocast on CUDA (auto: bfloat16 where native, else float32)",
+    ),
+    ("compile", False, bool, "torch.compile"),
+    ("peak_flops", None, POS, "for MFU"),
+    ("resume", False, bool, "from out_dir/ckpt_last.pt"),
+    ("n_layer", None, INT1, ""),
+    ("d_model", None, INT1, ""),
+    ("n_head", 12, INT1, ""),
+    ("block_size", 1024, INT1, "GPT / GCNN window, story canvas"),
+    ("dropout", None, FRACTION, ""),
+    ("kernel_size", 4, INT1, "gcnn"),
+    ("no_tie", False, bool, ""),
+    ("no_bias", False, bool, "gpt"),
+    ("n_experts", 4, INT1, "mos / ctmos: K"),
+    ("ct_alpha", 1.0, NONNEG, "CT eq. 6"),
+    ("ct_beta", 0.5, POS, "CT eq. 6"),
+    ("ct_rank", 0, INT0, "ct: rank of W_tau (0: full)"),
+    ("temperature", 1.0, POS, "softmax / mos: a constant one"),
+    ("max_offset", 256, INT1, "insnet"),
     ("locked_dropout", False, bool, "rnn / lstm: a dropout mask per sequence (AWD-LSTM)"),
-    ("order", "random", ("random", "l2r"), "insertion order"), ("lr", None, POS, ""),
-    ("min_count", 2, INT1, "rocstories: rarer words are <unk>"), ("warmup", None, INT0, ""),
-    ("synthetic_count", 200, INT1, "synthetic: sequences per length"), ("max_epochs", 70, INT1, ""),
-    ("beta1", 0.9, FRACTION, ""), ("beta2", 0.99, FRACTION, ""), ("weight_decay", None, NONNEG, ""),
-    ("grad_clip", 1.0, NONNEG, "0: off"), ("lr_schedule", None, ("plateau", "linear", "constant"),
-     "plateau: x --lr_decay at an evaluation that does not improve; linear: up for --warmup "
-     "steps, down to 0 at --decay_steps"), ("decay_steps", None, INT1, ""),
+    ("order", "random", ("random", "l2r"), "insertion order"),
+    ("lr", None, POS, ""),
+    ("min_count", 2, INT1, "rocstories: rarer words are <unk>"),
+    ("warmup", None, INT0, ""),
+    ("synthetic_count", 200, INT1, "synthetic: sequences per length"),
+    ("max_epochs", 70, INT1, ""),
+    ("beta1", 0.9, FRACTION, ""),
+    ("beta2", 0.99, FRACTION, ""),
+    ("weight_decay", None, NONNEG, ""),
+    ("grad_clip", 1.0, NONNEG, "0: off"),
+    (
+        "lr_schedule",
+        None,
+        ("plateau", "linear", "constant"),
+        "plateau: x --lr_decay at an evaluation that does not improve; linear: up for --warmup "
+        "steps, down to 0 at --decay_steps",
+    ),
+    ("decay_steps", None, INT1, ""),
     ("lr_decay", 0.5, number(float, lambda v: 0 < v <= 1, "in (0, 1]"), ""),
-    ("patience", 10, INT1, "evaluations without improvement"), ("batch_size", None, INT1, ""),
-    ("max_tokens", None, INT1, "padded tokens a batch"), ("bptt", 70, INT1, "stream: its window"),
-    ("loss_scaling", False, bool, "CT eq. 8's LS"), ("ar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"),
-    ("tar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"), ("max_iters", None, INT0, "0: none"),
+    ("patience", 10, INT1, "evaluations without improvement"),
+    ("batch_size", None, INT1, ""),
+    ("max_tokens", None, INT1, "padded tokens a batch"),
+    ("bptt", 70, INT1, "stream: its window"),
+    ("loss_scaling", False, bool, "CT eq. 8's LS"),
+    ("ar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"),
+    ("tar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"),
+    ("max_iters", None, INT0, "0: none"),
     ("grad_accum", None, INT1, "batches a step over all processes (default: one a process)"),
-    ("max_minutes", 0.0, NONNEG, "0: none"), ("eval_interval", None, INT0, "0: at epoch ends"),
-    ("log_interval", 10, INT1, "steps between loss reads / stop checks"), ("train_seqs", 0, INT0,
-     "0: all"), ("eval_seqs", 0, INT0, "validate on the first N (0: all)"), ("probe", 64, INT0,
-     "termination probe: greedy-decode N validation contexts (0: off)"), ("probe_L", 200, INT1,
-     "the probe's L"), ("no_curves", False, bool, "no OUT_DIR/curves.png"), ("tensorboard", False,
-     bool, "also OUT_DIR/tensorboard (pip install tensorboard)")]
+    ("max_minutes", 0.0, NONNEG, "0: none"),
+    ("eval_interval", None, INT0, "0: at epoch ends"),
+    ("log_interval", 10, INT1, "steps between loss reads / stop checks"),
+    ("train_seqs", 0, INT0, "0: all"),
+    ("eval_seqs", 0, INT0, "validate on the first N (0: all)"),
+    ("probe", 64, INT0, "termination probe: greedy-decode N validation contexts (0: off)"),
+    ("probe_L", 200, INT1, "the probe's L"),
+    ("no_curves", False, bool, "no OUT_DIR/curves.png"),
+    ("tensorboard", False, bool, "also OUT_DIR/tensorboard (pip install tensorboard)"),
+]
 DEFAULTS = {flag: default for flag, default, _, _ in FLAGS}
 
 
@@ -123,11 +212,24 @@ class Parser(argparse.ArgumentParser):
 def parser():
     p = Parser(description="Train a nanogen model.")
     for flag, default, kind, text in FLAGS:  # no default here: a flag you did not type is None
-        text += f" (default: {default})" if default is not None else (
-            " (default: the --model recipe)" if any(flag in r for r in RECIPES.values()) else "")
-        p.add_argument(f"--{flag}", help=text, **(dict(action="store_true", default=None) if
-                       kind is bool else dict(choices=kind) if isinstance(kind, tuple) else
-                       dict(type=kind)))
+        text += (
+            f" (default: {default})"
+            if default is not None
+            else (
+                " (default: the --model recipe)" if any(flag in r for r in RECIPES.values()) else ""
+            )
+        )
+        p.add_argument(
+            f"--{flag}",
+            help=text,
+            **(
+                dict(action="store_true", default=None)
+                if kind is bool
+                else dict(choices=kind)
+                if isinstance(kind, tuple)
+                else dict(type=kind)
+            ),
+        )
     return p
 
 
@@ -137,14 +239,22 @@ def get_args(argv=None):
     typed = {k: v for k, v in vars(parser().parse_args(argv)).items() if v is not None}
     a = {**DEFAULTS, **typed}
     story = a["dataset"] in STORY_DATASETS or a["model"] in INSERTION
-    recipe = RECIPES["story" if story else "gpt_finetune" if a["init_from"] != "scratch" else
-                     a["model"]]
+    recipe = RECIPES[
+        "story" if story else "gpt_finetune" if a["init_from"] != "scratch" else a["model"]
+    ]
     batching = ("batch_size", "max_tokens")  # a recipe's batching yields to yours
-    a = {**DEFAULTS, **{k: v for k, v in recipe.items() if not set(batching) & set(typed) or
-                        k not in batching}, **typed}
+    a = {
+        **DEFAULTS,
+        **{k: v for k, v in recipe.items() if not set(batching) & set(typed) or k not in batching},
+        **typed,
+    }
     if a["init_from"] != "scratch":  # GPT-2's shape
-        shape = dict(zip(("n_layer", "n_head", "d_model"), GPT2_SIZES[a["init_from"]]),
-                     block_size=1024, no_bias=False, no_tie=False)
+        shape = dict(
+            zip(("n_layer", "n_head", "d_model"), GPT2_SIZES[a["init_from"]]),
+            block_size=1024,
+            no_bias=False,
+            no_tie=False,
+        )
         for k in (k for k, v in shape.items() if typed.get(k, v) != v):
             raise UserError(f"--init_from {a['init_from']} has --{k} {shape[k]}: drop --{k}")
         a.update(shape)
@@ -157,12 +267,16 @@ def get_args(argv=None):
             raise UserError(f"--resume: no checkpoint in {a['out_dir']}; start without --resume")
         ckpt = load_checkpoint(path)
         if k := next((k for k in SHAPE if k in typed and typed[k] != ckpt["args"][k]), None):
-            raise UserError(f"the checkpoint in {a['out_dir']} has {k}={ckpt['args'][k]}, not "
-                            f"{typed[k]}: drop that flag, or use another --out_dir for a new run")
+            raise UserError(
+                f"the checkpoint in {a['out_dir']} has {k}={ckpt['args'][k]}, not "
+                f"{typed[k]}: drop that flag, or use another --out_dir for a new run"
+            )
         a = {**ckpt["args"], **typed, "out_dir": a["out_dir"]}
         if a["data_dir"] and not os.path.isdir(a["data_dir"]):
-            raise UserError(f"the run's --data_dir {a['data_dir']} is not there (moved?): give "
-                            f"--data_dir DIR where its data is now")
+            raise UserError(
+                f"the run's --data_dir {a['data_dir']} is not there (moved?): give "
+                f"--data_dir DIR where its data is now"
+            )
     check_args(argparse.Namespace(**a))
     return argparse.Namespace(**a), ckpt
 
@@ -179,46 +293,100 @@ def check_args(a):
     story, insertion, procs = a.dataset in STORY_DATASETS, a.model in INSERTION, world()[1]
     bpe = a.dataset == "wikitext103" or (a.dataset, a.vocab) == ("text", "bpe")
     for wrong, message in [
-            (insertion and not story, f"--model {a.model} trains on rocstories or synthetic"),
-            (story and a.model not in (*INSERTION, "gpt"), f"--dataset {a.dataset} is for --model "
-             f"insnet, insertion_transformer or gpt (the L2R baseline)"),
-            (story and a.head != "softmax", "the story models have the softmax head: drop --head"),
-            (story != (a.task in ("story", "storyline")), f"--task {a.task} is not for --dataset "
-             f"{a.dataset} (stories: story or storyline; text: completion or stream)"),
-            (a.task == "storyline" and a.dataset != "rocstories", "--task storyline needs the "
-             "storylines of rocstories"),
-            (a.task == "stream" and a.model not in ("rnn", "lstm"), "--task stream is for --model "
-             "rnn or lstm (the CT paper's continuous LM), on one process"),
-            (a.task == "stream" and a.head in TERMINATION_HEADS, f"--head {a.head} models the end "
-             f"of a sequence: use it with --task completion"),
-            (a.init_from != "scratch" and (a.model != "gpt" or not bpe), f"--init_from "
-             f"{a.init_from} is GPT-2: --model gpt on BPE data (wikitext103, text --vocab bpe)"),
-            (a.weights and a.init_from == "scratch", "--weights goes with --init_from gpt2..."),
-            (a.loss_scaling and a.head not in ("ct", "ctmos"), "--loss_scaling needs --head ct or "
-             "ctmos (CT eq. 8)"), ((a.ar or a.tar or a.locked_dropout) and a.model not in (
-                 "rnn", "lstm"), "--ar / --tar / --locked_dropout are for --model rnn or lstm"),
-            (a.temperature != 1 and a.head not in ("softmax", "mos"), f"a constant --temperature "
-             f"is the baseline of the softmax / mos heads, not of {a.head}"),
-            (a.max_tokens and (a.batch_size or story), "give --batch_size (sequences a batch) or "
-             "--max_tokens (tokens a batch), not both; stories: --batch_size"),
-            (a.model in ("gpt", *INSERTION) and a.d_model % a.n_head, f"--d_model {a.d_model} "
-             f"must be divisible by --n_head {a.n_head}"),
-            (a.order != "random" and not insertion, "--order is for insnet, insertion_transformer"),
-            (procs > 1 and (a.task == "stream" or a.grad_accum % procs), f"under torchrun "
-             f"--grad_accum ({a.grad_accum}) is a multiple of the {procs} processes, no stream")]:
+        (insertion and not story, f"--model {a.model} trains on rocstories or synthetic"),
+        (
+            story and a.model not in (*INSERTION, "gpt"),
+            f"--dataset {a.dataset} is for --model "
+            f"insnet, insertion_transformer or gpt (the L2R baseline)",
+        ),
+        (story and a.head != "softmax", "the story models have the softmax head: drop --head"),
+        (
+            story != (a.task in ("story", "storyline")),
+            f"--task {a.task} is not for --dataset "
+            f"{a.dataset} (stories: story or storyline; text: completion or stream)",
+        ),
+        (
+            a.task == "storyline" and a.dataset != "rocstories",
+            "--task storyline needs the storylines of rocstories",
+        ),
+        (
+            a.task == "stream" and a.model not in ("rnn", "lstm"),
+            "--task stream is for --model "
+            "rnn or lstm (the CT paper's continuous LM), on one process",
+        ),
+        (
+            a.task == "stream" and a.head in TERMINATION_HEADS,
+            f"--head {a.head} models the end of a sequence: use it with --task completion",
+        ),
+        (
+            a.init_from != "scratch" and (a.model != "gpt" or not bpe),
+            f"--init_from "
+            f"{a.init_from} is GPT-2: --model gpt on BPE data (wikitext103, text --vocab bpe)",
+        ),
+        (a.weights and a.init_from == "scratch", "--weights goes with --init_from gpt2..."),
+        (
+            a.loss_scaling and a.head not in ("ct", "ctmos"),
+            "--loss_scaling needs --head ct or ctmos (CT eq. 8)",
+        ),
+        (
+            (a.ar or a.tar or a.locked_dropout) and a.model not in ("rnn", "lstm"),
+            "--ar / --tar / --locked_dropout are for --model rnn or lstm",
+        ),
+        (
+            a.temperature != 1 and a.head not in ("softmax", "mos"),
+            f"a constant --temperature is the baseline of the softmax / mos heads, not of {a.head}",
+        ),
+        (
+            a.max_tokens and (a.batch_size or story),
+            "give --batch_size (sequences a batch) or "
+            "--max_tokens (tokens a batch), not both; stories: --batch_size",
+        ),
+        (
+            a.model in ("gpt", *INSERTION) and a.d_model % a.n_head,
+            f"--d_model {a.d_model} must be divisible by --n_head {a.n_head}",
+        ),
+        (a.order != "random" and not insertion, "--order is for insnet, insertion_transformer"),
+        (
+            procs > 1 and (a.task == "stream" or a.grad_accum % procs),
+            f"under torchrun "
+            f"--grad_accum ({a.grad_accum}) is a multiple of the {procs} processes, no stream",
+        ),
+    ]:
         if wrong:
             raise UserError(message)
 
 
-SHAPE = ("model", "head", "epsilon", "n_layer", "d_model", "n_head", "block_size", "dropout",
-         "kernel_size", "locked_dropout", "n_experts", "ct_alpha", "ct_beta", "ct_rank",
-         "temperature", "max_offset", "no_tie", "no_bias")  # the flags of a model's shape
+SHAPE = (
+    "model",
+    "head",
+    "epsilon",
+    "n_layer",
+    "d_model",
+    "n_head",
+    "block_size",
+    "dropout",
+    "kernel_size",
+    "locked_dropout",
+    "n_experts",
+    "ct_alpha",
+    "ct_beta",
+    "ct_rank",
+    "temperature",
+    "max_offset",
+    "no_tie",
+    "no_bias",
+)  # the flags of a model's shape
 
 
 def model_config(args, data):
     """The architecture, the plain dict a checkpoint keeps (model.py reads what it needs)."""
-    return dict({k: getattr(args, k) for k in SHAPE[:-2]}, tie=not args.no_tie,
-                bias=not args.no_bias, vocab_size=data["vocab_size"], eos_id=data["eos_id"])
+    return dict(
+        {k: getattr(args, k) for k in SHAPE[:-2]},
+        tie=not args.no_tie,
+        bias=not args.no_bias,
+        vocab_size=data["vocab_size"],
+        eos_id=data["eos_id"],
+    )
 
 
 # ----- the loss: one call of the model -------------------------------------------------------
@@ -228,8 +396,11 @@ def score(model, batch, state=None):
     log p(token | slot) of every insertion, then log p(terminate) on the finished canvas."""
     if "order" in batch:
         s = model(**{k: batch[k] for k in ("tokens", "order", "lengths", "n_given", "slot_start")})
-        return (torch.cat([s["slot"] + s["token"], s["end"].unsqueeze(1)], 1), torch.cat(
-            [s["loss_mask"], torch.ones_like(s["loss_mask"][:, :1])], 1), None)
+        return (
+            torch.cat([s["slot"] + s["token"], s["end"].unsqueeze(1)], 1),
+            torch.cat([s["loss_mask"], torch.ones_like(s["loss_mask"][:, :1])], 1),
+            None,
+        )
     log_p, state = model(batch["inputs"], batch["t"], state, targets=batch["targets"])
     if "start" not in batch:  # not a stream: every batch starts afresh
         return log_p.float(), batch["mask"], None
@@ -238,36 +409,69 @@ def score(model, batch, state=None):
 
 # ----- evaluation: perplexity (completion, stream), the stories' NLL; the termination probe ---
 @torch.no_grad()
-def evaluate(args, model, data, split="valid", limit=None, device="cpu", ctx=nullcontext(),
-             desc=None, sizes=None):
+def evaluate(
+    args,
+    model,
+    data,
+    split="valid",
+    limit=None,
+    device="cpu",
+    ctx=nullcontext(),
+    desc=None,
+    sizes=None,
+):
     """A split's figures: dict(nll per predicted token or event, ppl, ...).  Completion (NMST):
     the continuation's tokens (eos included), the mean p(eos) at the true end; stream (CT): every
     token, the state carried on; stories: per story too, a bound on -log p(story).  limit: the
     first N sequences (stream: tokens a column).  torchrun: each process every world-th batch."""
-    limit, stream, story = limit or args.eval_seqs or None, args.task == "stream", \
-        args.task in ("story", "storyline")
+    limit, stream, story = (
+        limit or args.eval_seqs or None,
+        args.task == "stream",
+        args.task in ("story", "storyline"),
+    )
     if stream:  # the usual 10 evaluation columns (or the first `limit` tokens of each)
-        data = {**data, split: batchify(data["streams"][split], 10, split)[:, :limit and limit + 1]}
+        data = {
+            **data,
+            split: batchify(data["streams"][split], 10, split)[:, : limit and limit + 1],
+        }
     (rank, procs), keys = world(), epoch_batches(args, data, 0, split, limit, sizes)
     sums, state = torch.zeros(5, dtype=torch.float64, device=device), None  # nll n eos seqs n!
     with eval_mode(model):
-        for key in tqdm(keys if stream else keys[rank::procs], desc, disable=None if desc else True,
-                        leave=False):
+        for key in tqdm(
+            keys if stream else keys[rank::procs], desc, disable=None if desc else True, leave=False
+        ):
             b = get_batch(args, data, key, device, split)
             with ctx:
                 log_p, mask, state = score(model, b, state)
             n, zero = mask.sum(1).double(), torch.zeros((), device=device)
             end = zero if stream or story else log_p.gather(1, b["lengths"].unsqueeze(1) - 2).exp()
-            orders = torch.lgamma(n) if story and args.order == "random" and \
-                args.model in INSERTION else zero  # log n!: n - 1 insertions, then termination
-            sums += torch.stack([-log_p.double()[mask].sum(), n.sum(), end.sum().double(),
-                                 zero.double() + (0 if stream else len(n)), orders.sum().double()])
+            orders = (
+                torch.lgamma(n)
+                if story and args.order == "random" and args.model in INSERTION
+                else zero
+            )  # log n!: n - 1 insertions, then termination
+            sums += torch.stack(
+                [
+                    -log_p.double()[mask].sum(),
+                    n.sum(),
+                    end.sum().double(),
+                    zero.double() + (0 if stream else len(n)),
+                    orders.sum().double(),
+                ]
+            )
     nll, n, end, seqs, log_orders = all_sum(sums.tolist(), device)
-    res = dict(nll=nll / max(n, 1), ppl=math.exp(min(nll / max(n, 1), 700)), tokens=int(n),
-               sequences=int(seqs))
+    res = dict(
+        nll=nll / max(n, 1),
+        ppl=math.exp(min(nll / max(n, 1), 700)),
+        tokens=int(n),
+        sequences=int(seqs),
+    )
     if story:  # by Jensen's inequality, -log p(x) <= E_pi[-log p(x, pi)] - log n!
-        return dict(res, nll_per_story=nll / max(seqs, 1),
-                    nll_bound_per_story=(nll - log_orders) / max(seqs, 1))
+        return dict(
+            res,
+            nll_per_story=nll / max(seqs, 1),
+            nll_bound_per_story=(nll - log_orders) / max(seqs, 1),
+        )
     total = len(data[split]) if limit is None else min(limit, len(data[split]))
     return res if stream else dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - seqs)
 
@@ -282,12 +486,19 @@ def probe(args, model, data):
     res = decode_in_batches(model, [torch.as_tensor(split.context(i)) for i in range(n)], L)
     tokens, ended, tok = res["tokens"][0], bool(res["terminated"][0]), data["tokenizer"]
     text = tok.decode([t for t in tokens if t != data["eos_id"]])
-    rec = dict(probe_r_nt=non_termination_ratio(res["lengths"], res["terminated"], L), probe_L=L,
-               probe_n=n, probe_mean_length=float(res["lengths"].double().mean()))
+    rec = dict(
+        probe_r_nt=non_termination_ratio(res["lengths"], res["terminated"], L),
+        probe_L=L,
+        probe_n=n,
+        probe_mean_length=float(res["lengths"].double().mean()),
+    )
     end = f"eos at t={len(tokens)}" if ended else f"cut at L={L}: not terminated"
-    print(f"        probe: r_nt({L}) {rec['probe_r_nt']:.3f} over {n} contexts | mean length "
-          f"{rec['probe_mean_length']:.1f} | \"{tok.decode(split.context(0).tolist())}\" >>> "
-          f"\"{text[:120]}{'...' if len(text) > 120 else ''}\" [{end}]", flush=True)
+    print(
+        f"        probe: r_nt({L}) {rec['probe_r_nt']:.3f} over {n} contexts | mean length "
+        f'{rec["probe_mean_length"]:.1f} | "{tok.decode(split.context(0).tolist())}" >>> '
+        f'"{text[:120]}{"..." if len(text) > 120 else ""}" [{end}]',
+        flush=True,
+    )
     return dict(rec, probe_seconds=time.time() - t0)
 
 
@@ -307,15 +518,19 @@ def get_device(name, local_rank=None):
         torch.backends.cuda.enable_cudnn_sdp(False)  # it plans anew for every (B, T) it meets
     elif sys.platform == "linux":  # glibc: keep freed (B*T, V) tensors in the heap, rather than
         libc = ctypes.CDLL(None)  # unmap them and page-fault them in anew every step (2x faster)
-        libc.mallopt(-4, 0), libc.mallopt(-1, 2 ** 31 - 1)  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD
+        libc.mallopt(-4, 0), libc.mallopt(-1, 2**31 - 1)  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD
     return device
 
 
 def autocast(device, dtype):
     """--dtype's autocast on CUDA (auto: bfloat16 where native), else none: float32."""
     native = device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False)
-    dt = {"auto": torch.bfloat16 if native else None, "float32": None, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}[dtype]
+    dt = {
+        "auto": torch.bfloat16 if native else None,
+        "float32": None,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[dtype]
     return torch.autocast("cuda", dtype=dt) if device.startswith("cuda") and dt else nullcontext()
 
 
@@ -337,8 +552,10 @@ def save_checkpoint(obj, path):
     except (OSError, RuntimeError) as e:  # a full disk (torch's zip writer: a RuntimeError)
         if os.path.exists(f"{path}.tmp"):
             os.remove(f"{path}.tmp")
-        raise UserError(f"could not write {path}: {str(e).strip().splitlines()[-1][:200]} (the "
-                        f"previous checkpoint, if any, is intact)") from None
+        raise UserError(
+            f"could not write {path}: {str(e).strip().splitlines()[-1][:200]} (the "
+            f"previous checkpoint, if any, is intact)"
+        ) from None
 
 
 def load_checkpoint(path):
@@ -346,8 +563,11 @@ def load_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # missing, a folder, truncated, not a torch file, pickled code
-        raise UserError(f"no checkpoint at {path}" if not os.path.isfile(path) else f"{path} is "
-                        f"not a readable nanogen checkpoint ({type(e).__name__})") from None
+        raise UserError(
+            f"no checkpoint at {path}"
+            if not os.path.isfile(path)
+            else f"{path} is not a readable nanogen checkpoint ({type(e).__name__})"
+        ) from None
     if not (isinstance(ckpt, dict) and {"config", "model", "args", "vocab", "state"} <= set(ckpt)):
         raise UserError(f"{path} is not a checkpoint written by train.py")
     wte = ckpt["model"].get("backbone.wte.weight", ckpt["model"].get("wte.weight"))
@@ -358,8 +578,10 @@ def load_checkpoint(path):
 
 def check_vocab(ckpt, data, path):  # no silently wrong number: a model reads its own vocabulary
     if ckpt["vocab"] != data["vocab"] or ckpt["config"]["eos_id"] != data["eos_id"]:
-        raise UserError(f"{path} was trained on another vocabulary than the "
-                        f"{ckpt['args']['dataset']} data here (point --data_dir at its data)")
+        raise UserError(
+            f"{path} was trained on another vocabulary than the "
+            f"{ckpt['args']['dataset']} data here (point --data_dir at its data)"
+        )
 
 
 # ----- the run: set-up (data, model, DDP, resume), then the loop ------------------------------
@@ -411,20 +633,27 @@ def build(args, ckpt, data, weights, device):
         model.load_state_dict(gpt_state_from_hf(weights, model))
     params = list(model.to(device).parameters())
     optimizer = torch.optim.AdamW(  # weight decay on matrices, not on biases and norms
-        [dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
-         dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
-        lr=args.lr, betas=(args.beta1, args.beta2), fused=True)
+        [
+            dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
+            dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0),
+        ],
+        lr=args.lr,
+        betas=(args.beta1, args.beta2),
+        fused=True,
+    )
     ctx = autocast(device, args.dtype)
-    scaler = torch.amp.GradScaler(device[:4], enabled=getattr(ctx, "fast_dtype", 0) ==
-                                  torch.float16)
-    st = dict(step=0, epoch=0, batch_in_epoch=0, best_val=math.inf, bad_evals=0, lr=args.lr,
-              elapsed=0.0)
+    scaler = torch.amp.GradScaler(
+        device[:4], enabled=getattr(ctx, "fast_dtype", 0) == torch.float16
+    )
+    st = dict(
+        step=0, epoch=0, batch_in_epoch=0, best_val=math.inf, bad_evals=0, lr=args.lr, elapsed=0.0
+    )
     if ckpt:  # the model, optimizer, counters, scaler, and this process's RNG (saved by another
         model.load_state_dict(ckpt["model"])  # number of processes: fresh, from seed, rank, step)
         optimizer.load_state_dict(ckpt["optimizer"])
         st, rng = ckpt["state"], ckpt["rng"]
         if len(rng) != procs:
-            torch.manual_seed(((args.seed * 1_000_003 + rank) * 1_000_003 + st["step"]) % 2 ** 63)
+            torch.manual_seed(((args.seed * 1_000_003 + rank) * 1_000_003 + st["step"]) % 2**63)
         else:
             torch.set_rng_state(rng[rank]["cpu"])
             if rng[rank]["cuda"] is not None:
@@ -432,14 +661,21 @@ def build(args, ckpt, data, weights, device):
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
     if rank == 0:
-        print(f"{args.model} + {args.head if args.model in MODELS else args.task} on {args.dataset}"
-              f": {model.num_params():,} parameters, V={data['vocab_size']:,}, {device}"
-              + (f", {str(ctx.fast_dtype)[6:]} autocast" if hasattr(ctx, "fast_dtype") else "")
-              + (f", resuming at step {st['step']}" if ckpt else "")
-              + (f"; {data['note']}" if data.get("note") else ""), flush=True)
+        print(
+            f"{args.model} + {args.head if args.model in MODELS else args.task} on {args.dataset}"
+            f": {model.num_params():,} parameters, V={data['vocab_size']:,}, {device}"
+            + (f", {str(ctx.fast_dtype)[6:]} autocast" if hasattr(ctx, "fast_dtype") else "")
+            + (f", resuming at step {st['step']}" if ckpt else "")
+            + (f"; {data['note']}" if data.get("note") else ""),
+            flush=True,
+        )
     if args.compile:  # CUDA graphs, a capture a (B, T): for one batch a step, in few shapes
-        model = compile_model(model, graphs=device.startswith("cuda") and args.grad_accum ==
-                              procs and (args.task == "stream" or bool(args.max_tokens)))
+        model = compile_model(
+            model,
+            graphs=device.startswith("cuda")
+            and args.grad_accum == procs
+            and (args.task == "stream" or bool(args.max_tokens)),
+        )
     if dist.is_initialized():
         model = DDP(model, device_ids=[device] if device.startswith("cuda") else None)
     return model, optimizer, scaler, ctx, st
@@ -459,8 +695,14 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
     while not (why or stop):
         keys = epoch_batches(args, data, st["epoch"])
         n_steps = len(keys) // args.grad_accum  # (the last len % grad_accum batches are skipped)
-        for s in tqdm(range(st["batch_in_epoch"], n_steps), f"epoch {st['epoch']}", n_steps,
-                      leave=False, initial=st["batch_in_epoch"], disable=True if rank else None):
+        for s in tqdm(
+            range(st["batch_in_epoch"], n_steps),
+            f"epoch {st['epoch']}",
+            n_steps,
+            leave=False,
+            initial=st["batch_in_epoch"],
+            disable=True if rank else None,
+        ):
             st["lr"] = learning_rate(args, st)
             for group in optimizer.param_groups:
                 group["lr"] = st["lr"]
@@ -480,8 +722,11 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
                 scaler.scale(loss / accum).backward()  # (a scaler does nothing but in float16)
                 hidden = to(hidden, device, detach=True)  # truncated BPTT: not into the past
                 step_loss += loss.detach() / accum
-                since.update(nll=since["nll"] + nll.detach().double(), n=since["n"] + batch["n"],
-                             tokens=since["tokens"] + batch["n_inputs"])
+                since.update(
+                    nll=since["nll"] + nll.detach().double(),
+                    n=since["n"] + batch["n"],
+                    tokens=since["tokens"] + batch["n_inputs"],
+                )
             scaler.unscale_(optimizer)
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(raw.parameters(), args.grad_clip)
@@ -495,23 +740,35 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
                 stop, why = sync(args, pending, device, st) or (stop, None)
             why = why or limit_reached(args, st)
             if (args.eval_interval and st["step"] % args.eval_interval == 0) or why:
-                why = validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device,
-                               pending, since) or why
+                why = (
+                    validate(
+                        args, raw, optimizer, scaler, ctx, data, st, hidden, device, pending, since
+                    )
+                    or why
+                )
             if why or stop:
                 break
         else:  # the epoch's end: without --eval_interval (or at the end) an evaluation
             st.update(epoch=st["epoch"] + 1, batch_in_epoch=0)
             if not args.eval_interval or (why := limit_reached(args, st)):
-                why = validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device,
-                               pending, since) or why
+                why = (
+                    validate(
+                        args, raw, optimizer, scaler, ctx, data, st, hidden, device, pending, since
+                    )
+                    or why
+                )
     if stop:
         sync(args, pending, device, st)
         save(args, raw, optimizer, scaler, data, st, hidden)
     if rank == 0:
-        print(f"stopped by {stop} after step {st['step']}; {args.out_dir}/ckpt_last.pt written: "
-              f"the same command with --resume goes on" if stop else f"done ({why}) after "
-              f"{st['step']} steps; best validation loss {st['best_val']:.4f} (ppl "
-              f"{math.exp(min(st['best_val'], 700)):.2f}); checkpoints in {args.out_dir}")
+        print(
+            f"stopped by {stop} after step {st['step']}; {args.out_dir}/ckpt_last.pt written: "
+            f"the same command with --resume goes on"
+            if stop
+            else f"done ({why}) after "
+            f"{st['step']} steps; best validation loss {st['best_val']:.4f} (ppl "
+            f"{math.exp(min(st['best_val'], 700)):.2f}); checkpoints in {args.out_dir}"
+        )
 
 
 def validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device, pending, since):
@@ -522,22 +779,39 @@ def validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device, pendin
     tok_per_s = tokens / max(time.time() - since["t0"], 1e-9)
     val = evaluate(args, raw, data, "valid", device=device, ctx=ctx)
     if not math.isfinite(val["nll"]):
-        raise UserError(f"non-finite validation loss at step {st['step']}; stopping (try a lower "
-                        f"--lr): ckpt_last.pt, if any, holds the last evaluation's weights")
+        raise UserError(
+            f"non-finite validation loss at step {st['step']}; stopping (try a lower "
+            f"--lr): ckpt_last.pt, if any, holds the last evaluation's weights"
+        )
     improved = val["nll"] < st["best_val"]
-    st.update(best_val=min(st["best_val"], val["nll"]), bad_evals=0 if improved else
-              st["bad_evals"] + 1, lr=st["lr"] * (args.lr_decay if not improved and
-                                                  args.lr_schedule == "plateau" else 1))
+    st.update(
+        best_val=min(st["best_val"], val["nll"]),
+        bad_evals=0 if improved else st["bad_evals"] + 1,
+        lr=st["lr"] * (args.lr_decay if not improved and args.lr_schedule == "plateau" else 1),
+    )
     mfu = tok_per_s * mfu_per_token(args, raw, data, device)
-    rec = dict(step=st["step"], epoch=st["epoch"], train_loss=nll / max(n, 1), val_loss=val["nll"],
-               val_ppl=val["ppl"], lr=st["lr"], tokens_per_s=tok_per_s, mfu=mfu or None,
-               best=improved, elapsed_s=st["elapsed"], **{k: v for k, v in val.items() if k in (
-                   "eos_prob_at_end", "nll_per_story")})
+    rec = dict(
+        step=st["step"],
+        epoch=st["epoch"],
+        train_loss=nll / max(n, 1),
+        val_loss=val["nll"],
+        val_ppl=val["ppl"],
+        lr=st["lr"],
+        tokens_per_s=tok_per_s,
+        mfu=mfu or None,
+        best=improved,
+        elapsed_s=st["elapsed"],
+        **{k: v for k, v in val.items() if k in ("eos_prob_at_end", "nll_per_story")},
+    )
     if rank == 0:
-        print(f"step {st['step']:7d} | epoch {st['epoch']:3d} | train loss {rec['train_loss']:.4f} "
-              f"| val loss {val['nll']:.4f} | val ppl {val['ppl']:9.2f} | lr {st['lr']:.2e} | "
-              f"{tok_per_s:8.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
-              + (" | best" if improved else ""), flush=True)
+        print(
+            f"step {st['step']:7d} | epoch {st['epoch']:3d} | train loss {rec['train_loss']:.4f} "
+            f"| val loss {val['nll']:.4f} | val ppl {val['ppl']:9.2f} | lr {st['lr']:.2e} | "
+            f"{tok_per_s:8.0f} tok/s"
+            + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
+            + (" | best" if improved else ""),
+            flush=True,
+        )
         if args.probe and args.task == "completion":
             rec.update(probe(args, raw, data))
         curves.log_evaluation(args.out_dir, rec, args.tensorboard, not args.no_curves)
@@ -561,9 +835,12 @@ def sync(args, pending, device, st):
     if rank == 0:
         curves.append(f"{args.out_dir}/steps.jsonl", *records)
     if bad := [r["step"] for r in records if not math.isfinite(r["loss"])]:
-        raise UserError(f"non-finite training loss at step {bad[0]}; stopping (try a lower --lr"
-                        + f"; are --head {args.head}'s values at t <= 0 finite?" * (args.head in
-                        TERMINATION_HEADS) + "): ckpt_last.pt, if any, holds the last weights")
+        raise UserError(
+            f"non-finite training loss at step {bad[0]}; stopping (try a lower --lr"
+            + f"; are --head {args.head}'s values at t <= 0 finite?"
+            * (args.head in TERMINATION_HEADS)
+            + "): ckpt_last.pt, if any, holds the last weights"
+        )
     stop = (STOP[0] if STOP else "a signal to another process") if signalled else None
     late = f"reached --max_minutes {args.max_minutes:g}" if late else None
     return (stop, late) if stop or late else None
@@ -572,17 +849,29 @@ def sync(args, pending, device, st):
 def save(args, model, optimizer, scaler, data, st, hidden, best=False):
     """ckpt_last.pt (improved: ckpt_best.pt, then ckpt_last.pt its copy: a kill between the two
     leaves ckpt_last.pt the older): model, optimizer, counters, every process's RNG, arguments..."""
-    own = dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if next(
-        model.parameters()).is_cuda else None)
+    own = dict(
+        cpu=torch.get_rng_state(),
+        cuda=torch.cuda.get_rng_state() if next(model.parameters()).is_cuda else None,
+    )
     rng = [own] * world()[1]
     if dist.is_initialized():
         dist.all_gather_object(rng, own)
     if world()[0] == 0:
         first, last = (f"{args.out_dir}/ckpt_{n}.pt" for n in ("best" if best else "last", "last"))
-        save_checkpoint(dict(config=model.cfg, model=model.state_dict(), args=vars(args),
-                             optimizer=optimizer.state_dict(), state=dict(st), rng=rng,
-                             vocab=data["vocab"], hidden=hidden, scaler=scaler.state_dict() if
-                             scaler.is_enabled() else None), first)
+        save_checkpoint(
+            dict(
+                config=model.cfg,
+                model=model.state_dict(),
+                args=vars(args),
+                optimizer=optimizer.state_dict(),
+                state=dict(st),
+                rng=rng,
+                vocab=data["vocab"],
+                hidden=hidden,
+                scaler=scaler.state_dict() if scaler.is_enabled() else None,
+            ),
+            first,
+        )
         if best:
             shutil.copyfile(first, f"{last}.tmp")
             os.replace(f"{last}.tmp", last)
@@ -617,8 +906,14 @@ def learning_rate(args, st):
 def compile_model(model, backend="inductor", dynamic=True, graphs=False):
     """-> the model compiled for the train step: dynamic shapes; no matmul padding (it baked the
     first T in the backward); CUDA graphs (not for micro-batches: a replay reuses their grads)."""
-    return torch.compile(model, dynamic=dynamic, backend=backend, options={
-        "shape_padding": False, "triton.cudagraphs": graphs} if backend == "inductor" else None)
+    return torch.compile(
+        model,
+        dynamic=dynamic,
+        backend=backend,
+        options={"shape_padding": False, "triton.cudagraphs": graphs}
+        if backend == "inductor"
+        else None,
+    )
 
 
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # bf16 dense
@@ -633,7 +928,7 @@ def mfu_per_token(args, model, data, device):
     """MFU of one token/s: FLOPs a token at the mean length trained on / all processes' peak."""
     peak = args.peak_flops or peak_flops(device, args.dtype)
     if args.task == "completion":
-        inputs = data["train"].lengths[:args.train_seqs or None] - 1
+        inputs = data["train"].lengths[: args.train_seqs or None] - 1
         length = float(np.mean(inputs[inputs <= (args.window or math.inf)]))
     else:
         length = args.bptt if args.task == "stream" else 0  # (stories: no MFU)

@@ -1,5 +1,6 @@
 """nanogen's data: prepare.py (download, verify, tokenize), loader.py (batches: where t is made),
 stories.py (ROCStories, InsNet's synthetic data); here the one-line error and checked downloads."""
+
 import hashlib
 import os
 import sys
@@ -35,8 +36,10 @@ def sha256_file(path):
 
 def check_sha256(path, expected):
     if (got := sha256_file(path)) != expected:
-        raise UserError(f"checksum mismatch for {path}: sha256 {got}, expected {expected} (a "
-                        f"corrupt or wrong file: delete it, or point --data_dir at a good copy)")
+        raise UserError(
+            f"checksum mismatch for {path}: sha256 {got}, expected {expected} (a "
+            f"corrupt or wrong file: delete it, or point --data_dir at a good copy)"
+        )
     return path
 
 
@@ -46,22 +49,33 @@ def download(url, dest, sha256=None, hint="pass --data_dir DIR (or set NANOGEN_D
     if os.path.exists(dest):
         return check_sha256(dest, sha256) if sha256 else dest
     if os.environ.get("NANOGEN_OFFLINE"):
-        raise UserError(f"{os.path.basename(dest)} is not in {os.path.dirname(dest)} and "
-                        f"NANOGEN_OFFLINE is set: {hint}")
+        raise UserError(
+            f"{os.path.basename(dest)} is not in {os.path.dirname(dest)} and "
+            f"NANOGEN_OFFLINE is set: {hint}"
+        )
     part = dest + ".part"
     try:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        with urllib.request.urlopen(url, timeout=60) as r, open(part, "wb") as f, \
-                tqdm(total=int(r.headers.get("Content-Length") or 0) or None, unit="B",
-                     unit_scale=True, desc=os.path.basename(dest), disable=None) as bar:
+        with (
+            urllib.request.urlopen(url, timeout=60) as r,
+            open(part, "wb") as f,
+            tqdm(
+                total=int(r.headers.get("Content-Length") or 0) or None,
+                unit="B",
+                unit_scale=True,
+                desc=os.path.basename(dest),
+                disable=None,
+            ) as bar,
+        ):
             for block in iter(lambda: r.read(1 << 20), b""):
                 bar.update(f.write(block))
         if sha256:
             check_sha256(part, sha256)
         os.replace(part, dest)
     except OSError as e:  # (urllib's URLError is an OSError)
-        raise UserError(f"could not download {url} ({getattr(e, 'reason', e)}); offline? "
-                        f"{hint}") from None
+        raise UserError(
+            f"could not download {url} ({getattr(e, 'reason', e)}); offline? {hint}"
+        ) from None
     finally:
         if os.path.exists(part):
             os.remove(part)

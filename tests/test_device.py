@@ -2,6 +2,7 @@
 tensor reads of a training step counted with a TorchDispatchMode, unmasked training attention,
 compiled models that stop recompiling, float32 eos terms under autocast, devices of carried
 state and of sampling generators, the MFU arithmetic."""
+
 import json
 import math
 import sys
@@ -19,9 +20,31 @@ from data.loader import collate
 from heads import nmst_log_probs
 from model import MODELS, LanguageModel
 
-TINY = ["--dataset", "ptb", "--d_model", "32", "--n_layer", "1", "--n_head", "2", "--block_size", "64",
-        "--batch_size", "4", "--train_seqs", "64", "--eval_seqs", "16", "--max_iters", "20",
-        "--eval_interval", "20", "--lr", "3e-3", "--no_curves"]
+TINY = [
+    "--dataset",
+    "ptb",
+    "--d_model",
+    "32",
+    "--n_layer",
+    "1",
+    "--n_head",
+    "2",
+    "--block_size",
+    "64",
+    "--batch_size",
+    "4",
+    "--train_seqs",
+    "64",
+    "--eval_seqs",
+    "16",
+    "--max_iters",
+    "20",
+    "--eval_interval",
+    "20",
+    "--lr",
+    "3e-3",
+    "--no_curves",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +96,9 @@ def test_default_run_on_one_gpu_reaches_the_first_kernel(one_fake_gpu, device, t
 def test_a_missing_gpu_or_an_unknown_device_is_a_user_error(one_fake_gpu):
     with pytest.raises(train.UserError, match="this machine has 1 GPU"):
         train.get_device("cuda:1")
-    with pytest.raises(train.UserError, match="--device mps: unknown device"):  # (MPS has no float64)
+    with pytest.raises(
+        train.UserError, match="--device mps: unknown device"
+    ):  # (MPS has no float64)
         train.get_device("mps")
 
 
@@ -82,10 +107,15 @@ def test_a_cpu_keeps_freed_memory_in_the_heap(monkeypatch):
     """On a CPU, large freed tensors stay in glibc's heap (M_MMAP_MAX = 0, M_TRIM_THRESHOLD high):
     a step does not page-fault its (B*T, V) tensors in anew."""
     calls = []
-    monkeypatch.setattr(train.ctypes, "CDLL", lambda name: types.SimpleNamespace(
-        mallopt=lambda option, value: calls.append((option, value))))
+    monkeypatch.setattr(
+        train.ctypes,
+        "CDLL",
+        lambda name: types.SimpleNamespace(
+            mallopt=lambda option, value: calls.append((option, value))
+        ),
+    )
     assert train.get_device("cpu") == "cpu"
-    assert calls == [(-4, 0), (-1, 2 ** 31 - 1)]
+    assert calls == [(-4, 0), (-1, 2**31 - 1)]
 
 
 @pytest.mark.slow
@@ -95,14 +125,21 @@ def test_bench_gpu_reaches_its_first_kernel(one_fake_gpu, monkeypatch, capsys):
     device named, GPT-2 124M's batch (8 x 1024) made first, on the GPU: its first CUDA kernel is
     where a CPU build stops, with torch's own error."""
     import bench
+
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     made, randint = [], torch.randint
-    monkeypatch.setattr(torch, "randint", lambda *a, **k: made.append((a[2], k.get("device"))) or randint(*a, **k))
+    monkeypatch.setattr(
+        torch, "randint", lambda *a, **k: made.append((a[2], k.get("device"))) or randint(*a, **k)
+    )
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
         bench.main(["gpu"])
     out = capsys.readouterr().out
-    assert one_fake_gpu == [0] and out.startswith("NVIDIA H100 80GB HBM3, torch") and "train step, cuda:0" in out
+    assert (
+        one_fake_gpu == [0]
+        and out.startswith("NVIDIA H100 80GB HBM3, torch")
+        and "train step, cuda:0" in out
+    )
     assert made == [((8, 1024), "cuda:0")]
 
 
@@ -114,6 +151,7 @@ def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
     def native(including_emulation=True):
         seen.append(including_emulation)
         return native.answer
+
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", native)
     native.answer = True
     assert train.autocast("cuda:0", "auto").fast_dtype == torch.bfloat16
@@ -128,16 +166,37 @@ def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
 def test_float16_trains_with_a_grad_scaler(monkeypatch, tmp_path, capsys):
     """With float16 autocast (emulated here on the CPU) the loop scales the loss, unscales
     before clipping and steps through the scaler; the checkpoint keeps the scaler's state."""
-    monkeypatch.setattr(train, "autocast", lambda device, dtype: torch.autocast("cpu", dtype=torch.float16))
+    monkeypatch.setattr(
+        train, "autocast", lambda device, dtype: torch.autocast("cpu", dtype=torch.float16)
+    )
     out = tmp_path / "fp16"
-    train.main(["--model", "gpt", *TINY, "--device", "cpu", "--dropout", "0",
-                "--out_dir", str(out), "--max_iters", "6", "--eval_interval", "3"])
+    train.main(
+        [
+            "--model",
+            "gpt",
+            *TINY,
+            "--device",
+            "cpu",
+            "--dropout",
+            "0",
+            "--out_dir",
+            str(out),
+            "--max_iters",
+            "6",
+            "--eval_interval",
+            "3",
+        ]
+    )
     assert "cpu, float16 autocast" in capsys.readouterr().out  # the precision is said
     ckpt = train.load_checkpoint(str(out / "ckpt_last.pt"))
     assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0
     import json
+
     logs = [json.loads(line) for line in open(out / "log.jsonl")]
-    assert all(math.isfinite(r["val_loss"]) for r in logs) and logs[-1]["val_loss"] < logs[0]["val_loss"] + 0.5
+    assert (
+        all(math.isfinite(r["val_loss"]) for r in logs)
+        and logs[-1]["val_loss"] < logs[0]["val_loss"] + 0.5
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,12 +228,12 @@ def test_at_most_one_read_per_training_step(model, monkeypatch, tmp_path):
     def counted_tolist(t):
         counter.reads += not counter.paused
         return tolist(t)
+
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
     for name in ("validate", "check_fits", "save"):
         monkeypatch.setattr(train, name, paused(counter, getattr(train, name)))
     with counter:
-        train.main(["--model", model, *TINY, "--device", "cpu", "--out_dir",
-                           str(tmp_path / model)])
+        train.main(["--model", model, *TINY, "--device", "cpu", "--out_dir", str(tmp_path / model)])
     assert counter.reads / 20 <= 1, counter.reads
 
 
@@ -185,6 +244,7 @@ def paused(counter, fn):
             return fn(*a, **k)
         finally:
             counter.paused = was
+
     return run
 
 
@@ -192,8 +252,20 @@ def test_greedy_decoding_reads_once_per_token():
     """Greedy decoding keeps tokens, scores and lengths on the device: one read per token
     (how many rows just ended), plus a few at the start and end."""
     torch.manual_seed(0)
-    cfg = dict(model="gpt", head="nmst", epsilon=1e-9, vocab_size=50, eos_id=49, n_layer=1, d_model=16,
-               n_head=2, block_size=128, dropout=0.0, tie=True, bias=True)
+    cfg = dict(
+        model="gpt",
+        head="nmst",
+        epsilon=1e-9,
+        vocab_size=50,
+        eos_id=49,
+        n_layer=1,
+        d_model=16,
+        n_head=2,
+        block_size=128,
+        dropout=0.0,
+        tie=True,
+        bias=True,
+    )
     lm = LanguageModel(cfg).eval()
     prompts = [torch.randint(0, 49, (n,)) for n in (5, 7, 6)]
     counter = ReadCounter()
@@ -215,18 +287,34 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
     def recorded(*a, attn_mask=None, is_causal=False, **k):
         calls.append((attn_mask is None, is_causal))
         return sdpa(*a, attn_mask=attn_mask, is_causal=is_causal, **k)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
     _, splits = wikitext2
     torch.manual_seed(0)
-    lm = LanguageModel(dict(model="gpt", head="st", epsilon=1e-3, vocab_size=33278, eos_id=0, n_layer=1,
-                            d_model=16, n_head=2, block_size=512, dropout=0.0, tie=True, bias=True))
+    lm = LanguageModel(
+        dict(
+            model="gpt",
+            head="st",
+            epsilon=1e-3,
+            vocab_size=33278,
+            eos_id=0,
+            n_layer=1,
+            d_model=16,
+            n_head=2,
+            block_size=512,
+            dropout=0.0,
+            tie=True,
+            bias=True,
+        )
+    )
     index = [3, 10, 57, 99]
     batch = dict(collate(splits["valid"], index), n=1)
     assert int(batch["lengths"].min()) < int(batch["lengths"].max())  # really padded
     log_p, mask, _ = train.score(lm, batch)
     (-log_p[mask].sum()).backward()
-    args = train.argparse.Namespace(**dict(train.DEFAULTS, task="completion", batch_size=4, eval_seqs=8,
-                                           window=None))
+    args = train.argparse.Namespace(
+        **dict(train.DEFAULTS, task="completion", batch_size=4, eval_seqs=8, window=None)
+    )
     train.evaluate(args, lm, dict(splits))
     assert calls and all(calls_ == (True, True) for calls_ in calls)
     for b, i in enumerate(index):
@@ -245,14 +333,36 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     graph; at most one more compile (torch specialises a batch of one sequence).  Counted with
     dynamo's CompileCounter backend (dynamo decides recompiles, whatever the backend)."""
     from torch._dynamo.testing import CompileCounter
+
     torch._dynamo.reset()
     _, splits = wikitext2
-    cfg = dict(model=model, head="nmst", epsilon=1e-3, vocab_size=33278, eos_id=0, n_layer=1, d_model=16,
-               dropout=0.1, tie=True, n_head=2, block_size=512, bias=True, kernel_size=3)
+    cfg = dict(
+        model=model,
+        head="nmst",
+        epsilon=1e-3,
+        vocab_size=33278,
+        eos_id=0,
+        n_layer=1,
+        d_model=16,
+        dropout=0.1,
+        tie=True,
+        n_head=2,
+        block_size=512,
+        bias=True,
+        kernel_size=3,
+    )
     counter = CompileCounter()
     lm = train.compile_model(LanguageModel(cfg).train(), backend=counter)
-    args = train.argparse.Namespace(**dict(train.DEFAULTS, task="completion", max_tokens=600, train_seqs=400,
-                                           model=model, window=None if model == "lstm" else 1024))
+    args = train.argparse.Namespace(
+        **dict(
+            train.DEFAULTS,
+            task="completion",
+            max_tokens=600,
+            train_seqs=400,
+            model=model,
+            window=None if model == "lstm" else 1024,
+        )
+    )
     shapes, counts = set(), []
     for key in train.epoch_batches(args, dict(splits), 0)[:16]:
         batch = train.get_batch(args, dict(splits), key, "cpu")
@@ -274,32 +384,63 @@ def test_compile_asks_inductor_for_no_matmul_padding(monkeypatch):
     monkeypatch.setattr(train.torch, "compile", lambda model, **kw: seen.update(kw) or model)
     lm = tiny_lm("gpt", "softmax", "cpu")
     assert train.compile_model(lm) is lm
-    assert seen == dict(dynamic=True, backend="inductor",
-                        options={"shape_padding": False, "triton.cudagraphs": False})
+    assert seen == dict(
+        dynamic=True,
+        backend="inductor",
+        options={"shape_padding": False, "triton.cudagraphs": False},
+    )
     train.compile_model(lm, dynamic=False, graphs=True)  # (bench.py's static column, on a GPU)
     assert seen["dynamic"] is False and seen["options"]["triton.cudagraphs"] is True
     monkeypatch.undo()
     assert train.compile_model(lm, backend="eager")._orig_mod is lm  # (train.py's `raw`)
 
 
-COMPILED_RUNS = [["--model", "gpt", "--task", "completion", "--n_head", "4", "--max_tokens", "512", "--eval_seqs",
-                  "200", *accum] for accum in ([], ["--grad_accum", "2"])] + [
-    ["--model", "lstm", "--task", "stream", "--bptt", "35", "--batch_size", "8"]]
+COMPILED_RUNS = [
+    [
+        "--model",
+        "gpt",
+        "--task",
+        "completion",
+        "--n_head",
+        "4",
+        "--max_tokens",
+        "512",
+        "--eval_seqs",
+        "200",
+        *accum,
+    ]
+    for accum in ([], ["--grad_accum", "2"])
+] + [["--model", "lstm", "--task", "stream", "--bptt", "35", "--batch_size", "8"]]
 
 
 if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases: no skip)
+
     @pytest.mark.slow
     @pytest.mark.cuda
     def test_compiled_gpt2_on_the_gpu_stops_recompiling():
         """GPT-2 124M with the NMST head, compiled as train.py --compile does, under bf16 autocast:
         batches of new (B, T) reuse the first batch's graphs (inductor, not a counting backend)."""
         from torch._dynamo.utils import counters
+
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
-        lm = LanguageModel(dict(model="gpt", head="nmst", epsilon=1e-3, vocab_size=50257, eos_id=50256,
-                                n_layer=12, d_model=768, n_head=12, block_size=1024, dropout=0.1,
-                                tie=True, bias=True)).cuda()
+        lm = LanguageModel(
+            dict(
+                model="gpt",
+                head="nmst",
+                epsilon=1e-3,
+                vocab_size=50257,
+                eos_id=50256,
+                n_layer=12,
+                d_model=768,
+                n_head=12,
+                block_size=1024,
+                dropout=0.1,
+                tie=True,
+                bias=True,
+            )
+        ).cuda()
         lm = train.compile_model(lm, graphs=True)  # (train.py on a GPU: --max_tokens batches)
         frames = []
         for B, T in ((6, 158), (3, 345), (5, 187)):
@@ -315,18 +456,49 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
     @pytest.mark.cuda
     @pytest.mark.parametrize("flags", COMPILED_RUNS)
     def test_a_compiled_run_on_the_gpu_equals_an_eager_one(flags, tmp_path, no_tf32):
-        """train.py --compile (on a GPU: CUDA graphs for --max_tokens batches and a stream, a capture a
-        (B, T); none with micro-batches; a stream's state goes from one replay into the next) trains as
-        the eager run: the same training and validation losses, float32."""
+        """train.py --compile (on a GPU: CUDA graphs for --max_tokens batches and a stream, a
+        capture a (B, T); none with micro-batches; a stream's state goes from one replay into the
+        next) trains as the eager run: the same training and validation losses, float32."""
         logs = []
         for run in ("eager", "compiled"):
-            train.main(flags + ["--dataset", "ptb", "--n_layer", "2", "--d_model", "64", "--dropout", "0",
-                                "--max_iters", "6", "--eval_interval", "3", "--dtype", "float32", "--warmup", "0",
-                                "--lr", "3e-3", "--probe", "0", "--no_curves", "--device", "cuda",
-                                "--out_dir", str(tmp_path / run)]
-                       + ["--compile"] * (run == "compiled"))
-            logs.append([json.loads(line)[key] for name, key in (("steps.jsonl", "loss"), ("log.jsonl", "val_loss"))
-                         for line in open(tmp_path / run / name)])
+            train.main(
+                flags
+                + [
+                    "--dataset",
+                    "ptb",
+                    "--n_layer",
+                    "2",
+                    "--d_model",
+                    "64",
+                    "--dropout",
+                    "0",
+                    "--max_iters",
+                    "6",
+                    "--eval_interval",
+                    "3",
+                    "--dtype",
+                    "float32",
+                    "--warmup",
+                    "0",
+                    "--lr",
+                    "3e-3",
+                    "--probe",
+                    "0",
+                    "--no_curves",
+                    "--device",
+                    "cuda",
+                    "--out_dir",
+                    str(tmp_path / run),
+                ]
+                + ["--compile"] * (run == "compiled")
+            )
+            logs.append(
+                [
+                    json.loads(line)[key]
+                    for name, key in (("steps.jsonl", "loss"), ("log.jsonl", "val_loss"))
+                    for line in open(tmp_path / run / name)
+                ]
+            )
         assert len(logs[0]) == 8 and logs[1] == pytest.approx(logs[0], rel=1e-4)
 
     @pytest.mark.cuda
@@ -335,6 +507,7 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
         packed q / k / v, dropout 0.1, causal) goes to flash attention (on Ampere and newer), not
         to cuDNN's, which builds a plan for every new (B, T) (torch's first choice on an H100)."""
         from torch.nn.attention import SDPBackend
+
         train.get_device("cuda:0")
         B, T, H, hd = 3, 187, 12, 64
         x = torch.randn(B, T, 3 * H * hd, device="cuda", dtype=torch.bfloat16)
@@ -368,8 +541,17 @@ def test_nmst_eos_terms_stay_float32_under_bf16_autocast():
 def test_recurrent_layers_run_float32_under_autocast():
     """autocast's cuDNN RNN wrapper casts to float16 whatever dtype is asked (README, GPU):
     the recurrent layers run outside autocast, in float32."""
-    cfg = dict(model="lstm", head="softmax", epsilon=1e-3, vocab_size=30, eos_id=0, n_layer=1, d_model=8,
-               dropout=0.0, tie=True)
+    cfg = dict(
+        model="lstm",
+        head="softmax",
+        epsilon=1e-3,
+        vocab_size=30,
+        eos_id=0,
+        n_layer=1,
+        d_model=8,
+        dropout=0.0,
+        tie=True,
+    )
     lm = LanguageModel(cfg)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h, (h_n, c_n) = lm.backbone(torch.randint(0, 30, (2, 5)))
@@ -384,7 +566,9 @@ def test_a_resumed_stream_state_moves_to_the_device():
     (here 'meta', standing in for a GPU) and detaches it after each window."""
     state = (torch.zeros(1, 2, 4, requires_grad=True) * 2, torch.zeros(1, 2, 4))
     moved = train.to(state, "meta", detach=True)
-    assert [(s.device.type, s.grad_fn) for s in moved] == [("meta", None)] * 2 and train.to(None, "meta") is None
+    assert [(s.device.type, s.grad_fn) for s in moved] == [("meta", None)] * 2 and train.to(
+        None, "meta"
+    ) is None
 
 
 def test_sampling_generator_lives_with_the_probabilities():
@@ -408,20 +592,38 @@ def test_peak_flops_of_a_few_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: monkeypatch.name)
     args = types.SimpleNamespace(peak_flops=None, dtype="auto", task="stream", bptt=10)
     lm = types.SimpleNamespace(flops_per_token=lambda length: 1e12)
-    for name, peak in (("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989e12),
-                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L4", 0)):
+    for name, peak in (
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L4", 0),
+    ):
         monkeypatch.name = name
         assert train.mfu_per_token(args, lm, {}, "cuda:0") == (1e12 / peak if peak else 0.0)
     monkeypatch.name = "NVIDIA A100-SXM4-80GB"
-    assert train.mfu_per_token(types.SimpleNamespace(**dict(vars(args), dtype="float32")), lm, {}, "cuda:0") == \
-        1e12 / 156e12  # TF32: half
+    assert (
+        train.mfu_per_token(
+            types.SimpleNamespace(**dict(vars(args), dtype="float32")), lm, {}, "cuda:0"
+        )
+        == 1e12 / 156e12
+    )  # TF32: half
     assert train.mfu_per_token(args, lm, {}, "cpu") == 0.0  # (no peak known: no MFU column)
 
 
 def test_mos_flops_count_every_expert():
     """The output projection runs once per mixture component."""
-    cfg = dict(model="lstm", head="mos", epsilon=1e-3, vocab_size=100, eos_id=0, n_layer=1, d_model=8,
-               dropout=0.0, tie=True, n_experts=4)
+    cfg = dict(
+        model="lstm",
+        head="mos",
+        epsilon=1e-3,
+        vocab_size=100,
+        eos_id=0,
+        n_layer=1,
+        d_model=8,
+        dropout=0.0,
+        tie=True,
+        n_experts=4,
+    )
     lm, base = LanguageModel(cfg), LanguageModel(dict(cfg, n_experts=1))
     extra = sum(p.numel() for p in lm.parameters()) - sum(p.numel() for p in base.parameters())
     assert lm.flops_per_token(10) - base.flops_per_token(10) == 6 * (extra + 3 * 100 * 8)
@@ -433,9 +635,27 @@ def test_mos_flops_count_every_expert():
 # ---------------------------------------------------------------------------------------------
 def tiny_lm(model, head, device):
     torch.manual_seed(0)
-    return LanguageModel(dict(model=model, head=head, epsilon=1e-3, vocab_size=64, eos_id=63,
-                              n_layer=2, d_model=32, n_head=4, block_size=64, kernel_size=3,
-                              dropout=0.0, tie=True, bias=True)).to(device).eval()
+    return (
+        LanguageModel(
+            dict(
+                model=model,
+                head=head,
+                epsilon=1e-3,
+                vocab_size=64,
+                eos_id=63,
+                n_layer=2,
+                d_model=32,
+                n_head=4,
+                block_size=64,
+                kernel_size=3,
+                dropout=0.0,
+                tie=True,
+                bias=True,
+            )
+        )
+        .to(device)
+        .eval()
+    )
 
 
 @pytest.mark.usefixtures("no_tf32")
@@ -452,7 +672,7 @@ def test_cached_steps_equal_one_full_forward_in_float32(device):
                 full, _ = lm(idx, t)
                 state, rows = None, []
                 for i in range(20):
-                    lp, state = lm(idx[:, i:i + 1], t[:, i:i + 1], state)
+                    lp, state = lm(idx[:, i : i + 1], t[:, i : i + 1], state)
                     rows.append(lp)
             torch.testing.assert_close(torch.cat(rows, 1), full, atol=1e-4, rtol=0)
 
@@ -463,12 +683,15 @@ def test_termination_heads_on_the_device_equal_float64(device):
     """The ST / NMST log-probs in float32 on the device (relative error 1e-5: they reach
     hundreds of nats), and p(eos) under bf16 autocast for t up to 10^4, against float64."""
     from heads import st_log_probs
+
     torch.manual_seed(0)
     z = 5 * torch.randn(2, 1000, 64, dtype=torch.float64)
     t = steps(1, (2, 1000))
     zd, td = z.float().to(device), t.to(device)
-    for got, ref in ((nmst_log_probs(zd, td * 10, 63, 1e-3), nmst_log_probs(z, t * 10, 63, 1e-3)),
-                     (st_log_probs(zd, td, 63, 1e-3)[0], st_log_probs(z, t, 63, 1e-3)[0])):
+    for got, ref in (
+        (nmst_log_probs(zd, td * 10, 63, 1e-3), nmst_log_probs(z, t * 10, 63, 1e-3)),
+        (st_log_probs(zd, td, 63, 1e-3)[0], st_log_probs(z, t, 63, 1e-3)[0]),
+    ):
         assert float(((got.cpu().double() - ref).abs() / ref.abs().clamp(min=1)).max()) < 1e-5
     z16 = z.bfloat16()  # under autocast the logits are bf16; t and the eos terms must not be
     with torch.autocast(device, dtype=torch.bfloat16):
@@ -483,14 +706,42 @@ def test_termination_heads_on_the_device_equal_float64(device):
 def test_a_resumed_run_on_the_device_equals_an_uninterrupted_one(device, tmp_path):
     """train.py on the device with dropout: 6 steps, or 3 steps then --resume to 6: the same
     validation losses (the device's RNG state goes into the checkpoint and back)."""
-    flags = ["--model", "gpt", "--dataset", "synthetic", "--synthetic_count", "16", "--n_layer", "2",
-             "--d_model", "64", "--n_head", "4", "--block_size", "256", "--batch_size", "8",
-             "--eval_interval", "3", "--device", device, "--seed", "1", "--warmup", "0", "--dropout", "0.1"]
+    flags = [
+        "--model",
+        "gpt",
+        "--dataset",
+        "synthetic",
+        "--synthetic_count",
+        "16",
+        "--n_layer",
+        "2",
+        "--d_model",
+        "64",
+        "--n_head",
+        "4",
+        "--block_size",
+        "256",
+        "--batch_size",
+        "8",
+        "--eval_interval",
+        "3",
+        "--device",
+        device,
+        "--seed",
+        "1",
+        "--warmup",
+        "0",
+        "--dropout",
+        "0.1",
+    ]
     logs = []
     for run, stops in (("a", [6]), ("b", [3, 6])):
         for i, n in enumerate(stops):
-            train.main(flags + ["--out_dir", str(tmp_path / run), "--max_iters", str(n)]
-                       + (["--resume"] if i else []))
+            train.main(
+                flags
+                + ["--out_dir", str(tmp_path / run), "--max_iters", str(n)]
+                + (["--resume"] if i else [])
+            )
         logs.append([json.loads(line)["val_loss"] for line in open(tmp_path / run / "log.jsonl")])
     assert len(logs[0]) == 2 and logs[0] == pytest.approx(logs[1], abs=1e-5)
 
@@ -501,8 +752,9 @@ def test_mfu_counts_the_sequences_trained_on(wikitext2):
     _, splits = wikitext2
     seen = []
     lm = types.SimpleNamespace(flops_per_token=lambda length: seen.append(length) or 1e9)
-    args = types.SimpleNamespace(peak_flops=1e12, dtype="auto", task="completion", train_seqs=10,
-                                 model="lstm", window=None)
+    args = types.SimpleNamespace(
+        peak_flops=1e12, dtype="auto", task="completion", train_seqs=10, model="lstm", window=None
+    )
     assert train.mfu_per_token(args, lm, dict(splits), "cpu") == pytest.approx(1e-3)
     args.train_seqs, args.window = 0, 40
     train.mfu_per_token(args, lm, dict(splits), "cpu")

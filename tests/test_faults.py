@@ -1,6 +1,7 @@
 """Faults: kill -9 at random moments and inside a step / an evaluation / a checkpoint write,
 then --resume reproduces the uninterrupted run's per-step losses exactly; Ctrl-C; non-finite
 loss; a full disk; determinism."""
+
 import json
 import os
 import random
@@ -21,10 +22,39 @@ pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 
 WORKER = os.path.join(ROOT, "tests", "train_worker.py")
 
-ARGS = ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-3", "--dataset", "ptb", "--d_model", "32",
-        "--dropout", "0.3", "--batch_size", "8", "--lr", "3e-3", "--train_seqs", "120", "--eval_seqs", "24",
-        "--probe", "8", "--probe_L", "20", "--no_curves", "--max_iters", "16", "--eval_interval", "4",
-        "--seed", "5"]  # (the figure: tests/test_watching.py; here only the last test draws it)
+ARGS = [
+    "--model",
+    "lstm",
+    "--head",
+    "nmst",
+    "--epsilon",
+    "1e-3",
+    "--dataset",
+    "ptb",
+    "--d_model",
+    "32",
+    "--dropout",
+    "0.3",
+    "--batch_size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--train_seqs",
+    "120",
+    "--eval_seqs",
+    "24",
+    "--probe",
+    "8",
+    "--probe_L",
+    "20",
+    "--no_curves",
+    "--max_iters",
+    "16",
+    "--eval_interval",
+    "4",
+    "--seed",
+    "5",
+]  # (the figure: tests/test_watching.py; here only the last test draws it)
 
 
 def losses(out_dir):
@@ -33,10 +63,18 @@ def losses(out_dir):
 
 
 def start(out_dir, kill=None, signal_at=""):
-    env = dict(os.environ, OMP_NUM_THREADS="1", NANOGEN_TEST_WORKER=f"kill={kill}" if kill else signal_at)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", NANOGEN_TEST_WORKER=f"kill={kill}" if kill else signal_at
+    )
     resume = ["--resume"] if os.path.exists(os.path.join(out_dir, "ckpt_last.pt")) else []
-    return subprocess.Popen([sys.executable, WORKER, *ARGS, "--out_dir", str(out_dir), "--log_interval", "1",
-                             *resume], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, WORKER, *ARGS, "--out_dir", str(out_dir), "--log_interval", "1", *resume],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def run_to_end(out_dir):
@@ -80,8 +118,13 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(reference, tmp_path)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-2000:]
     assert losses(out) == reference  # same data order, dropout, optimizer, schedule: bit for bit
-    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]  # stale temporary files cleaned up
-    best, last = load_checkpoint(str(out / "ckpt_best.pt")), load_checkpoint(str(out / "ckpt_last.pt"))
+    assert not [
+        f for f in os.listdir(out) if f.endswith(".tmp")
+    ]  # stale temporary files cleaned up
+    best, last = (
+        load_checkpoint(str(out / "ckpt_best.pt")),
+        load_checkpoint(str(out / "ckpt_last.pt")),
+    )
     assert last["state"]["step"] == 16 and best["state"]["best_val"] == last["state"]["best_val"]
 
 
@@ -109,21 +152,38 @@ def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch):
 
     def full(obj, f):
         real_save(obj, f)
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0\n"
-                           "PytorchStreamWriter failed writing file data/0: file write failed")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0\n"
+            "PytorchStreamWriter failed writing file data/0: file write failed"
+        )
+
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(train.UserError, match="could not write .*file write failed.*previous checkpoint.*intact"):
+    with pytest.raises(
+        train.UserError, match="could not write .*file write failed.*previous checkpoint.*intact"
+    ):
         save_checkpoint(dict(ckpt, model={"w": torch.zeros(3)}), str(path))
     monkeypatch.setattr(torch, "save", real_save)
-    assert torch.equal(load_checkpoint(str(path))["model"]["w"], torch.ones(3))  # the old one survived
+    assert torch.equal(
+        load_checkpoint(str(path))["model"]["w"], torch.ones(3)
+    )  # the old one survived
     assert os.listdir(tmp_path) == ["ckpt_last.pt"]
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # curves.png of a diverging run draws
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, ptb, capsys):
     out = tmp_path / "nan"
-    args = [a for a in ARGS[:-6] if a != "--no_curves"] + ["--max_iters", "30", "--eval_interval", "1", "--lr", "1e30", "--grad_clip", "0",
-                        "--out_dir", str(out)]
+    args = [a for a in ARGS[:-6] if a != "--no_curves"] + [
+        "--max_iters",
+        "30",
+        "--eval_interval",
+        "1",
+        "--lr",
+        "1e30",
+        "--grad_clip",
+        "0",
+        "--out_dir",
+        str(out),
+    ]
     rc = run_cli(train.main, args)
     err = capsys.readouterr().err
     assert rc == 2 and "non-finite" in err and "at step" in err and "ckpt_last.pt, if any" in err
@@ -134,17 +194,49 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, ptb,
 def test_a_head_not_finite_at_t_0_is_named_as_the_suspect(tmp_path, ptb, capsys, monkeypatch):
     """Exercise 1's mistake (log t with no clamp at context / padding positions, t <= 0) trains
     to NaN; the message names the head's values there."""
+
     def unclamped(z_eos, t, epsilon):
         a = z_eos.float() + 0.1 * torch.log(t.float())  # NaN at t < 0, -inf at 0: NaN gradients
         return torch.nn.functional.logsigmoid(a), torch.nn.functional.logsigmoid(-a)
+
     monkeypatch.setattr(heads, "nmst_log_alpha", unclamped)
-    rc = run_cli(train.main, ARGS[:-6] + ["--max_iters", "4", "--eval_interval", "2", "--log_interval",
-                                          "1", "--out_dir", str(tmp_path / "nan")])
+    rc = run_cli(
+        train.main,
+        ARGS[:-6]
+        + [
+            "--max_iters",
+            "4",
+            "--eval_interval",
+            "2",
+            "--log_interval",
+            "1",
+            "--out_dir",
+            str(tmp_path / "nan"),
+        ],
+    )
     err = capsys.readouterr().err
-    assert rc == 2 and "non-finite training loss" in err and "--head nmst's values at t <= 0" in err, err
+    assert (
+        rc == 2 and "non-finite training loss" in err and "--head nmst's values at t <= 0" in err
+    ), err
     monkeypatch.undo()  # the message names the head only where it reads t
-    rc = run_cli(train.main, ARGS[:-6] + ["--head", "softmax", "--max_iters", "30", "--eval_interval", "1",
-                                          "--lr", "1e30", "--grad_clip", "0", "--out_dir", str(tmp_path / "va")])
+    rc = run_cli(
+        train.main,
+        ARGS[:-6]
+        + [
+            "--head",
+            "softmax",
+            "--max_iters",
+            "30",
+            "--eval_interval",
+            "1",
+            "--lr",
+            "1e30",
+            "--grad_clip",
+            "0",
+            "--out_dir",
+            str(tmp_path / "va"),
+        ],
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "non-finite" in err and "t <= 0" not in err, err
 
@@ -171,9 +263,29 @@ def test_same_seed_same_decodes(reference_run, tmp_path):
     """(The same seed giving the same losses: every resumed run above equals the reference.)"""
     out = reference_run[0]
     import evaluate
+
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path in (a, b):
-        evaluate.main(["--ckpt", str(out / "ckpt_last.pt"), "--no_ppl", "--decoder", "nucleus", "--p", "0.9",
-                              "--L", "20", "--limit", "10", "--seed", "3", "--out", str(path)])
-    assert json.loads(a.read_text())["decoding"]["generated_lengths"] == \
-        json.loads(b.read_text())["decoding"]["generated_lengths"]
+        evaluate.main(
+            [
+                "--ckpt",
+                str(out / "ckpt_last.pt"),
+                "--no_ppl",
+                "--decoder",
+                "nucleus",
+                "--p",
+                "0.9",
+                "--L",
+                "20",
+                "--limit",
+                "10",
+                "--seed",
+                "3",
+                "--out",
+                str(path),
+            ]
+        )
+    assert (
+        json.loads(a.read_text())["decoding"]["generated_lengths"]
+        == json.loads(b.read_text())["decoding"]["generated_lengths"]
+    )

@@ -1,12 +1,13 @@
 """heads.py against NMST paper eq. 2 / 9 / 10 computed directly in float64."""
+
 import itertools
 import math
 
 import pytest
 import torch
 
-from heads import HEADS, Head, log1mexp, nmst_log_probs, softmax_log_probs, st_log_probs
 from conftest import steps
+from heads import HEADS, Head, log1mexp, nmst_log_probs, softmax_log_probs, st_log_probs
 
 torch.manual_seed(0)
 
@@ -19,7 +20,8 @@ def direct_nmst(z, t, eos, eps):
 
 
 def direct_st(z, t0, eos, eps):
-    """eq. 9 as written, float64, z (B, T, V) at steps t0, t0+1, ...: alpha_t = 1 - prod (1-eps) sig."""
+    """eq. 9 as written, float64, z (B, T, V) at steps t0, t0+1, ...:
+    alpha_t = 1 - prod (1-eps) sig."""
     sig = 1.0 / (1.0 + torch.exp(-z[..., eos]))
     alpha = 1 - torch.cumprod((1 - eps) * sig, dim=-1)
     assert t0 == 1
@@ -55,19 +57,29 @@ def test_st_matches_eq9_float64(scale, eos):
 
 def test_softmax_matches_eq2():
     z = torch.randn(4, 6, 10, dtype=torch.float64) * 30
-    torch.testing.assert_close(softmax_log_probs(z).exp(), torch.exp(z) / torch.exp(z).sum(-1, keepdim=True))
+    torch.testing.assert_close(
+        softmax_log_probs(z).exp(), torch.exp(z) / torch.exp(z).sum(-1, keepdim=True)
+    )
 
 
 @pytest.mark.parametrize("eps", [1e-8, 1e-5, 1e-2, 0.5])
-@pytest.mark.parametrize("t", [1, 7, 1000, 10 ** 6])
+@pytest.mark.parametrize("t", [1, 7, 1000, 10**6])
 def test_float32_finite_and_normalised_extremes(eps, t):
     """float32, logits up to +-100, eps down to 1e-8, t up to 1e6: finite, rows sum to 1."""
-    z = torch.tensor([[[100.0, -100.0, 0.0, 50.0, -100.0]], [[-100.0, 100.0, 3.0, -50.0, 100.0]],
-                      [[0.0, 0.0, 0.0, 0.0, 0.0]]])  # (3, 1, 5)
+    z = torch.tensor(
+        [
+            [[100.0, -100.0, 0.0, 50.0, -100.0]],
+            [[-100.0, 100.0, 3.0, -50.0, 100.0]],
+            [[0.0, 0.0, 0.0, 0.0, 0.0]],
+        ]
+    )  # (3, 1, 5)
     for eos in (0, 1, 4):
         z50 = z.expand(3, 50, 5).contiguous()
-        for lp in (nmst_log_probs(z, t, eos, eps), st_log_probs(z, steps(t, z.shape[:-1]), eos, eps)[0],
-                   st_log_probs(z50, steps(t, z50.shape[:-1]), eos, eps)[0]):
+        for lp in (
+            nmst_log_probs(z, t, eos, eps),
+            st_log_probs(z, steps(t, z.shape[:-1]), eos, eps)[0],
+            st_log_probs(z50, steps(t, z50.shape[:-1]), eos, eps)[0],
+        ):
             assert lp.dtype == torch.float32
             assert not torch.isnan(lp).any()
             assert torch.isfinite(lp[..., eos]).all(), "p(eos) must never be 0"
@@ -78,7 +90,7 @@ def test_float32_agrees_with_float64_at_tiny_eps():
     """The reference code's 1-(1-eps)^t is 0 in float32 at eps=1e-8; log space keeps it."""
     z = torch.randn(2, 5, 8, dtype=torch.float64) * 5
     z[..., 3] = -30.0  # sigma(z_eos) ~ 1e-13: p(eos) is dominated by the lower bound
-    for t in (1, 10, 10 ** 4):
+    for t in (1, 10, 10**4):
         lp64 = nmst_log_probs(z, t, 3, 1e-8)
         lp32 = nmst_log_probs(z.float(), t, 3, 1e-8)
         torch.testing.assert_close(lp32.double(), lp64, atol=1e-4, rtol=1e-5)
@@ -111,7 +123,9 @@ def test_nmst_can_decrease():
 
 def test_st_incremental_equals_full():
     z = torch.randn(3, 25, 11, dtype=torch.float64) * 4
-    full, keep_full = st_log_probs(z, steps(-4, z.shape[:-1]), 6, 1e-2)  # 5 context positions, then t = 1..20
+    full, keep_full = st_log_probs(
+        z, steps(-4, z.shape[:-1]), 6, 1e-2
+    )  # 5 context positions, then t = 1..20
     parts, keep = [], None
     for lo, hi in [(0, 3), (3, 5), (5, 6), (6, 17), (17, 25)]:
         lp, keep = st_log_probs(z[:, lo:hi], steps(-4 + lo, (3, hi - lo)), 6, 1e-2, keep)
@@ -130,7 +144,9 @@ def test_context_positions_convention():
     torch.testing.assert_close(ctx, nmst_log_probs(z, 1, 1, 0.1))
     lp, keep = st_log_probs(z, steps(-10, z.shape[:-1]), 1, 0.1)
     for j in range(4):
-        torch.testing.assert_close(lp[:, j], st_log_probs(z[:, j:j + 1], steps(1, (2, 1)), 1, 0.1)[0][:, 0])
+        torch.testing.assert_close(
+            lp[:, j], st_log_probs(z[:, j : j + 1], steps(1, (2, 1)), 1, 0.1)[0][:, 0]
+        )
     torch.testing.assert_close(keep, torch.zeros(2, dtype=torch.float64))
     assert torch.isfinite(lp).all() and torch.isfinite(ctx).all()
 
@@ -144,7 +160,10 @@ def test_log1mexp():
 
 def test_gradients_finite_at_extremes():
     z = (torch.randn(2, 6, 7) * 100).requires_grad_()
-    for f in (lambda z: nmst_log_probs(z, 3, 0, 1e-8), lambda z: st_log_probs(z, steps(1, (2, 6)), 0, 1e-8)[0]):
+    for f in (
+        lambda z: nmst_log_probs(z, 3, 0, 1e-8),
+        lambda z: st_log_probs(z, steps(1, (2, 6)), 0, 1e-8)[0],
+    ):
         z.grad = None
         f(z).gather(-1, torch.randint(0, 7, (2, 6, 1))).sum().backward()
         assert torch.isfinite(z.grad).all()
@@ -164,16 +183,23 @@ def test_head_target_log_probs_equal_gather():
         torch.testing.assert_close(part, full)
         assert (k1 is None and k2 is None) or torch.allclose(k1, k2)
         u = torch.randn(3, 12, dtype=torch.float64)
-        torch.testing.assert_close(torch.autograd.grad((part * u).sum(), (h, head.proj.weight)),
-                                   torch.autograd.grad((full * u).sum(), (h, head.proj.weight)))
-    for bias in (True, False):  # the softmax head's constant temperature (CT paper Table 3 baseline)
+        torch.testing.assert_close(
+            torch.autograd.grad((part * u).sum(), (h, head.proj.weight)),
+            torch.autograd.grad((full * u).sum(), (h, head.proj.weight)),
+        )
+    for bias in (
+        True,
+        False,
+    ):  # the softmax head's constant temperature (CT paper Table 3 baseline)
         head = Head("softmax", 16, 30, 0, bias=bias, temperature=2.5).double()
         y = torch.randint(0, 30, (3, 12))
         full = head(h)[0].gather(-1, y.unsqueeze(-1)).squeeze(-1)
         part = head.target_log_probs(h, y)[0]
         torch.testing.assert_close(part, full)
-        torch.testing.assert_close(torch.autograd.grad(part.sum(), (h, head.proj.weight)),
-                                   torch.autograd.grad(full.sum(), (h, head.proj.weight)))
+        torch.testing.assert_close(
+            torch.autograd.grad(part.sum(), (h, head.proj.weight)),
+            torch.autograd.grad(full.sum(), (h, head.proj.weight)),
+        )
 
 
 @pytest.mark.parametrize("eps", [0.0, 1.0, -0.1, 1.5])
@@ -190,11 +216,18 @@ def test_unknown_head_rejected():
 
 
 def test_math_constants():
-    """the lower bound t_1/2 used in Theorem 3: 1-(1-eps)^t > 1/2 first at ceil(log 2 / -log(1-eps))."""
+    """the lower bound t_1/2 used in Theorem 3: 1-(1-eps)^t > 1/2 first at
+    ceil(log 2 / -log(1-eps))."""
     eps = 0.1
     t_half = math.ceil(math.log(0.5) / math.log1p(-eps))
     p = nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half, 0, eps)[0, 0].exp()
-    assert p > 0.5 and nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half - 1, 0, eps)[0, 0].exp() < 0.5
+    assert (
+        p > 0.5
+        and nmst_log_probs(torch.full((1, 4), -50.0, dtype=torch.float64), t_half - 1, 0, eps)[
+            0, 0
+        ].exp()
+        < 0.5
+    )
 
 
 @pytest.mark.parametrize("kind", HEADS)
@@ -205,7 +238,7 @@ def test_every_head_keeps_the_contract(kind):
     torch.manual_seed(0)
     head = Head(kind, 8, 12, 3, 1e-3, n_experts=2, ct_alpha=1.0, ct_beta=0.5)
     h = torch.randn(2, 7, 8, requires_grad=True)
-    t = torch.tensor([-3, -1, 0, 1, 2, 10 ** 3, 10 ** 6]).expand(2, 7)
+    t = torch.tensor([-3, -1, 0, 1, 2, 10**3, 10**6]).expand(2, 7)
     log_p, _ = head(h, t)
     part, _ = head.target_log_probs(h, torch.randint(0, 12, (2, 7)), t)
     assert torch.isfinite(log_p).all() and torch.isfinite(part).all(), kind

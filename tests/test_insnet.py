@@ -1,18 +1,26 @@
 """insnet.py: the offset matrix (InsNet section 3.1, Fig. 5-6)."""
+
 import torch
 
 from insnet import Canvas, causal_mask, offset_matrix
 
-PAPER_ROWS = [[0], [-1, 0], [-1, 1, 0], [-2, 1, -1, 0], [-1, 3, 1, 2, 0], [-3, 2, -1, 1, -2, 0],
-              [-5, 1, -3, -1, -4, -2, 0]]
+PAPER_ROWS = [
+    [0],
+    [-1, 0],
+    [-1, 1, 0],
+    [-2, 1, -1, 0],
+    [-1, 3, 1, 2, 0],
+    [-3, 2, -1, 1, -2, 0],
+    [-5, 1, -3, -1, -4, -2, 0],
+]
 
 
 def test_paper_example():
     """'BOS EOS have pen I a .' inserted into 'I have a pen .': order [0, 6, 2, 4, 1, 3, 5]."""
     off = offset_matrix(torch.tensor([0, 6, 2, 4, 1, 3, 5]))
     for j, row in enumerate(PAPER_ROWS):
-        assert off[j, :j + 1].tolist() == row
-        assert (off[j, j + 1:] == 0).all()
+        assert off[j, : j + 1].tolist() == row
+        assert (off[j, j + 1 :] == 0).all()
 
 
 def test_left_to_right_is_i_minus_j():
@@ -28,9 +36,11 @@ def test_rows_are_distinct_integers_of_a_permutation():
         order = torch.randperm(n, generator=g)
         off = offset_matrix(order)
         for j in range(n):
-            row = off[j, :j + 1]
+            row = off[j, : j + 1]
             assert row[j] == 0 and len(set(row.tolist())) == j + 1
-            assert sorted((row - row.min()).tolist()) == list(range(j + 1))  # the ranks of j+1 canvas tokens
+            assert sorted((row - row.min()).tolist()) == list(
+                range(j + 1)
+            )  # the ranks of j+1 canvas tokens
 
 
 def test_invariant_to_order_preserving_relabelling():
@@ -57,7 +67,7 @@ def test_incremental_rows_equal_batch_rows():
         rows.append(canvas.insert(int(torch.randint(1, len(canvas.positions), (1,), generator=g))))
     off = offset_matrix(canvas.positions.clone())
     for j, row in enumerate(rows):
-        assert torch.equal(off[j, :j + 1], row)
+        assert torch.equal(off[j, : j + 1], row)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,8 +77,16 @@ import itertools  # noqa: E402
 
 import pytest  # noqa: E402
 
-from insnet import collate_insertions, insertion_order  # noqa: E402
-from insnet import InsertionTransformer, InsNet, canvas_steps, generate, insertion_targets, start_canvas  # noqa: E402
+from insnet import (  # noqa: E402
+    InsertionTransformer,
+    InsNet,
+    canvas_steps,
+    collate_insertions,
+    generate,
+    insertion_order,
+    insertion_targets,
+    start_canvas,
+)  # noqa: E402
 from train import score  # noqa: E402
 
 
@@ -76,6 +94,7 @@ def story_nll(m, batch):
     """-log p of each (sequence, order) and its number of events, from train.score."""
     log_p, mask, _ = score(m, batch)
     return -(log_p * mask).sum(1), mask.sum(1)
+
 
 CFG = dict(vocab_size=23, n_layer=2, n_head=2, d_model=16, dropout=0.0, max_offset=6, block_size=40)
 MODELS = dict(insnet=InsNet, insertion_transformer=InsertionTransformer)
@@ -91,17 +110,22 @@ def tiny(name, seed=0):
 
 
 def a_batch(seed=0):
-    """Two padded sequences: one with a 2-token given prefix (title + SEP) and a keyword, one without."""
+    """Two padded sequences: one with a 2-token given prefix (title + SEP) and a keyword, one
+    without."""
     seqs = [[1, 9, 3, 5, 6, 7, 10, 8, 11, 12, 2], [1, 13, 14, 15, 2]]
-    return seqs, collate_insertions(seqs, [3, 1], [[5], []], "random", torch.Generator().manual_seed(seed))
+    return seqs, collate_insertions(
+        seqs, [3, 1], [[5], []], "random", torch.Generator().manual_seed(seed)
+    )
 
 
 def test_canvas_steps_is_the_sorted_canvas():
     order = torch.stack([torch.tensor([0, 6, 2, 4, 1, 3, 5]), torch.tensor([0, 6, 1, 2, 3, 4, 5])])
     canvas = canvas_steps(order)
     for b, j in itertools.product(range(2), range(7)):
-        by_position = sorted(range(j + 1), key=lambda i: int(order[b, i]))  # steps 0..j left to right
-        assert canvas[b, j, :j + 1].tolist() == by_position
+        by_position = sorted(
+            range(j + 1), key=lambda i: int(order[b, i])
+        )  # steps 0..j left to right
+        assert canvas[b, j, : j + 1].tolist() == by_position
 
 
 def test_insertion_order_and_targets():
@@ -126,7 +150,9 @@ def test_slot_distribution_sums_to_one_over_valid_gaps(name):
     m.push(state, 2, 1)
     lp = m.next_slot_log_probs(state, 0)
     assert lp.shape == (2,) and torch.isclose(lp.exp().sum(), torch.tensor(1.0, dtype=lp.dtype))
-    for n_canvas, tok in enumerate((9, 3, 5), start=2):  # a title token, SEP, a story token, each before EOS
+    for n_canvas, tok in enumerate(
+        (9, 3, 5), start=2
+    ):  # a title token, SEP, a story token, each before EOS
         m.push(state, tok, n_canvas - 1)
     lp = m.next_slot_log_probs(state, 2)  # canvas BOS t SEP w EOS: gaps 0, 1 lie in the prefix
     assert lp.shape == (5,) and torch.isinf(lp[:2]).all() and torch.isfinite(lp[2:]).all()
@@ -145,7 +171,7 @@ def test_cached_decoding_equals_teacher_forcing(name):
     sc = m.sequence_log_probs(**batch)
     for b, seq in enumerate(seqs):
         n = len(seq)
-        order, gaps = batch["order"][b, :n], insertion_targets(batch["order"][b:b + 1, :n])[0]
+        order, gaps = batch["order"][b, :n], insertion_targets(batch["order"][b : b + 1, :n])[0]
         state = m.start()
         for s in range(n):
             tok = seq[int(order[s])]
@@ -168,9 +194,16 @@ def test_gap_logits_equal_the_direct_formula():
     for tok, slot in ((1, 0), (2, 1), (7, 1), (8, 1), (9, 3)):
         m.push(state, tok, slot)
     h, canvas = state["h"], torch.argsort(state["canvas"].positions)
-    direct = torch.stack([m.slot_query(m.slot_proj(torch.cat([h[canvas[g]], h[canvas[g + 1]], h[-1]])))[0]
-                          for g in range(len(canvas) - 1)] + [m.end_proj(h[-1])[0]])
-    torch.testing.assert_close(m.next_slot_log_probs(state, 0), torch.log_softmax(direct, 0), rtol=0, atol=1e-12)
+    direct = torch.stack(
+        [
+            m.slot_query(m.slot_proj(torch.cat([h[canvas[g]], h[canvas[g + 1]], h[-1]])))[0]
+            for g in range(len(canvas) - 1)
+        ]
+        + [m.end_proj(h[-1])[0]]
+    )
+    torch.testing.assert_close(
+        m.next_slot_log_probs(state, 0), torch.log_softmax(direct, 0), rtol=0, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -178,8 +211,17 @@ def test_constrained_decoding_keeps_every_keyword_in_order(name):
     m = tiny(name).float()
     title, keywords = [9, 10], [5, 6, 5, 7]
     for seed, decoder in itertools.product(range(4), ("greedy", "sample", "topk")):
-        out = generate(m, [1, *title, 3, *keywords, 2], 30, decoder=decoder, k=3, slot_start=3, banned=(0, 1, 2, 3),
-                       min_len=4, generator=torch.Generator().manual_seed(seed))
+        out = generate(
+            m,
+            [1, *title, 3, *keywords, 2],
+            30,
+            decoder=decoder,
+            k=3,
+            slot_start=3,
+            banned=(0, 1, 2, 3),
+            min_len=4,
+            generator=torch.Generator().manual_seed(seed),
+        )
         toks = out["tokens"]
         assert toks[:4] == [1, *title, 3] and toks[-1] == 2  # the prefix is closed, EOS stays last
         kept = [t for t, given in zip(toks[4:-1], out["given"][4:-1]) if given]
@@ -194,11 +236,22 @@ def test_insnet_encodes_each_token_once_and_it_reencodes():
     outs, seen = [], {}
     for m in (ins, it):
         seen[m] = encoded(m)
-        outs.append(generate(m, [1, 2], 12, decoder="sample", min_len=10, banned=(0, 1, 2, 3),
-                             generator=torch.Generator().manual_seed(0)))
+        outs.append(
+            generate(
+                m,
+                [1, 2],
+                12,
+                decoder="sample",
+                min_len=10,
+                banned=(0, 1, 2, 3),
+                generator=torch.Generator().manual_seed(0),
+            )
+        )
     assert outs[0]["inserted"] == outs[1]["inserted"] == 10
     assert sum(b * t for b, t in seen[ins]) == 12  # BOS, EOS and 10 insertions: each token once
-    assert sum(b for b, _ in seen[it]) == 10 and sum(b * t for b, t in seen[it]) == sum(range(2, 12))
+    assert sum(b for b, _ in seen[it]) == 10 and sum(b * t for b, t in seen[it]) == sum(
+        range(2, 12)
+    )
 
 
 def encoded(m):
@@ -215,7 +268,9 @@ def test_training_pass_is_one_pass_for_insnet(name):
     _, batch = a_batch()
     seen = encoded(m)
     nll, events = story_nll(m, batch)
-    assert torch.isfinite(nll).all() and (nll > 0).all() and events.tolist() == [10 - 3 - 1 + 1, 3 + 1]
+    assert (
+        torch.isfinite(nll).all() and (nll > 0).all() and events.tolist() == [10 - 3 - 1 + 1, 3 + 1]
+    )
     if name == "insnet":
         assert seen == [(2, 11)]  # one causal pass over the padded batch
     else:
@@ -227,10 +282,14 @@ def test_batch_equals_single_sequences():
     seqs, batch = a_batch(3)
     sc = m.sequence_log_probs(**batch)
     for b, seq in enumerate(seqs):
-        one = {k: v[b:b + 1, :len(seq)] if v.dim() == 2 else v[b:b + 1] for k, v in batch.items()}
+        one = {
+            k: v[b : b + 1, : len(seq)] if v.dim() == 2 else v[b : b + 1] for k, v in batch.items()
+        }
         single = m.sequence_log_probs(**one)
-        torch.testing.assert_close(single["slot"][0], sc["slot"][b, :len(seq)], rtol=0, atol=1e-12)
-        torch.testing.assert_close(single["token"][0], sc["token"][b, :len(seq)], rtol=0, atol=1e-12)
+        torch.testing.assert_close(single["slot"][0], sc["slot"][b, : len(seq)], rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            single["token"][0], sc["token"][b, : len(seq)], rtol=0, atol=1e-12
+        )
         torch.testing.assert_close(single["end"][0], sc["end"][b], rtol=0, atol=1e-12)
 
 
@@ -253,25 +312,43 @@ def test_decoding_starts_from_the_training_canvas(name):
     sc = m.sequence_log_probs(**batch)
     state = start_canvas(m, [1, 9, 10, 3, 5, 6, 2])
     if name == "insnet":
-        assert state["canvas"].positions.tolist() == [0, 6, 1, 2, 3, 4, 5]  # final positions of steps 0..6
+        assert state["canvas"].positions.tolist() == [
+            0,
+            6,
+            1,
+            2,
+            3,
+            4,
+            5,
+        ]  # final positions of steps 0..6
     else:
         assert state["tokens"] == [1, 9, 10, 3, 5, 6, 2]
     gap = int(insertion_targets(batch["order"])[0, 7])
-    torch.testing.assert_close(m.next_slot_log_probs(state, 3)[gap], sc["slot"][0, 7], rtol=0, atol=1e-12)
-    torch.testing.assert_close(m.next_token_log_probs(state, gap)[11], sc["token"][0, 7], rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        m.next_slot_log_probs(state, 3)[gap], sc["slot"][0, 7], rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        m.next_token_log_probs(state, gap)[11], sc["token"][0, 7], rtol=0, atol=1e-12
+    )
 
 
 def test_order_average_minus_log_n_factorial_bounds_the_nll():
     """-log p(x) = -log sum_pi p(x, pi) <= mean_pi[-log p(x, pi)] - log n!  (Jensen, uniform pi):
     train.evaluate's nll_bound_per_story, checked exactly over all 4! orders."""
     import math
+
     m = tiny("insnet")
     seq = [1, 9, 3, 5, 6, 7, 8, 2]  # BOS title SEP + 4 story tokens + EOS
     nlls = []
     for perm in itertools.permutations([4, 5, 6, 7]):
         order = torch.tensor([[0, 7, 1, 2, *perm]])
-        b = dict(tokens=torch.tensor([seq]), order=order, lengths=torch.tensor([8]), n_given=torch.tensor([4]),
-                 slot_start=torch.tensor([2]))
+        b = dict(
+            tokens=torch.tensor([seq]),
+            order=order,
+            lengths=torch.tensor([8]),
+            n_given=torch.tensor([4]),
+            slot_start=torch.tensor([2]),
+        )
         with torch.no_grad():
             nlls.append(float(story_nll(m, b)[0][0]))
     exact = -torch.logsumexp(-torch.tensor(nlls, dtype=torch.float64), 0)

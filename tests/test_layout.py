@@ -1,6 +1,7 @@
 """The layout a reader relies on: no import cycle between nanogen's files (function-local imports
 counted too, so that none can hide one), and the paper files (heads, model, decode, insnet)
 import no command file."""
+
 import ast
 import os
 
@@ -12,8 +13,9 @@ COMMANDS = {"train", "evaluate", "sample", "reproduce", "bench", "curves"}
 
 def modules():
     """{module name: the project modules it imports, wherever in the file}."""
-    files = [f for f in os.listdir(ROOT) if f.endswith(".py")] + \
-        [f"data/{f}" for f in os.listdir(os.path.join(ROOT, "data")) if f.endswith(".py")]
+    files = [f for f in os.listdir(ROOT) if f.endswith(".py")] + [
+        f"data/{f}" for f in os.listdir(os.path.join(ROOT, "data")) if f.endswith(".py")
+    ]
     names = {f[:-3].replace("/", ".").replace(".__init__", ""): f for f in files}
     graph = {}
     for name, f in names.items():
@@ -32,12 +34,13 @@ def test_no_import_cycle():
 
     def visit(m, path):
         if state.get(m) == "open":
-            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(m):] + [m])}")
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(m) :] + [m])}")
         if m not in state:
             state[m] = "open"
             for n in sorted(graph[m]):
                 visit(n, path + [m])
             state[m] = "done"
+
     for m in sorted(graph):
         visit(m, [])
     assert {"train", "heads", "data", "data.loader"} <= set(graph)  # (the walk saw the files)

@@ -1,4 +1,5 @@
 """model.py: one contract for every backbone; incremental == full forward (float64, 1e-6)."""
+
 import os
 import shutil
 
@@ -6,15 +7,28 @@ import pytest
 import torch
 
 import train
-from model import MODELS, LanguageModel
 from conftest import DEVICES, steps
+from model import MODELS, LanguageModel
 
 V, EOS = 40, 3
 
 
 def make(model, head="softmax", **kw):
-    cfg = dict(model=model, head=head, epsilon=1e-2, vocab_size=V, eos_id=EOS, n_layer=2, d_model=24, dropout=0.0,
-               tie=True, n_head=4, block_size=48, bias=True, kernel_size=3)
+    cfg = dict(
+        model=model,
+        head=head,
+        epsilon=1e-2,
+        vocab_size=V,
+        eos_id=EOS,
+        n_layer=2,
+        d_model=24,
+        dropout=0.0,
+        tie=True,
+        n_head=4,
+        block_size=48,
+        bias=True,
+        kernel_size=3,
+    )
     cfg.update(kw)
     torch.manual_seed(0)
     return LanguageModel(cfg).double().eval()
@@ -30,9 +44,9 @@ def test_incremental_equals_full(model, head):
         h_full, _ = lm.backbone(idx)
         state, outs, hs = None, [], []
         for i in range(30):
-            h, bstate = lm.backbone(idx[:, i:i + 1], None if state is None else state[0])
+            h, bstate = lm.backbone(idx[:, i : i + 1], None if state is None else state[0])
             hs.append(h)
-            lp, state = lm(idx[:, i:i + 1], steps(-8 + i, (3, 1)), state=state)
+            lp, state = lm(idx[:, i : i + 1], steps(-8 + i, (3, 1)), state=state)
             outs.append(lp)
         # uneven chunks through the same state
         state, chunks = None, []
@@ -57,9 +71,9 @@ def test_right_padding_lengths_and_state(model):
         lp_next, _ = lm(nxt, (-8 + lengths).unsqueeze(1), state=state)
         for b in range(3):
             L = int(lengths[b])
-            alone, st = lm(idx[b:b + 1, :L], steps(-8, (1, L)))
+            alone, st = lm(idx[b : b + 1, :L], steps(-8, (1, L)))
             torch.testing.assert_close(lp[b, :L], alone[0], atol=1e-9, rtol=0)
-            nxt_alone, _ = lm(nxt[b:b + 1], steps(-8 + L, (1, 1)), state=st)
+            nxt_alone, _ = lm(nxt[b : b + 1], steps(-8 + L, (1, 1)), state=st)
             torch.testing.assert_close(lp_next[b], nxt_alone[0], atol=1e-9, rtol=0)
 
 
@@ -85,15 +99,18 @@ def test_target_log_probs_and_normalisation(model, head):
     y[:, 12] = EOS
     with torch.no_grad():
         lp, _ = lm(idx, steps(-8, (2, 15)))
-        torch.testing.assert_close(lm(idx, steps(-8, (2, 15)), targets=y)[0],
-                                   lp.gather(-1, y.unsqueeze(-1)).squeeze(-1))
+        torch.testing.assert_close(
+            lm(idx, steps(-8, (2, 15)), targets=y)[0], lp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        )
     torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(2, 15, dtype=torch.float64))
 
 
 def test_weight_tying_and_gpt_window():
     lm = make("gpt")
     assert lm.head.proj.weight is lm.backbone.wte.weight
-    assert make("lstm", tie=False).head.proj.weight is not make("lstm", tie=False).backbone.wte.weight
+    assert (
+        make("lstm", tie=False).head.proj.weight is not make("lstm", tie=False).backbone.wte.weight
+    )
     with pytest.raises(ValueError, match="context window"):
         lm(torch.zeros(1, 49, dtype=torch.long), steps(1, (1, 49)))
 
@@ -104,8 +121,10 @@ def test_unknown_model_rejected():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")),
-                    reason="torch.compile (inductor) needs a C++ compiler on CPU")
+@pytest.mark.skipif(
+    not (shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")),
+    reason="torch.compile (inductor) needs a C++ compiler on CPU",
+)
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_model_matches_eager(device):
@@ -114,8 +133,20 @@ def test_compiled_model_matches_eager(device):
     compiled runs load into plain models).  A tiny model: inductor compiles in about 20 s on
     the CPU."""
     torch.manual_seed(0)
-    cfg = dict(model="gpt", head="nmst", epsilon=1e-3, vocab_size=50, eos_id=49, n_layer=1, d_model=16, n_head=2,
-               block_size=32, dropout=0.0, tie=True, bias=True)
+    cfg = dict(
+        model="gpt",
+        head="nmst",
+        epsilon=1e-3,
+        vocab_size=50,
+        eos_id=49,
+        n_layer=1,
+        d_model=16,
+        n_head=2,
+        block_size=32,
+        dropout=0.0,
+        tie=True,
+        bias=True,
+    )
     eager, plain = LanguageModel(cfg).to(device), LanguageModel(cfg).to(device)
     plain.load_state_dict(eager.state_dict())
     compiled = train.compile_model(plain)  # (no CUDA graphs: graphs=False, its default)
@@ -123,7 +154,9 @@ def test_compiled_model_matches_eager(device):
     x = torch.randint(0, 50, (2, 12), device=device)
     grads = []
     for lm in (eager, compiled):
-        log_p = lm(x[:, :-1], steps(1, (2, 11)).to(device), targets=x[:, 1:])[0]  # the training path
+        log_p = lm(x[:, :-1], steps(1, (2, 11)).to(device), targets=x[:, 1:])[
+            0
+        ]  # the training path
         log_p.sum().backward()
         grads.append((log_p.detach(), [p.grad.clone() for p in lm.parameters()]))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
@@ -149,6 +182,7 @@ def test_gated_conv_is_eq_4_1():
     """The survey's eq. 4.1, H = (X * W + b) (x) sigmoid(X * V + c), computed directly in
     float64 with the k-1 zero inputs on the left, against GatedConv (and its carried past)."""
     from model import GatedConv
+
     torch.manual_seed(0)
     B, T, D, k = 2, 9, 5, 3
     layer = GatedConv(D, k).double()
@@ -158,13 +192,13 @@ def test_gated_conv_is_eq_4_1():
     xp = torch.cat([torch.zeros(B, k - 1, D, dtype=torch.float64), x], 1)
     direct = torch.zeros(B, T, D, dtype=torch.float64)
     for t in range(T):
-        window = xp[:, t:t + k]  # (B, k, D): inputs t-k+1 .. t
+        window = xp[:, t : t + k]  # (B, k, D): inputs t-k+1 .. t
         proj = torch.einsum("bjd,edj->be", window, W) + b
         gate = torch.einsum("bjd,edj->be", window, V) + c
         direct[:, t] = proj * torch.sigmoid(gate)
     out, padded = layer(x, torch.zeros(B, k - 1, D, dtype=torch.float64))
     torch.testing.assert_close(out, direct, rtol=0, atol=1e-12)
-    split, _ = layer(x[:, 4:], padded[:, 4:4 + k - 1])  # the past carried across a split
+    split, _ = layer(x[:, 4:], padded[:, 4 : 4 + k - 1])  # the past carried across a split
     torch.testing.assert_close(split, direct[:, 4:], rtol=0, atol=1e-12)
 
 
@@ -183,13 +217,14 @@ def test_causality_no_output_depends_on_a_later_input(model):
             changed = (h2 - h).abs().amax(-1)[0] > 1e-12
             assert not changed[:s].any() and changed[s]
             if model == "gcnn":  # 2 layers, k = 3: positions s .. s+4 see the change
-                assert not changed[s + 5:].any()
+                assert not changed[s + 5 :].any()
 
 
 def test_a_backbone_without_its_branch_is_an_error(monkeypatch):
     """Coursework exercise 3 half done (the name in MODELS, no branch in build_backbone): an
     error naming the place, not a recurrent backbone built silently."""
     import model
+
     monkeypatch.setattr(model, "MODELS", (*MODELS, "mybackbone"))  # (not exercise 3's name)
     with pytest.raises(ValueError, match="add its branch to build_backbone"):
         make("mybackbone")

@@ -1,6 +1,7 @@
 """The vocabulary padded to a multiple of 64 rows (heads.padded): the same numbers as an unpadded
 model with the same weights (float64), padded ids never produced, parameters and FLOPs counted
 over the rows in use, an older unpadded checkpoint refused in one line."""
+
 import pytest
 import torch
 
@@ -19,8 +20,24 @@ def make(arch, head, pad=True, monkeypatch=None, **kw):
     if not pad:  # the same model without padding rows
         monkeypatch.setattr(heads, "padded", lambda v: v)
         monkeypatch.setattr(model, "padded", lambda v: v)
-    cfg = dict(model=arch, head=head, epsilon=1e-2, vocab_size=V, eos_id=EOS, n_layer=1, d_model=16, dropout=0.0,
-               tie=True, n_head=2, block_size=32, bias=True, kernel_size=3, n_experts=2, ct_alpha=1.0, ct_beta=0.5)
+    cfg = dict(
+        model=arch,
+        head=head,
+        epsilon=1e-2,
+        vocab_size=V,
+        eos_id=EOS,
+        n_layer=1,
+        d_model=16,
+        dropout=0.0,
+        tie=True,
+        n_head=2,
+        block_size=32,
+        bias=True,
+        kernel_size=3,
+        n_experts=2,
+        ct_alpha=1.0,
+        ct_beta=0.5,
+    )
     torch.manual_seed(0)
     lm = LanguageModel(dict(cfg, **kw)).double().eval()
     monkeypatch and monkeypatch.undo()
@@ -37,12 +54,16 @@ def test_padded_equals_unpadded_with_the_same_weights(arch, head, tie, monkeypat
     with torch.no_grad():  # the padding rows made large: they must still count for nothing
         lm.head.proj.weight[V:] = 1e3 * torch.randn(28, 16, dtype=torch.float64)
     own = ref.state_dict()
-    ref.load_state_dict({k: v[:own[k].shape[0]] for k, v in lm.state_dict().items()})
+    ref.load_state_dict({k: v[: own[k].shape[0]] for k, v in lm.state_dict().items()})
     idx, t = torch.randint(0, V, (3, 12)), steps(-4, (3, 12))
     with torch.no_grad():
         lp, _ = lm(idx, t)
-        torch.testing.assert_close(lp, ref(idx, t)[0], rtol=0, atol=1e-12)  # (B, T, V): the real rows only
-        torch.testing.assert_close(lm(idx, t, targets=idx)[0], ref(idx, t, targets=idx)[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            lp, ref(idx, t)[0], rtol=0, atol=1e-12
+        )  # (B, T, V): the real rows only
+        torch.testing.assert_close(
+            lm(idx, t, targets=idx)[0], ref(idx, t, targets=idx)[0], rtol=0, atol=1e-12
+        )
     torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3, 12, dtype=torch.float64))
     counts = lm.num_params(), lm.flops_per_token(12)
     monkeypatch.setattr(model, "padded", lambda v: v)  # ref's rows are all in use
@@ -51,13 +72,23 @@ def test_padded_equals_unpadded_with_the_same_weights(arch, head, tie, monkeypat
 
 
 def test_insnet_never_inserts_a_padding_id():
-    cfg = dict(model="insnet", vocab_size=V, d_model=16, n_layer=1, n_head=2, dropout=0.0, max_offset=8,
-               block_size=32)
+    cfg = dict(
+        model="insnet",
+        vocab_size=V,
+        d_model=16,
+        n_layer=1,
+        n_head=2,
+        dropout=0.0,
+        max_offset=8,
+        block_size=32,
+    )
     torch.manual_seed(0)
     m = insnet.InsNet(cfg).eval()
     assert m.wte.weight.shape[0] == 128
     with torch.no_grad():
-        m.wte.weight[V:] = 1e3  # (tied: the output rows) the most probable tokens, were they not masked
+        m.wte.weight[V:] = (
+            1e3  # (tied: the output rows) the most probable tokens, were they not masked
+        )
         logits = m.token_logits(torch.randn(5, 16))
     assert torch.isinf(logits[:, V:]).all() and torch.isfinite(logits[:, :V]).all()
     g = torch.Generator().manual_seed(0)
@@ -67,13 +98,19 @@ def test_insnet_never_inserts_a_padding_id():
 
 def test_an_unpadded_checkpoint_is_refused_in_one_line(tmp_path):
     lm = make("lstm", "nmst")
-    state = {k: v[:V] if k.endswith(("wte.weight", "proj.weight")) else v for k, v in lm.state_dict().items()}
+    state = {
+        k: v[:V] if k.endswith(("wte.weight", "proj.weight")) else v
+        for k, v in lm.state_dict().items()
+    }
     ckpt = dict(config=lm.cfg, model=state, args={}, vocab={}, state={})
     torch.save(ckpt, tmp_path / "old.pt")
     with pytest.raises(train.UserError, match="written before nanogen padded the vocabulary"):
         train.load_checkpoint(str(tmp_path / "old.pt"))
     torch.save(dict(ckpt, model=lm.state_dict()), tmp_path / "new.pt")
-    assert train.load_checkpoint(str(tmp_path / "new.pt"))["model"]["backbone.wte.weight"].shape[0] == 128
+    assert (
+        train.load_checkpoint(str(tmp_path / "new.pt"))["model"]["backbone.wte.weight"].shape[0]
+        == 128
+    )
 
 
 @pytest.mark.parametrize("head", ["softmax", "st", "nmst"])

@@ -1,6 +1,7 @@
 """A student's first hour: sample.py on tiny checkpoints (word, BPE, InsNet), reproduce.py end to
 end at the tiny scale (and reused on a second run), and --compare plots of runs that differ by
 decoder."""
+
 import io
 import json
 import os
@@ -20,16 +21,80 @@ pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 def ckpts(tmp_path_factory):
     """Tiny checkpoints of every kind sample.py reads."""
     root = tmp_path_factory.mktemp("sample")
-    common = ["--d_model", "32", "--n_head", "2", "--lr", "3e-3", "--max_iters", "6",
-              "--eval_interval", "6", "--eval_seqs", "16", "--train_seqs", "200"]
-    runs = {"word": ["--model", "lstm", "--head", "nmst", "--epsilon", "1e-2", "--dataset", "ptb",
-                     "--batch_size", "8"],
-            "bpe": ["--model", "gpt", "--head", "st", "--epsilon", "1e-2", "--n_layer", "1",
-                    "--dataset", "wikitext103", "--batch_size", "4", "--block_size", "64"],
-            "insnet": ["--model", "insnet", "--dataset", "rocstories", "--task", "storyline",
-                       "--n_layer", "1", "--batch_size", "8", "--warmup", "0"],
-            "l2r_story": ["--model", "gpt", "--dataset", "rocstories", "--task", "storyline",
-                          "--n_layer", "1", "--batch_size", "8", "--warmup", "0"]}
+    common = [
+        "--d_model",
+        "32",
+        "--n_head",
+        "2",
+        "--lr",
+        "3e-3",
+        "--max_iters",
+        "6",
+        "--eval_interval",
+        "6",
+        "--eval_seqs",
+        "16",
+        "--train_seqs",
+        "200",
+    ]
+    runs = {
+        "word": [
+            "--model",
+            "lstm",
+            "--head",
+            "nmst",
+            "--epsilon",
+            "1e-2",
+            "--dataset",
+            "ptb",
+            "--batch_size",
+            "8",
+        ],
+        "bpe": [
+            "--model",
+            "gpt",
+            "--head",
+            "st",
+            "--epsilon",
+            "1e-2",
+            "--n_layer",
+            "1",
+            "--dataset",
+            "wikitext103",
+            "--batch_size",
+            "4",
+            "--block_size",
+            "64",
+        ],
+        "insnet": [
+            "--model",
+            "insnet",
+            "--dataset",
+            "rocstories",
+            "--task",
+            "storyline",
+            "--n_layer",
+            "1",
+            "--batch_size",
+            "8",
+            "--warmup",
+            "0",
+        ],
+        "l2r_story": [
+            "--model",
+            "gpt",
+            "--dataset",
+            "rocstories",
+            "--task",
+            "storyline",
+            "--n_layer",
+            "1",
+            "--batch_size",
+            "8",
+            "--warmup",
+            "0",
+        ],
+    }
     out = {}
     for name, flags in runs.items():
         train.main([*flags, *common, "--out_dir", str(root / name)])
@@ -38,79 +103,169 @@ def ckpts(tmp_path_factory):
 
 
 def test_sample_word_level_prompt_with_p_eos(ckpts, capsys):
-    sample.main(["--ckpt", ckpts["word"], "--prompt", "the company said it would",
-                        "--prompt", "stocks fell", "--L", "12", "--show_eos"])
+    sample.main(
+        [
+            "--ckpt",
+            ckpts["word"],
+            "--prompt",
+            "the company said it would",
+            "--prompt",
+            "stocks fell",
+            "--L",
+            "12",
+            "--show_eos",
+        ]
+    )
     out = capsys.readouterr().out.splitlines()
     heads = [ln for ln in out if ">>>" in ln]
     assert len(heads) == 2 and heads[0].startswith("the company said it would >>> ")
-    assert all(ln.endswith("[eos]") or ln.endswith(  # said why: Theorem 3's bound lies beyond L
-        "[length cap 12: not terminated]  (NMST: p(eos) passes 1/2 by t = ln 2 / eps = 69; --L 12 "
-        "cut it before)") for ln in heads)
+    assert all(
+        ln.endswith("[eos]")
+        or ln.endswith(  # said why: Theorem 3's bound lies beyond L
+            "[length cap 12: not terminated]  (NMST: p(eos) passes 1/2 by t = ln 2 / eps = 69; "
+            "--L 12 cut it before)"
+        )
+        for ln in heads
+    )
     steps = [ln for ln in out if "p(eos)=" in ln]
-    assert 2 <= len(steps) <= 24 and all(0 < float(ln.split("p(eos)=")[1].split()[0]) <= 1
-                                         for ln in steps)
-    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["word"], "--prompt", "Stocks zyzzyva"],
-                             capsys)
-    assert_one_line_error(rc, err, "not in the model's vocabulary: 'Stocks', 'zyzzyva'; the data "
-                                   "is lower-cased (--allow_unk reads them as <unk>)")
+    assert 2 <= len(steps) <= 24 and all(
+        0 < float(ln.split("p(eos)=")[1].split()[0]) <= 1 for ln in steps
+    )
+    rc, err = run_in_process(
+        sample.main, ["--ckpt", ckpts["word"], "--prompt", "Stocks zyzzyva"], capsys
+    )
+    assert_one_line_error(
+        rc,
+        err,
+        "not in the model's vocabulary: 'Stocks', 'zyzzyva'; the data "
+        "is lower-cased (--allow_unk reads them as <unk>)",
+    )
     sample.main(["--ckpt", ckpts["word"], "--prompt", "zyzzyva fell", "--allow_unk", "--L", "3"])
     assert capsys.readouterr().out.startswith("zyzzyva fell >>> ")
 
 
 def test_tokens_decode_with_single_spaces():
     from data.prepare import BPE, Vocabulary
-    words, bpe = Vocabulary("word", ["<eos>", "<unk>", "a"]), BPE()  # BPE's tokens carry their space
+
+    words, bpe = (
+        Vocabulary("word", ["<eos>", "<unk>", "a"]),
+        BPE(),
+    )  # BPE's tokens carry their space
     end = bpe.enc.encode_ordinary(" the end") + [bpe.eos_id]  # (--show_eos decodes eos alone)
-    assert (bpe.decode(end), bpe.decode([bpe.eos_id]), words.decode([2, 2, 0])) == \
-        (" the end <|endoftext|>", "<|endoftext|>", "a a <eos>")
+    assert (bpe.decode(end), bpe.decode([bpe.eos_id]), words.decode([2, 2, 0])) == (
+        " the end <|endoftext|>",
+        "<|endoftext|>",
+        "a a <eos>",
+    )
 
 
 def test_sample_bpe_prompt_and_the_window(ckpts, capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The history of the city\nIn 1990 , the band\n")
-    sample.main(["--ckpt", ckpts["bpe"], "--prompt_file", str(prompts), "--decoder", "topk",
-                        "--k", "3", "--L", "10"])
+    sample.main(
+        [
+            "--ckpt",
+            ckpts["bpe"],
+            "--prompt_file",
+            str(prompts),
+            "--decoder",
+            "topk",
+            "--k",
+            "3",
+            "--L",
+            "10",
+        ]
+    )
     out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
     assert len(out) == 2 and out[1].startswith("In 1990 , the band >>> ")
-    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "The history",
-                                           "--L", "100"], capsys)
+    rc, err = run_in_process(
+        sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "The history", "--L", "100"], capsys
+    )
     assert_one_line_error(rc, err, "context window of 64 tokens: use --L 63 or less")
-    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "a b " * 40,
-                                           "--L", "1"], capsys)
+    rc, err = run_in_process(
+        sample.main, ["--ckpt", ckpts["bpe"], "--prompt", "a b " * 40, "--L", "1"], capsys
+    )
     assert_one_line_error(rc, err, "context window of 64 tokens: use a shorter prompt")
     res = tmp_path / "study.json"  # p(eos) traces of the sequences that fit the window only
-    evaluate.main(["--ckpt", ckpts["bpe"], "--no_ppl", "--decoder", "greedy", "--L", "5",
-                          "--limit", "4", "--traces", "2", "--out", str(res)])
+    evaluate.main(
+        [
+            "--ckpt",
+            ckpts["bpe"],
+            "--no_ppl",
+            "--decoder",
+            "greedy",
+            "--L",
+            "5",
+            "--limit",
+            "4",
+            "--traces",
+            "2",
+            "--out",
+            str(res),
+        ]
+    )
     traces = json.loads(res.read_text())["eos_traces"]
     assert len(traces) == 2 and all(10 + len(t["p_eos"]) - 1 <= 64 for t in traces)
 
 
 def test_sample_a_left_to_right_story(ckpts, capsys):
     """The L2R baseline continues "title <sep> storyline <sep>": one line, the title first."""
-    sample.main(["--ckpt", ckpts["l2r_story"], "--title", "the big game", "--keywords", "team", "won",
-                        "--L", "6", "--decoder", "topk", "--k", "3", "--seed", "1"])
+    sample.main(
+        [
+            "--ckpt",
+            ckpts["l2r_story"],
+            "--title",
+            "the big game",
+            "--keywords",
+            "team",
+            "won",
+            "--L",
+            "6",
+            "--decoder",
+            "topk",
+            "--k",
+            "3",
+            "--seed",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("the big game >>> ")
     assert out[0].endswith("[eos]") or out[0].endswith("[length cap 6]")
     assert len(out[0].split(">>> ")[1].split()) <= 6 + 3  # at most L words, then "[length cap 6]"
-    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["l2r_story"], "--title", "a game"], capsys)
+    rc, err = run_in_process(
+        sample.main, ["--ckpt", ckpts["l2r_story"], "--title", "a game"], capsys
+    )
     assert_one_line_error(rc, err, "give --keywords")  # it was trained on title + storyline
-    rc, err = run_in_process(sample.main, ["--ckpt", ckpts["l2r_story"], "--title", "The Game!",
-                                           "--keywords", "won"], capsys)  # the data: "game !"
+    rc, err = run_in_process(
+        sample.main,
+        ["--ckpt", ckpts["l2r_story"], "--title", "The Game!", "--keywords", "won"],
+        capsys,
+    )  # the data: "game !"
     assert_one_line_error(rc, err, "not in the model's vocabulary: 'game!'")
 
 
-def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time_and_dash_is_stdin(ckpts, capsys, tmp_path, monkeypatch):
+def test_a_long_prompt_file_is_decoded_64_prompts_at_a_time_and_dash_is_stdin(
+    ckpts, capsys, tmp_path, monkeypatch
+):
     import decode
+
     sizes, real = [], decode.decode
-    monkeypatch.setattr(decode, "decode", lambda lm, prompts, *a, **k: sizes.append(len(prompts)) or
-                        real(lm, prompts, *a, **k))
+    monkeypatch.setattr(
+        decode,
+        "decode",
+        lambda lm, prompts, *a, **k: sizes.append(len(prompts)) or real(lm, prompts, *a, **k),
+    )
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"the company said {i}\n" for i in range(70)))
     sample.main(["--ckpt", ckpts["word"], "--prompt_file", str(prompts), "--L", "3", "--allow_unk"])
     out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
-    assert sizes == [64, 6] and [ln.split(" >>>")[0] for ln in out] == [f"the company said {i}" for i in range(70)]
-    monkeypatch.setattr("sys.stdin", io.StringIO("\ufeffprices rose\n\nthe company said\n"))  # --prompt_file -, a BOM
+    assert sizes == [64, 6] and [ln.split(" >>>")[0] for ln in out] == [
+        f"the company said {i}" for i in range(70)
+    ]
+    monkeypatch.setattr(
+        "sys.stdin", io.StringIO("\ufeffprices rose\n\nthe company said\n")
+    )  # --prompt_file -, a BOM
     sample.main(["--ckpt", ckpts["word"], "--prompt_file", "-", "--L", "3"])
     out = [ln for ln in capsys.readouterr().out.splitlines() if ">>>" in ln]
     assert [ln.split(" >>>")[0] for ln in out] == ["prices rose", "the company said"]
@@ -120,23 +275,43 @@ def test_sample_takes_consistent_topk_and_a_beams_length_penalty(ckpts, capsys, 
     """The decoder options evaluate.py's study has, passed to the decoder, and refused where the
     decoder (or a story checkpoint) would ignore them."""
     import decode
+
     seen, real = [], decode.decode
-    monkeypatch.setattr(decode, "decode", lambda lm, prompts, *a, **k: seen.append(k) or
-                        real(lm, prompts, *a, **k))
+    monkeypatch.setattr(
+        decode, "decode", lambda lm, prompts, *a, **k: seen.append(k) or real(lm, prompts, *a, **k)
+    )
     flags = ["--ckpt", ckpts["word"], "--prompt", "the company said it", "--L", "8"]
     sample.main(flags + ["--decoder", "topk", "--k", "2", "--consistent", "--seed", "0"])
     sample.main(flags + ["--decoder", "beam", "--beam_size", "2", "--length_penalty", "0.7"])
     assert [(k["consistent"], k["length_penalty"]) for k in seen] == [(True, 0.0), (False, 0.7)]
-    for extra, error in ((["--consistent"], "--decoder greedy does not use --consistent: drop it"),
-                         (["--decoder", "topk", "--k", "2", "--length_penalty", "1"],
-                          "--decoder topk does not use --length_penalty: drop it")):
+    for extra, error in (
+        (["--consistent"], "--decoder greedy does not use --consistent: drop it"),
+        (
+            ["--decoder", "topk", "--k", "2", "--length_penalty", "1"],
+            "--decoder topk does not use --length_penalty: drop it",
+        ),
+    ):
         assert_one_line_error(*run_in_process(sample.main, flags + extra, capsys), error)
-    story = ["--ckpt", ckpts["insnet"], "--title", "the game", "--keywords", "won", "--decoder", "topk",
-             "--k", "2"]
-    assert_one_line_error(*run_in_process(sample.main, story + ["--consistent"], capsys),
-                          "--consistent are for text checkpoints")
-    assert_one_line_error(*run_in_process(sample.main, story + ["--length_penalty", "1"], capsys),
-                          "--decoder topk does not use --length_penalty: drop it")
+    story = [
+        "--ckpt",
+        ckpts["insnet"],
+        "--title",
+        "the game",
+        "--keywords",
+        "won",
+        "--decoder",
+        "topk",
+        "--k",
+        "2",
+    ]
+    assert_one_line_error(
+        *run_in_process(sample.main, story + ["--consistent"], capsys),
+        "--consistent are for text checkpoints",
+    )
+    assert_one_line_error(
+        *run_in_process(sample.main, story + ["--length_penalty", "1"], capsys),
+        "--decoder topk does not use --length_penalty: drop it",
+    )
 
 
 def test_a_sample_without_seed_says_the_seed_that_repeats_it(ckpts, capsys):
@@ -152,7 +327,17 @@ def test_a_sample_without_seed_says_the_seed_that_repeats_it(ckpts, capsys):
 
 
 def test_sample_insnet_shows_the_canvas_after_each_insertion(ckpts, capsys, tmp_path, monkeypatch):
-    flags = ["--ckpt", ckpts["insnet"], "--title", "the big game", "--keywords", "team", "won", "--L", "6"]
+    flags = [
+        "--ckpt",
+        ckpts["insnet"],
+        "--title",
+        "the big game",
+        "--keywords",
+        "team",
+        "won",
+        "--L",
+        "6",
+    ]
     sample.main(flags)
     out = capsys.readouterr().out.splitlines()
     for var in ("NANOGEN_DATA", "NANOGEN_CACHE"):  # no data anywhere: the checkpoint's vocabulary
@@ -176,10 +361,12 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys, monkeypatch)
     out = tmp_path / "results"
     reproduce.main(["all", "--scale", "tiny", "--out", str(out)])
     first = capsys.readouterr().out
-    expected = {"nmst-table1": ["(101.6 ± 1.0)", "r_nt.png"],
-                "nmst-table4": ["(0.05 ± 0.02)", None],
-                "ct-table3": ["56.95 / 54.69", None],
-                "insnet-storyline": ["52.86 / 36.86 / 26.39 / 19.35", "fig12.png"]}
+    expected = {
+        "nmst-table1": ["(101.6 ± 1.0)", "r_nt.png"],
+        "nmst-table4": ["(0.05 ± 0.02)", None],
+        "ct-table3": ["56.95 / 54.69", None],
+        "insnet-storyline": ["52.86 / 36.86 / 26.39 / 19.35", "fig12.png"],
+    }
     for name, (paper, figure) in expected.items():
         folder = out / f"{name}-tiny"
         table = (folder / "table.md").read_text()
@@ -198,17 +385,35 @@ def test_reproduce_every_result_at_the_tiny_scale(tmp_path, capsys, monkeypatch)
     reproduce.main(["nmst-table1", "--scale", "tiny", "--out", str(out / "nmst-table1-tiny")])
     again = capsys.readouterr().out
     assert "done (reached" not in again and "already finished" in again
-    reproduce.main(["nmst-table1", "--scale", "tiny", "--heads", "softmax", "--out", str(out / "nmst-table1-tiny")])
+    reproduce.main(
+        [
+            "nmst-table1",
+            "--scale",
+            "tiny",
+            "--heads",
+            "softmax",
+            "--out",
+            str(out / "nmst-table1-tiny"),
+        ]
+    )
     table = (out / "nmst-table1-tiny" / "table.md").read_text()  # a --heads subset keeps the
     assert all(f"| {h} |" in table for h in ("VA+", "ST+", "NMST+"))  # finished heads' rows
     assert "done (reached" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("result, dataset", [("nmst-table1", "wikitext2"), ("nmst-table4", "wikitext103"),
-                                             ("ct-table3", "ptb"), ("insnet-storyline", "rocstories")])
+@pytest.mark.parametrize(
+    "result, dataset",
+    [
+        ("nmst-table1", "wikitext2"),
+        ("nmst-table4", "wikitext103"),
+        ("ct-table3", "ptb"),
+        ("insnet-storyline", "rocstories"),
+    ],
+)
 def test_the_paper_scale_starts_its_first_run(result, dataset, tmp_path, monkeypatch):
     """--scale paper takes GPU days, but each command must reach its first run with flags that
     train.py accepts (nmst-table1 crashed on the step count the paper scale leaves unset)."""
+
     class Started(Exception):
         pass
 
@@ -216,10 +421,13 @@ def test_the_paper_scale_starts_its_first_run(result, dataset, tmp_path, monkeyp
         main.args = train.get_args(argv)[0]  # (and its checks)
         main.typed = {k for k, v in vars(train.parser().parse_args(argv)).items() if v is not None}
         raise Started
+
     monkeypatch.setattr(train, "main", main)
     with pytest.raises(Started):
         reproduce.main([result, "--scale", "paper", "--out", str(tmp_path / "r")])
-    assert main.args.dataset == dataset and not {"max_iters", "eval_interval"} & main.typed  # the recipe's
+    assert (
+        main.args.dataset == dataset and not {"max_iters", "eval_interval"} & main.typed
+    )  # the recipe's
     if result == "nmst-table4":
         assert main.args.init_from == "gpt2" and main.args.epsilon == 1e-5
 
@@ -230,15 +438,29 @@ def test_jobs_train_the_runs_as_processes_side_by_side(tmp_path, capsys, monkeyp
     the grid may be partial, and the same command reuses the runs."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "r"
-    argv = ["nmst-table1", "--scale", "tiny", "--heads", "softmax", "nmst", "--jobs", "2", "--max_minutes", "5",
-            "--out", str(out)]
+    argv = [
+        "nmst-table1",
+        "--scale",
+        "tiny",
+        "--heads",
+        "softmax",
+        "nmst",
+        "--jobs",
+        "2",
+        "--max_minutes",
+        "5",
+        "--out",
+        str(out),
+    ]
     assert reproduce.main(argv) == 0
     printed = capsys.readouterr().out
     assert "training 2 runs, 2 at a time: 5 min of training, and each run's set-up" in printed
     for name in ("lstm-softmax-s0", "lstm-nmst-s0"):
         assert "parameters" in (out / "runs" / f"{name}.log").read_text()
         assert json.load(open(out / "runs" / name / "args.json"))["max_minutes"] == 5
-    assert "each run capped at 5 min: partial where one reached it" in (out / "table.md").read_text()
+    assert (
+        "each run capped at 5 min: partial where one reached it" in (out / "table.md").read_text()
+    )
     assert reproduce.main(argv) == 0  # again: each process finds its run finished
     assert "this run already finished" in (out / "runs" / "lstm-nmst-s0.log").read_text()
 
@@ -248,8 +470,19 @@ def test_jobs_that_fail_are_counted_and_said(tmp_path, monkeypatch, capsys):
     the command stops with one line before evaluating anything."""
     codes = iter([0, 2, 1])
     monkeypatch.setattr(reproduce.subprocess, "call", lambda *a, **k: next(codes))
-    argv = ["nmst-table1", "--scale", "tiny", "--heads", "softmax", "st", "nmst", "--jobs", "2",
-            "--out", str(tmp_path / "r")]
+    argv = [
+        "nmst-table1",
+        "--scale",
+        "tiny",
+        "--heads",
+        "softmax",
+        "st",
+        "nmst",
+        "--jobs",
+        "2",
+        "--out",
+        str(tmp_path / "r"),
+    ]
     rc, err = run_in_process(reproduce.main, argv, capsys)
     assert_one_line_error(rc, err, "2 of 3 runs failed: see their .log in ")
     assert not list((tmp_path / "r").glob("*.json"))
@@ -261,7 +494,9 @@ def test_a_signal_that_stops_a_run_stops_reproduce(signal_name, tmp_path, monkey
     there, with its checkpoint; it does not go on to evaluate a half-trained run and train the
     next one.  The same command then goes on."""
     calls = []
-    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or train.STOP.append(signal_name))
+    monkeypatch.setattr(
+        train, "main", lambda argv: calls.append(argv) or train.STOP.append(signal_name)
+    )
     out = ["nmst-table1", "--scale", "tiny", "--out", str(tmp_path / "r")]
     rc, err = run_in_process(reproduce.main, out, capsys)
     assert len(calls) == 1 and not (tmp_path / "r" / "lstm-softmax-s0-ppl.json").exists()
@@ -277,19 +512,24 @@ def test_a_new_runs_error_is_not_called_a_reuse_problem(tmp_path, monkeypatch, c
 
     def offline(argv):
         raise UserError("could not download gpt2 (offline?); pass --weights PATH")
+
     monkeypatch.setattr(train, "main", offline)
-    rc, err = run_in_process(reproduce.main, ["nmst-table4", "--scale", "tiny", "--out",
-                                              str(tmp_path / "r")], capsys)
+    rc, err = run_in_process(
+        reproduce.main, ["nmst-table4", "--scale", "tiny", "--out", str(tmp_path / "r")], capsys
+    )
     assert_one_line_error(rc, err, "error: could not download gpt2 (offline?); pass --weights PATH")
 
 
 def test_a_results_folder_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys):
     """The runs' folder is made before any training, and a failure is one line (a traceback)."""
+
     def full_disk(path, exist_ok=False):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(os, "makedirs", full_disk)
-    rc, err = run_in_process(reproduce.main, ["nmst-table1", "--scale", "tiny", "--out",
-                                              str(tmp_path / "r")], capsys)
+    rc, err = run_in_process(
+        reproduce.main, ["nmst-table1", "--scale", "tiny", "--out", str(tmp_path / "r")], capsys
+    )
     assert_one_line_error(rc, err, f"--runs {tmp_path / 'r' / 'runs'} cannot be made: No space")
 
 
@@ -298,15 +538,32 @@ def test_compare_runs_that_differ_by_decoder(tmp_path, ckpts, monkeypatch):
     name the decoder, a title that fits all runs; p(eos) traces of the same sequences overlaid
     (one study traced two sequences, the other one)."""
     import curves
+
     paths = []
     for dec, traces in ((["--decoder", "greedy"], "2"), (["--decoder", "topk", "--k", "2"], "1")):
         p = tmp_path / f"{dec[1]}.json"
-        evaluate.main(["--ckpt", ckpts["word"], "--no_ppl", *dec, "--L", "5", "20",
-                              "--limit", "6", "--traces", traces, "--out", str(p)])
+        evaluate.main(
+            [
+                "--ckpt",
+                ckpts["word"],
+                "--no_ppl",
+                *dec,
+                "--L",
+                "5",
+                "20",
+                "--limit",
+                "6",
+                "--traces",
+                traces,
+                "--out",
+                str(p),
+            ]
+        )
         paths.append(str(p))
     figures = {}
-    monkeypatch.setattr(curves, "save_figure", lambda fig, path: figures.update(
-        {os.path.basename(path): fig}))
+    monkeypatch.setattr(
+        curves, "save_figure", lambda fig, path: figures.update({os.path.basename(path): fig})
+    )
     evaluate.main(["--compare", *paths, "--plot", str(tmp_path / "figs")])
     ax = figures["r_nt.png"].axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
@@ -325,22 +582,42 @@ def test_compare_tells_every_study_apart(tmp_path, ckpts, monkeypatch):
     import shutil
 
     import curves
+
     paths = []
     for name, dec in (("t05", ["--temperature", "0.5"]), ("t1", [])):
         paths.append(str(tmp_path / f"{name}.json"))
-        evaluate.main(["--ckpt", ckpts["word"], "--no_ppl", "--decoder", "sample", *dec,
-                              "--L", "5", "--limit", "4", "--out", paths[-1]])
+        evaluate.main(
+            [
+                "--ckpt",
+                ckpts["word"],
+                "--no_ppl",
+                "--decoder",
+                "sample",
+                *dec,
+                "--L",
+                "5",
+                "--limit",
+                "4",
+                "--out",
+                paths[-1],
+            ]
+        )
     shutil.copy(paths[1], tmp_path / "again.json")
     figures = {}
-    monkeypatch.setattr(curves, "save_figure", lambda fig, path: figures.update(
-        {os.path.basename(path): fig}))
+    monkeypatch.setattr(
+        curves, "save_figure", lambda fig, path: figures.update({os.path.basename(path): fig})
+    )
 
     def legend(*files):
         evaluate.main(["--compare", *files, "--plot", str(tmp_path / "figs")])
         return [t.get_text() for t in figures["r_nt.png"].axes[0].get_legend().get_texts()]
+
     assert legend(*paths) == ["sample/T0.5", "sample"]
     assert legend(*paths, str(tmp_path / "again.json")) == [
-        "sample/T0.5 (t05.json)", "sample (t1.json)", "sample (again.json)"]
+        "sample/T0.5 (t05.json)",
+        "sample (t1.json)",
+        "sample (again.json)",
+    ]
 
 
 def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
@@ -348,34 +625,56 @@ def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
     sets VA+ against the termination heads (ST+ / NMST+) only, and draws no conclusion without
     both; CT Table 3 sets CT-MoS against the constant-temperature MoS rows (not against CT)."""
     import argparse
+
     cfg = reproduce.nmst_settings("cpu", 1)
 
-    def verdict(rates, ppl=(100.0, 110.0), line=1):  # {head: r_nt(L) of greedy per seed} -> the RNN's line
-        runs = {(m, h): [{"greedy": {"decoding": {"r_nt": {str(cfg["L"]): r}}}, "ppl": ppl[i % 2] + 50 * k}
-                         for i, r in enumerate(v)] for m in cfg["models"] for k, (h, v) in enumerate(rates.items())}
+    def verdict(
+        rates, ppl=(100.0, 110.0), line=1
+    ):  # {head: r_nt(L) of greedy per seed} -> the RNN's line
+        runs = {
+            (m, h): [
+                {"greedy": {"decoding": {"r_nt": {str(cfg["L"]): r}}}, "ppl": ppl[i % 2] + 50 * k}
+                for i, r in enumerate(v)
+            ]
+            for m in cfg["models"]
+            for k, (h, v) in enumerate(rates.items())
+        }
         args = argparse.Namespace(scale="cpu", heads=list(rates))
         return reproduce.verdict_table1(cfg, runs, args)[line]
+
     # the caveat: heads 50 apart in perplexity, the seeds 10 apart (std 5) or 60 (std 30)
-    assert verdict(dict(softmax=[0.2, 0.0], nmst=[0.0, 0.0]), line=2).endswith("lie 50.0 apart, the seeds' std <= 5.0.")
+    assert verdict(dict(softmax=[0.2, 0.0], nmst=[0.0, 0.0]), line=2).endswith(
+        "lie 50.0 apart, the seeds' std <= 5.0."
+    )
     assert verdict(dict(softmax=[0.2, 0.0], nmst=[0.0, 0.0]), (60.0, 120.0), line=2).endswith(
-        "std <= 30.0: under 2 std, these runs do not order the heads.")
+        "std <= 30.0: under 2 std, these runs do not order the heads."
+    )
     assert verdict(dict(softmax=[0.2, 0.0], st=[0.0, 0.0], nmst=[0.0, 0.0])).endswith(
-        "the paper's effect shows (VA continuations that never end; none for ST+ and NMST+).")
+        "the paper's effect shows (VA continuations that never end; none for ST+ and NMST+)."
+    )
     assert "effect shows" in verdict(dict(softmax=[0.2], nmst=[0.0], mos=[0.3]))
     assert "effect shows" in verdict(dict(softmax=[0.2], nmst=[0.0], logt=[0.3]))  # (exercise 1's
     # head reads t but is not one of the claim's: it adds a row, never changes the verdict)
     assert "does NOT show" in verdict(dict(softmax=[0.2], nmst=[0.1]))
     for rates in (dict(softmax=[0.2]), dict(softmax=[0.2], mos=[0.0]), dict(nmst=[0.0])):
-        assert verdict(rates).endswith("no conclusion (the paper's claim compares VA+ with ST+ / "
-                                       "NMST+: --heads softmax and st or nmst).")
+        assert verdict(rates).endswith(
+            "no conclusion (the paper's claim compares VA+ with ST+ / "
+            "NMST+: --heads softmax and st or nmst)."
+        )
     ppl = {"softmax": 70, "mos0.5": 65, "mos": 64, "mos4": 63, "ct": 55, "ctmos": 60}
-    monkeypatch.setattr(reproduce, "train_all", lambda plan, args: {name: "ckpt" for name, _ in plan})
-    monkeypatch.setattr(evaluate, "evaluate_once", lambda ckpt, flags, path: dict(
-        ppl=ppl[os.path.basename(path).split("-s")[0]]))
+    monkeypatch.setattr(
+        reproduce, "train_all", lambda plan, args: {name: "ckpt" for name, _ in plan}
+    )
+    monkeypatch.setattr(
+        evaluate,
+        "evaluate_once",
+        lambda ckpt, flags, path: dict(ppl=ppl[os.path.basename(path).split("-s")[0]]),
+    )
     args = argparse.Namespace(scale="cpu", runs=str(tmp_path), out=str(tmp_path))
     assert reproduce.run_ct(args)[0][-1] == (
         "- Lowest mean validation perplexity here: CT.  The paper's claim (CT-MoS beats every "
-        "constant-temperature MoS) holds at this scale.")
+        "constant-temperature MoS) holds at this scale."
+    )
     ppl["mos4"] = 59
     assert "does NOT hold" in reproduce.run_ct(args)[0][-1]
 
@@ -384,12 +683,16 @@ def test_table1_puts_every_value_under_its_model():
     """A row per head and a column per model: VA's LSTM perplexity sits under LSTM (it once
     fell under RNN NMST+), and eps is shown only for the heads that read it."""
     import argparse
+
     cfg = dict(models={"rnn": [], "lstm": []}, seeds=1, dataset="ptb", eps=1e-3)
-    runs = {(m, h): [dict(ppl=float(100 * i + j))] for i, m in enumerate(cfg["models"], 1)
-            for j, h in enumerate(("softmax", "nmst", "mos"))}
+    runs = {
+        (m, h): [dict(ppl=float(100 * i + j))]
+        for i, m in enumerate(cfg["models"], 1)
+        for j, h in enumerate(("softmax", "nmst", "mos"))
+    }
     args = argparse.Namespace(scale="tiny", heads=["softmax", "nmst", "mos"])
     rows = reproduce.report_table1(dict(cfg, decoders=[], L=10, contexts=4), runs, args)
-    rows = rows[:rows.index("", 2)]  # Table 1 itself (the r_nt table follows)
+    rows = rows[: rows.index("", 2)]  # Table 1 itself (the r_nt table follows)
     table = [[c.strip() for c in ln.strip("|").split("|")] for ln in rows if ln.startswith("| ")]
     assert table[0] == ["head", "eps", "RNN", "LSTM"]
     cols = {row[0]: dict(zip(table[0], row)) for row in table[1:]}

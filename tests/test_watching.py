@@ -2,6 +2,7 @@
 redrawn at every evaluation (a figure that cannot be written is a warning), TensorBoard gets the
 same scalars, runs side by side are labelled by the flags that differ, and a resumed run leaves
 the logs of an uninterrupted one."""
+
 import importlib.machinery
 import json
 import shutil
@@ -17,9 +18,34 @@ import train
 from conftest import assert_one_line_error, run_cli, run_in_process
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
-TINY = ["--model", "lstm", "--epsilon", "1e-3", "--dataset", "ptb", "--d_model", "16", "--dropout", "0.1",
-        "--batch_size", "8", "--lr", "3e-3", "--train_seqs", "96", "--eval_seqs", "16", "--seed", "2",
-        "--probe", "16", "--probe_L", "30", "--log_interval", "1"]
+TINY = [
+    "--model",
+    "lstm",
+    "--epsilon",
+    "1e-3",
+    "--dataset",
+    "ptb",
+    "--d_model",
+    "16",
+    "--dropout",
+    "0.1",
+    "--batch_size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--train_seqs",
+    "96",
+    "--eval_seqs",
+    "16",
+    "--seed",
+    "2",
+    "--probe",
+    "16",
+    "--probe_L",
+    "30",
+    "--log_interval",
+    "1",
+]
 TIMING = ("tokens_per_s", "elapsed_s", "probe_seconds", "mfu")
 
 
@@ -29,12 +55,26 @@ def log(folder):
 
 def test_the_probe_is_evaluate_greedy(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    train.main(TINY + ["--head", "softmax", "--max_iters", "4", "--eval_interval", "2", "--out_dir",
-                              str(out)])
+    train.main(
+        TINY
+        + ["--head", "softmax", "--max_iters", "4", "--eval_interval", "2", "--out_dir", str(out)]
+    )
     last = log(out)[-1]
     study = tmp_path / "greedy.json"
-    evaluate.main(["--ckpt", str(out / "ckpt_last.pt"), "--decoder", "greedy", "--L", "30", "--limit",
-                          "16", "--out", str(study)])
+    evaluate.main(
+        [
+            "--ckpt",
+            str(out / "ckpt_last.pt"),
+            "--decoder",
+            "greedy",
+            "--L",
+            "30",
+            "--limit",
+            "16",
+            "--out",
+            str(study),
+        ]
+    )
     d = json.loads(study.read_text())
     assert last["probe_r_nt"] == d["decoding"]["r_nt"]["30"]
     assert last["probe_mean_length"] == pytest.approx(d["decoding"]["mean_length"])
@@ -46,23 +86,44 @@ def test_tokens_per_second_leave_out_checkpoint_writing(tmp_path, monkeypatch):
     its checkpoints (GPT-2 124M with AdamW: 1.5 GB each).  Here each write takes 1000 s."""
     late, write = [0.0], train.save_checkpoint
     monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: time.time() + late[0]))
-    monkeypatch.setattr(train, "save_checkpoint", lambda obj, path: late.__setitem__(0, late[0] + 1000)
-                        or write(obj, path))
+    monkeypatch.setattr(
+        train,
+        "save_checkpoint",
+        lambda obj, path: late.__setitem__(0, late[0] + 1000) or write(obj, path),
+    )
     out = tmp_path / "run"
-    train.main(TINY + ["--head", "nmst", "--max_iters", "6", "--eval_interval", "2", "--probe", "0",
-                              "--out_dir", str(out)])
+    train.main(
+        TINY
+        + [
+            "--head",
+            "nmst",
+            "--max_iters",
+            "6",
+            "--eval_interval",
+            "2",
+            "--probe",
+            "0",
+            "--out_dir",
+            str(out),
+        ]
+    )
     rates = [r["tokens_per_s"] for r in log(out)]
     assert len(rates) == 3 and min(rates) > 50, rates  # 2 steps of ~200 tokens: < 1 with a write
 
 
-def test_each_evaluation_redraws_the_curves_and_writes_ckpt_last_once(tmp_path, monkeypatch, capsys):
+def test_each_evaluation_redraws_the_curves_and_writes_ckpt_last_once(
+    tmp_path, monkeypatch, capsys
+):
     drawn, written = [], []
     draw, write = curves.draw_run, train.save_checkpoint
     monkeypatch.setattr(curves, "draw_run", lambda folder: drawn.append(folder) or draw(folder))
-    monkeypatch.setattr(train, "save_checkpoint", lambda obj, path: written.append(path) or write(obj, path))
+    monkeypatch.setattr(
+        train, "save_checkpoint", lambda obj, path: written.append(path) or write(obj, path)
+    )
     out = tmp_path / "run"
-    train.main(TINY + ["--head", "nmst", "--max_iters", "6", "--eval_interval", "2", "--out_dir",
-                       str(out)])
+    train.main(
+        TINY + ["--head", "nmst", "--max_iters", "6", "--eval_interval", "2", "--out_dir", str(out)]
+    )
     assert drawn == [str(out)] * 3 and (out / "curves.png").stat().st_size > 10_000
     assert len(written) == 3  # steps 2, 4, 6: the end is not written twice
     assert "probe: r_nt(30)" in capsys.readouterr().out
@@ -73,9 +134,21 @@ def test_a_figure_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, cap
 
     def refuse(fig, path, **kw):
         raise OSError(30, "Read-only file system")
+
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", refuse)
-    train.main(TINY + ["--head", "st", "--max_iters", "2", "--eval_interval", "2", "--out_dir",
-                              str(tmp_path / "run")])
+    train.main(
+        TINY
+        + [
+            "--head",
+            "st",
+            "--max_iters",
+            "2",
+            "--eval_interval",
+            "2",
+            "--out_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert "warning: could not write" in capsys.readouterr().err
 
 
@@ -94,18 +167,37 @@ def test_tensorboard_gets_the_logged_scalars(tmp_path, monkeypatch):
 
         def __exit__(self, *exc):
             pass
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
-    monkeypatch.setitem(sys.modules, "tensorboard", types.SimpleNamespace(
-        __spec__=importlib.machinery.ModuleSpec("tensorboard", None)))  # (installed)
-    train.main(TINY + ["--head", "nmst", "--max_iters", "2", "--eval_interval", "2", "--tensorboard",
-                              "--out_dir", str(tmp_path / "run")])
+
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter)
+    )
+    monkeypatch.setitem(
+        sys.modules,
+        "tensorboard",
+        types.SimpleNamespace(__spec__=importlib.machinery.ModuleSpec("tensorboard", None)),
+    )  # (installed)
+    train.main(
+        TINY
+        + [
+            "--head",
+            "nmst",
+            "--max_iters",
+            "2",
+            "--eval_interval",
+            "2",
+            "--tensorboard",
+            "--out_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert {"val_ppl", "train_loss", "lr", "probe_r_nt"} <= {k for k, _ in scalars}
 
 
 def test_tensorboard_missing_is_refused_before_anything_is_read(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # (not installed)
-    rc, err = run_in_process(train.main, TINY + ["--tensorboard", "--out_dir", str(tmp_path / "run")],
-                             capsys)
+    rc, err = run_in_process(
+        train.main, TINY + ["--tensorboard", "--out_dir", str(tmp_path / "run")], capsys
+    )
     assert_one_line_error(rc, err, "--tensorboard needs the tensorboard package: pip install")
     assert not (tmp_path / "run").exists()  # (said before the data and the folder are made)
 
@@ -114,21 +206,27 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys, monkey
     folders = []
     for head in ("softmax", "nmst"):
         folders.append(str(tmp_path / head))
-        train.main(TINY + ["--head", head, "--max_iters", "4", "--eval_interval", "2", "--out_dir",
-                           folders[-1]])
+        train.main(
+            TINY
+            + ["--head", head, "--max_iters", "4", "--eval_interval", "2", "--out_dir", folders[-1]]
+        )
     capsys.readouterr()
     curves.main([*folders, "--out", str(tmp_path / "cmp.png")])
     out = capsys.readouterr().out
-    assert "| VA+ |" in out and "| NMST+ |" in out  # (the papers' names; eps: nmst's alone, no label)
+    assert (
+        "| VA+ |" in out and "| NMST+ |" in out
+    )  # (the papers' names; eps: nmst's alone, no label)
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
     assert run_cli(curves.main, [*folders, "--out", str(tmp_path / "cmp.pdf")]) == 2  # not a PNG
-    assert "is a PNG: name it .png" in capsys.readouterr().err and not (tmp_path / "cmp.pdf").exists()
+    assert (
+        "is a PNG: name it .png" in capsys.readouterr().err and not (tmp_path / "cmp.pdf").exists()
+    )
     ckpt = folders[1] + "/ckpt_best.pt"  # a checkpoint, a typo: named as what they are
     assert run_cli(curves.main, [folders[0], ckpt, "--out", str(tmp_path / "cmp3.png")]) == 2
     assert f"no evaluations logged in {ckpt}" in capsys.readouterr().err
     log = tmp_path / "nmst" / "log.jsonl"  # lines that are not JSON objects are skipped
     records = log.read_text().splitlines()
-    log.write_text("\n".join(['[1]', records[0], records[1][:40], records[1], "\xff", '"a"', ""]))
+    log.write_text("\n".join(["[1]", records[0], records[1][:40], records[1], "\xff", '"a"', ""]))
     curves.main([*folders, "--out", str(tmp_path / "cmp2.png")])
     assert capsys.readouterr().out == out and (tmp_path / "cmp2.png").exists()
     again = str(tmp_path / "again")  # the same flags, another folder: labelled by the folders
@@ -138,17 +236,37 @@ def test_runs_side_by_side_are_labelled_by_what_differs(tmp_path, capsys, monkey
 
 
 def test_a_label_names_every_flag_that_differs():
-    runs = [dict(head="mos", temperature=t, seed=1, lr=0.003, d_model=128, loss_scaling=False,
-                 lr_schedule="linear", out_dir=f"out/{t}") for t in (0.5, 1.0, 4.0)]
+    runs = [
+        dict(
+            head="mos",
+            temperature=t,
+            seed=1,
+            lr=0.003,
+            d_model=128,
+            loss_scaling=False,
+            lr_schedule="linear",
+            out_dir=f"out/{t}",
+        )
+        for t in (0.5, 1.0, 4.0)
+    ]
     runs[0].update(head="ct", loss_scaling=True, lr_schedule="constant")
     assert curves.labels([(r, "run") for r in runs]) == [  # not out_dir: where a run is, not what
         "CT loss_scaling=True lr_schedule=constant temperature=0.5",
         "MoS loss_scaling=False lr_schedule=linear temperature=1.0",
-        "MoS loss_scaling=False lr_schedule=linear temperature=4.0"]
-    heads = [dict(head="softmax", epsilon=1e-5)] + [dict(head=h, epsilon=1e-3) for h in ("st", "nmst")]
-    assert curves.labels([(h, "run") for h in heads]) == ["VA+", "ST+", "NMST+"]  # eps alike where read
+        "MoS loss_scaling=False lr_schedule=linear temperature=4.0",
+    ]
+    heads = [dict(head="softmax", epsilon=1e-5)] + [
+        dict(head=h, epsilon=1e-3) for h in ("st", "nmst")
+    ]
+    assert curves.labels([(h, "run") for h in heads]) == [
+        "VA+",
+        "ST+",
+        "NMST+",
+    ]  # eps alike where read
     assert curves.labels([(h, "run") for h in heads + [dict(head="nmst", epsilon=1e-4)]])[2:] == [
-        "NMST+ epsilon=0.001", "NMST+ epsilon=0.0001"]
+        "NMST+ epsilon=0.001",
+        "NMST+ epsilon=0.0001",
+    ]
     assert curves.labels([({}, "out/a"), ({}, "out/b")]) == ["a", "b"]  # no args.json: the folders
 
 
@@ -161,6 +279,7 @@ def test_a_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
 
     def same(records):
         return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
     assert same(log(whole)) == same(log(parts))
     assert (parts / "curves.png").exists()
 
@@ -170,12 +289,33 @@ def test_no_display_and_no_font_cache_still_train(tmp_path):
     and draws (matplotlib falls back to a temporary folder)."""
     import os
     import subprocess
+
     from conftest import ROOT
+
     env = {k: v for k, v in os.environ.items() if k != "DISPLAY"}
-    env.update(MPLCONFIGDIR="/dev/null/nowhere", XDG_CACHE_HOME="/dev/null/nowhere", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "train.py", *TINY, "--head", "nmst", "--max_iters", "2", "--eval_interval",
-                        "2", "--out_dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    env.update(
+        MPLCONFIGDIR="/dev/null/nowhere", XDG_CACHE_HOME="/dev/null/nowhere", OMP_NUM_THREADS="1"
+    )
+    p = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            *TINY,
+            "--head",
+            "nmst",
+            "--max_iters",
+            "2",
+            "--eval_interval",
+            "2",
+            "--out_dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert (tmp_path / "run" / "curves.png").exists()
 
@@ -188,8 +328,10 @@ def test_a_folder_made_meanwhile_by_another_torchrun_process_is_no_error(tmp_pat
     def other_process_first(path, *a, **k):
         made.append(path)
         import os
+
         os.mkdir(path)
         raise FileExistsError(17, "File exists", path)
+
     monkeypatch.setattr(curves.os, "makedirs", other_process_first)
     curves.check_out_dir(str(tmp_path / "run"))
     assert made and (tmp_path / "run").is_dir()  # (the other process's folder is left to it)

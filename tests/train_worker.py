@@ -11,6 +11,7 @@ a subprocess or under torchrun; the production code carries no hook for any of t
     sigterm_at_exit=N    sigterm=N, and every process gets SIGTERM again as its process group is
                          destroyed (a scheduler's second signal), then prints its threads left
 """
+
 import atexit
 import os
 import signal
@@ -36,11 +37,14 @@ def kill_on(n, fn, when=lambda *a, **k: True, sig=signal.SIGKILL):
             if calls[0] == n:
                 os.kill(os.getpid(), sig)
         return fn(*a, **k)
+
     return wrapped
 
 
 def print_threads():  # this process's threads by name, in one write (the processes share stdout)
-    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    names = (
+        open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
+    )
     os.write(1, f"threads left: {' '.join(names)}\n".encode())
 
 
@@ -49,6 +53,7 @@ if mode == "fast_clock" and rank == 1:
     train.time = types.SimpleNamespace(time=lambda: t0 + 20 * (time.time() - t0))
 elif mode == "count_build":
     import data.prepare as prepare
+
     build = prepare.build
     prepare.build = lambda *a, **k: print(f"BUILD rank {rank}", flush=True) or build(*a, **k)
 elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
@@ -56,14 +61,17 @@ elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
         train.score = kill_on(int(mode.split("=")[1]), train.score, sig=signal.SIGTERM)
     if mode.startswith("sigterm_at_exit="):
         import torch.distributed
+
         torch.distributed.destroy_process_group = kill_on(
-            1, torch.distributed.destroy_process_group, sig=signal.SIGTERM)
+            1, torch.distributed.destroy_process_group, sig=signal.SIGTERM
+        )
         atexit.register(print_threads)
 elif mode.startswith("sigint="):
-    torch.nn.utils.clip_grad_norm_ = kill_on(int(mode[len("sigint="):]), torch.nn.utils.clip_grad_norm_,
-                                             sig=signal.SIGINT)
+    torch.nn.utils.clip_grad_norm_ = kill_on(
+        int(mode[len("sigint=") :]), torch.nn.utils.clip_grad_norm_, sig=signal.SIGINT
+    )
 elif mode.startswith("kill="):
-    where, n = mode[len("kill="):].split(":")
+    where, n = mode[len("kill=") :].split(":")
     if where == "step":  # clipping: after the step's backward, before its update
         torch.nn.utils.clip_grad_norm_ = kill_on(int(n), torch.nn.utils.clip_grad_norm_)
     elif where == "evaluation":
