@@ -280,16 +280,27 @@ def report(args, res, split):
         )
     if res["sequences"] == 0:
         raise UserError(f"the {split} split holds no sequence that fits this model: no perplexity")
-    return (
+    lines = [
         f"{'split':6s} {'sequences':>9s} {'tokens':>9s} {'nll':>7s} {'ppl':>9s} "
-        f"{'p(eos@end)':>10s}\n{split:6s} {res['sequences']:9d} {res['tokens']:9d} "
-        f"{res['nll']:7.4f} {res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}"
-        + (
-            f"\n({res['skipped']:,} sequences longer than the model's window left out)"
-            if res["skipped"]
-            else ""
+        f"{'p(eos@end)':>10s}",
+        f"{split:6s} {res['sequences']:9d} {res['tokens']:9d} {res['nll']:7.4f} "
+        f"{res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}",
+        f"perplexity, nanogen's metric (the continuations of lines of > 10 tokens): "
+        f"{res['ppl_nanogen']:.2f} over {res['tokens_nanogen']:,} tokens",
+    ]
+    if res["ppl_authors"] is None:
+        lines.append(
+            "perplexity, the authors' metric (one eos target more for each shorter line): "
+            "- (a --protocol paper run keeps no such line)"
         )
-    )
+    else:
+        lines.append(
+            f"perplexity, the authors' metric (one eos target more for each shorter line): "
+            f"{res['ppl_authors']:.2f} over {res['tokens_authors']:,} tokens"
+        )
+    if res["skipped"]:
+        lines.append(f"({res['skipped']:,} sequences longer than the model's window left out)")
+    return "\n".join(lines)
 
 
 def write_json(path, obj):

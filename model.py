@@ -348,9 +348,15 @@ def build_backbone(cfg):
     if cfg["model"] == "gcnn":
         return GCNN(V, cfg["block_size"], cfg["n_layer"], D, cfg["kernel_size"], cfg["dropout"])
     if cfg["model"] in ("rnn", "lstm"):
-        return Recurrent(
+        rnn = Recurrent(
             cfg["model"], V, D, cfg["n_layer"], cfg["dropout"], cfg.get("locked_dropout", False)
         )
+        if cfg.get("protocol") == "authors":
+            # The authors' src/wiki2 (model_utils.py, README commands): nn.Embedding's own
+            # N(0, 1) initialisation, and no dropout between the layers (--rnn-dropout 0.0).
+            nn.init.normal_(rnn.wte.weight)
+            rnn.rnn.dropout = 0.0
+        return rnn
     raise ValueError(f"no backbone for model '{cfg['model']}': add its branch to build_backbone")
 
 

@@ -28,7 +28,14 @@ from tqdm import tqdm
 
 import curves
 from data import UserError, run
-from data.loader import batchify, check_fits, epoch_batches, get_batch, load_data
+from data.loader import (
+    batchify,
+    check_fits,
+    epoch_batches,
+    get_batch,
+    load_data,
+    targets_per_batch,
+)
 from data.prepare import DATASETS, VOCABS
 from decode import decode_in_batches, longest_continuation, non_termination_ratio
 from heads import HEADS, TERMINATION_HEADS, loss_scale, padded
@@ -91,6 +98,10 @@ RECIPES = {
         warmup=400,
     ),
 }  # every model on the story data
+# --protocol authors: the settings of the NMST authors' src/wiki2 (train.py, utils.py) that differ
+# from the rnn / lstm recipe; its sequences, batches, context loss, N(0, 1) embeddings, no dropout
+# between the layers and weight decay on every parameter are in data/ and model.py
+AUTHORS = dict(beta2=0.999, batch_size=32, lr=1e-3, max_epochs=70, patience=10)
 
 
 def number(kind, ok, words):
@@ -132,6 +143,13 @@ FLAGS = [  # (flag, default (None: a recipe's, or none), type (tuple: choices; b
     ),
     ("epsilon", 1e-5, number(float, lambda v: 0 < v < 1, "in (0, 1)"), "ST / NMST"),
     ("dataset", "wikitext103", (*DATASETS, *STORY_DATASETS), "text: your own, in --data_dir"),
+    (
+        "protocol",
+        "paper",
+        ("paper", "authors"),
+        "paper: the NMST paper's text (lines of > 10 words, the continuation's loss); authors: "
+        "the code that made its Table 1 (every line, <bos>, <cpad>, the context's loss too)",
+    ),
     ("vocab", "word", VOCABS, "wikitext2, ptb, text: word or char; text: bpe (GPT-2's) too"),
     ("data_dir", None, os.path.abspath, "local data (default $NANOGEN_DATA, else download)"),
     ("out_dir", None, str, "default out/DATASET-MODEL-HEAD"),
@@ -242,6 +260,8 @@ def get_args(argv=None):
     recipe = RECIPES[
         "story" if story else "gpt_finetune" if a["init_from"] != "scratch" else a["model"]
     ]
+    if a["protocol"] == "authors":
+        recipe = {**recipe, **AUTHORS}
     batching = ("batch_size", "max_tokens")  # a recipe's batching yields to yours
     a = {
         **DEFAULTS,
@@ -347,6 +367,10 @@ def check_args(a):
         ),
         (a.order != "random" and not insertion, "--order is for insnet, insertion_transformer"),
         (
+            a.protocol == "authors" and (a.model not in ("rnn", "lstm") or a.max_tokens),
+            "--protocol authors is the authors' rnn / lstm code: --model rnn or lstm, --batch_size",
+        ),
+        (
             procs > 1 and (a.task == "stream" or a.grad_accum % procs),
             f"under torchrun "
             f"--grad_accum ({a.grad_accum}) is a multiple of the {procs} processes, no stream",
@@ -373,6 +397,7 @@ SHAPE = (
     "ct_rank",
     "temperature",
     "max_offset",
+    "protocol",
     "no_tie",
     "no_bias",
 )  # the flags of a model's shape
@@ -435,7 +460,8 @@ def evaluate(
             split: batchify(data["streams"][split], 10, split)[:, : limit and limit + 1],
         }
     (rank, procs), keys = world(), epoch_batches(args, data, 0, split, limit, sizes)
-    sums, state = torch.zeros(5, dtype=torch.float64, device=device), None  # nll n eos seqs n!
+    # nll, n, p(eos) at the end, sequences, log n!, and nll, n of the rows of > 1 target
+    sums, state = torch.zeros(7, dtype=torch.float64, device=device), None
     with eval_mode(model):
         for key in tqdm(
             keys if stream else keys[rank::procs], desc, disable=None if desc else True, leave=False
@@ -450,16 +476,21 @@ def evaluate(
                 if story and args.order == "random" and args.model in INSERTION
                 else zero
             )  # log n!: n - 1 insertions, then termination
+            nll_rows = -torch.where(mask, log_p.double(), 0.0).sum(1)  # (B,)
+            # nanogen's metric leaves out the lines whose continuation is eos alone (<= 10 words)
+            long = n > 1
             sums += torch.stack(
                 [
-                    -log_p.double()[mask].sum(),
+                    nll_rows.sum(),
                     n.sum(),
                     end.sum().double(),
                     zero.double() + (0 if stream else len(n)),
                     orders.sum().double(),
+                    nll_rows[long].sum(),
+                    n[long].sum(),
                 ]
             )
-    nll, n, end, seqs, log_orders = all_sum(sums.tolist(), device)
+    nll, n, end, seqs, log_orders, nll_long, n_long = all_sum(sums.tolist(), device)
     res = dict(
         nll=nll / max(n, 1),
         ppl=math.exp(min(nll / max(n, 1), 700)),
@@ -472,8 +503,21 @@ def evaluate(
             nll_per_story=nll / max(seqs, 1),
             nll_bound_per_story=(nll - log_orders) / max(seqs, 1),
         )
+    if stream:
+        return res
+    # Both perplexities of NMST Table 1, each over its own tokens: nanogen's (the continuations of
+    # the lines of more than 10 words) and the authors' (their code's: one eos target more for
+    # every shorter line, which only the authors' protocol keeps)
+    res.update(
+        ppl_nanogen=math.exp(min(nll_long / max(n_long, 1), 700)),
+        tokens_nanogen=int(n_long),
+        ppl_authors=None,
+        tokens_authors=None,
+    )
+    if args.protocol == "authors":
+        res.update(ppl_authors=res["ppl"], tokens_authors=int(n))
     total = len(data[split]) if limit is None else min(limit, len(data[split]))
-    return res if stream else dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - seqs)
+    return dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - seqs)
 
 
 def probe(args, model, data):
@@ -610,6 +654,7 @@ def main(argv=None):
     if procs > 1:  # read it
         dist.barrier()
         data = data or load_data(args, verbose=False)
+    data["targets_per_batch"] = targets_per_batch(args, data)
     model, optimizer, scaler, ctx, st = build(args, ckpt, data, hf, device)
     if rank == 0:
         curves.start_logs(args.out_dir, vars(args), st["step"] if args.resume else 0)
@@ -632,10 +677,15 @@ def build(args, ckpt, data, weights, device):
     if weights:  # (weights that do not fit: a UserError)
         model.load_state_dict(gpt_state_from_hf(weights, model))
     params = list(model.to(device).parameters())
-    optimizer = torch.optim.AdamW(  # weight decay on matrices, not on biases and norms
+    # weight decay on matrices, not on biases and norms (the authors' protocol: on every one)
+    decay_all = args.protocol == "authors"
+    optimizer = torch.optim.AdamW(
         [
-            dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
-            dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0),
+            dict(
+                params=[p for p in params if p.dim() >= 2 or decay_all],
+                weight_decay=args.weight_decay,
+            ),
+            dict(params=[p for p in params if p.dim() < 2 and not decay_all], weight_decay=0.0),
         ],
         lr=args.lr,
         betas=(args.beta1, args.beta2),
@@ -715,13 +765,18 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
                     hidden = None  # each epoch starts the streams afresh
                 with ctx:
                     log_p, mask, hidden = score(model, batch, hidden)
-                    nll = -torch.where(mask, log_p, 0.0).sum()  # -log p of the predicted tokens,
-                    loss = nll / batch["n"] * ls  # NMST eq. 3: their mean (CT eq. 8: x LS, AR, TAR)
+                    # -log p of the batch's predicted tokens, summed
+                    nll = -torch.where(mask, log_p, 0.0).sum()
+                    # NMST eq. 3, the mean over every target of the data: the sum divided by the
+                    # epoch's mean count a batch, the same for every batch, so that each token
+                    # weighs alike whatever the length of its batch's lines (CT eq. 8: x LS)
+                    loss = nll / data["targets_per_batch"] * ls
                     if args.ar or args.tar:
                         loss = loss + raw.backbone.activation_regularisation(args.ar, args.tar)
                 scaler.scale(loss / accum).backward()  # (a scaler does nothing but in float16)
                 hidden = to(hidden, device, detach=True)  # truncated BPTT: not into the past
-                step_loss += loss.detach() / accum
+                # (logged: the batch's own mean -log p a token)
+                step_loss += nll.detach() / batch["n"] / accum
                 since.update(
                     nll=since["nll"] + nll.detach().double(),
                     n=since["n"] + batch["n"],

@@ -43,8 +43,10 @@ def memmap(path, dtype):  # read-only (an empty file: a split of your own text t
     return np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
-def load(dataset, data_dir=None, vocab="word", verbose=True):  # -> meta, splits, their streams
-    meta = load_meta(folder := prepare(dataset, data_dir, vocab, verbose))
+def load(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"):
+    """-> meta, the splits, their streams."""
+    folder = prepare(dataset, data_dir, vocab, verbose, protocol)
+    meta = load_meta(folder)
     return (
         meta,
         {s: CompletionSplit(folder, s, meta) for s in SPLITS},
@@ -67,7 +69,7 @@ def load_data(args, verbose=True):
         return dict(
             d, train=d["train"][: args.train_seqs or None], vocab_size=len(d["vocab"]), eos_id=EOS
         )
-    meta, splits, streams = load(args.dataset, args.data_dir, args.vocab, verbose)
+    meta, splits, streams = load(args.dataset, args.data_dir, args.vocab, verbose, args.protocol)
     return dict(
         splits,
         vocab=meta["vocab"],
@@ -95,6 +97,12 @@ def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
             epoch=epoch,
         )
         return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
+    if args.protocol == "authors" and split == "train":
+        # The authors' DataLoader(shuffle=True): random batches, each padded to its longest line.
+        lengths = data[split].lengths[: args.train_seqs or None]
+        order = np.random.default_rng([args.seed, epoch]).permutation(len(lengths))
+        size = args.batch_size or 32
+        return [order[i : i + size] for i in range(0, len(order), size)]
     sizes = sizes or dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
     return batches(
         data[split].lengths,
@@ -105,6 +113,34 @@ def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
         max_len=args.window,
         limit=(args.train_seqs or None) if split == "train" else limit,
     )
+
+
+def targets_per_batch(args, data):
+    """The mean count of predicted tokens (or events) in an epoch's training batches.
+
+    NMST eq. 3 is a mean over every target token of the data, each weighted alike.  Batches are
+    sorted by length, so a batch of short lines holds few targets: dividing each step's summed
+    NLL by its own batch's count would weigh each of those tokens several times more (the eos
+    targets 3.7x their share on WikiText-2).  Every step divides by this one number instead."""
+    keys = epoch_batches(args, data, 0)
+    if args.task == "stream":
+        counts = [data["train"].size(0) * length for _, length in keys]
+    elif args.task in ("story", "storyline"):
+        per_story = [story_targets(s, args.model != "gpt") for s in data["train"]]
+        counts = [sum(per_story[i] for i in index) for index, _ in keys]
+    else:
+        split = data["train"]
+        per_sequence = sequence_targets(split.lengths, split.contexts, args.protocol == "authors")
+        counts = [int(per_sequence[index].sum()) for index in keys]
+    return sum(counts) / max(len(counts), 1)
+
+
+def sequence_targets(lengths, contexts, context_loss=False):
+    """(N,) the targets of each sequence that enter the loss: its continuation (NMST eq. 3), or
+    with context_loss (the authors' protocol) every token after the first."""
+    if context_loss:
+        return lengths - 1
+    return np.maximum(lengths - np.maximum(contexts, 1), 0)
 
 
 def get_batch(args, data, key, device, split="train"):
@@ -129,7 +165,11 @@ def get_batch(args, data, key, device, split="train"):
             torch.Generator().manual_seed(key[1]),
             device,
         )
-    return collate(data[split], key, device, args.max_tokens and (args.window or math.inf))
+    cap = args.max_tokens and (args.window or math.inf)
+    # The authors' protocol trains on the context's targets too (their loss has no context mask);
+    # every evaluation scores the continuation alone.
+    context_loss = args.protocol == "authors" and split == "train"
+    return collate(data[split], key, device, cap, context_loss)
 
 
 def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
@@ -140,13 +180,21 @@ def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
     toks, n_given = [s["tokens"] for s in seqs], [s["n_given"] for s in seqs]
     if not insertion:
         return pad_batch(toks, np.array(n_given), device)
-    kws, n_inputs = [s["keyword_pos"] for s in seqs], sum(map(len, toks))
-    given = sum(1 + g + len(k) for g, k in zip(n_given, kws))  # BOS, EOS, the prefix, keywords
+    kws = [s["keyword_pos"] for s in seqs]
     return dict(
         collate_insertions(toks, n_given, kws, order, generator, device),
-        n=n_inputs - given + len(seqs),
-        n_inputs=n_inputs,
+        n=sum(story_targets(s, insertion) for s in seqs),
+        n_inputs=sum(map(len, toks)),
     )
+
+
+def story_targets(seq, insertion):
+    """The predicted events of one encoded story.  An insertion model predicts every token but
+    BOS, EOS, the given prefix and the keywords, then the termination; the L2R baseline every
+    token after the given prefix, EOS included."""
+    if insertion:
+        return len(seq["tokens"]) - seq["n_given"] - len(seq["keyword_pos"])
+    return max(len(seq["tokens"]) - max(seq["n_given"], 1), 0)
 
 
 def check_fits(args, data):
@@ -206,28 +254,39 @@ def bucket(n, cap=math.inf):  # lengths n up to a quarter octave (8, 16, ..., 64
     return np.minimum(-(-np.asarray(n) // step) * step, cap).astype(np.int64)
 
 
-def collate(split, index, device="cpu", cap=None):  # cap: T padded to its bucket (max_tokens)
+def collate(split, index, device="cpu", cap=None, context_loss=False):
+    """The batch of sequences `index` of a split (cap: T padded to its bucket, --max_tokens)."""
     width = cap and int(bucket(split.lengths[index].max() - 1, cap)) + 1
-    return pad_batch([split[i] for i in index], split.contexts[np.asarray(index)], device, width)
+    ctx = split.contexts[np.asarray(index)]
+    return pad_batch([split[i] for i in index], ctx, device, width, context_loss)
 
 
-def pad_batch(seqs, ctx, device="cpu", width=None):
+def pad_batch(seqs, ctx, device="cpu", width=None, context_loss=False):
     """Sequences and their context lengths -> one right-padded batch: inputs and targets (B, L-1),
     t (B, L-1) the continuation step of every input position (0 on padding), mask (B, L-1) True
-    where the target is a continuation token, lengths (B,); n (the mask's count) and n_inputs as
-    host ints, so that the loss reads nothing back.  Built on the host, copied once."""
+    where the target enters the loss, lengths (B,); n (the mask's count) and n_inputs as host
+    ints, so that the loss reads nothing back.  Built on the host, copied once.
+
+        tokens   x1 x2 x3 y1 y2 y3 eos  0  0        (context c = 3, length 7, padded to 9)
+        inputs   x1 x2 x3 y1 y2 y3 eos  0
+        targets  x2 x3 y1 y2 y3 eos  0  0
+        t        -1  0  1  2  3  4   0  0           (t = 1 where the target is y1)
+        mask      .  .  1  1  1  1   .  .           (context_loss: 1 on x2, x3 too)
+    """
     tokens = np.zeros((len(seqs), width or max(map(len, seqs))), dtype=np.int64)
     for b, s in enumerate(seqs):
         tokens[b, : len(s)] = s
     n = np.array([len(s) for s in seqs])
     t, mask = continuation_steps(torch.from_numpy(ctx), torch.from_numpy(n), tokens.shape[1] - 1)
+    if context_loss:
+        mask = torch.arange(tokens.shape[1] - 1) < torch.from_numpy(n - 1).unsqueeze(1)
     host = dict(tokens=torch.from_numpy(tokens), lengths=torch.from_numpy(n), t=t, mask=mask)
     batch = {k: to_device(v, device) for k, v in host.items()}
     return dict(
         batch,
         inputs=batch["tokens"][:, :-1],
         targets=batch["tokens"][:, 1:],
-        n=int(np.maximum(n - np.maximum(ctx, 1), 0).sum()),
+        n=int(sequence_targets(n, ctx, context_loss).sum()),
         n_inputs=int((n - 1).sum()),
     )
 

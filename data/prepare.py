@@ -8,10 +8,19 @@ itself).  One sequence a non-empty line, eos appended (the survey's section 2.1 
   gpt2  tiktoken's GPT-2 BPE of line.strip(); eos = <|endoftext|> = 50256
 The context x is the first 10 tokens (char level: the characters of the first 10 words and the
 space after them); the rest, eos included, is the continuation y.  Lines with no continuation and
-BPE sequences over 1024 tokens are dropped, and counted.  Into $NANOGEN_CACHE/prepared/
-<dataset>[-vocab]-<sha256[:12]>/ (renamed into place when complete; checked against meta.json
-once per process): {split}.bin / .idx (the sequences' tokens back to back and int64 offsets),
-{split}.ctx (context lengths), {split}.stream.bin (every line + eos: --task stream), meta.json.
+BPE sequences over 1024 tokens are dropped, and counted.
+--protocol authors (word level) forms the sequences as the NMST authors' code that made Table 1
+(nyu-dl/non-monotonic-self-terminating-lm, src/wiki2/data.py): every line is kept, an empty one as
+the one word "<unk>" ("".split(" ") there), a line of fewer than 10 words is left-padded with
+"<cpad>" to 10, and "<bos>" comes first:
+
+    line "a b c"         ->  <bos> <cpad> x7 a b c | <eos>         context 11, continuation 1
+    line "w1 ... w14"    ->  <bos> w1 ... w10 | w11 w12 w13 w14 <eos>   context 11, continuation 5
+
+Into $NANOGEN_CACHE/prepared/<dataset>[-vocab][-authors]-<sha256[:12]>/ (renamed into place
+when complete; checked against meta.json once per process): {split}.bin / .idx (the sequences'
+tokens back to back and int64 offsets), {split}.ctx (context lengths), {split}.stream.bin (every
+line + eos: --task stream), meta.json.
 """
 
 import argparse
@@ -177,20 +186,24 @@ def own_text(data_dir):
 
 # --- tokenizers: encode(lines, split) yields (ids, context length) per non-empty line ---------
 class Vocabulary:
-    """Word or character vocabulary: '<eos>' = 0 (and '<unk>'), then the train split's words /
-    characters by decreasing frequency (ties: first seen)."""
+    """Word or character vocabulary: '<eos>' = 0 (and '<unk>'; the authors' protocol: '<bos>',
+    '<cpad>'), then the train split's words / characters by decreasing frequency (ties: first
+    seen)."""
 
-    def __init__(self, kind, tokens, own=False):
-        self.kind, self.tokens, self.own = kind, list(tokens), own
+    def __init__(self, kind, tokens, own=False, protocol="paper"):
+        self.kind, self.tokens, self.own, self.protocol = kind, list(tokens), own, protocol
         self.stoi = {w: i for i, w in enumerate(self.tokens)}
         self.unk, self.eos_id, self.vocab_size = self.stoi.get("<unk>"), 0, len(self.tokens)
         self.oov = collections.Counter()
 
     @classmethod
-    def build(cls, kind, lines, own=False):
+    def build(cls, kind, lines, own=False, protocol="paper"):
         counts = collections.Counter(itertools.chain.from_iterable(map(cls(kind, []).split, lines)))
         specials = ["<eos>"] if kind == "word" and not own else ["<eos>", "<unk>"]
-        return cls(kind, specials + [w for w, _ in counts.most_common() if w not in specials], own)
+        if protocol == "authors":
+            specials += ["<bos>", "<cpad>"]
+        words = [w for w, _ in counts.most_common() if w not in specials]
+        return cls(kind, specials + words, own, protocol)
 
     def split(self, line):  # -> the tokens of a line
         return line.split() if self.kind == "word" else list(" ".join(line.split()))
@@ -221,7 +234,7 @@ class Vocabulary:
 class BPE:
     """GPT-2's BPE (tiktoken): eos = <|endoftext|> = 50256."""
 
-    kind, oov = "gpt2", collections.Counter()
+    kind, oov, protocol = "gpt2", collections.Counter(), "paper"
 
     def __init__(self):
         try:
@@ -261,12 +274,15 @@ def write_split(lines, tok, split, folder, dtype, max_len):
             encoded = iter(tok.encode([ln for ln in chunk if ln.strip()], split))  # (BPE: batched)
             for line in chunk:
                 ids, ctx = next(encoded) if line.strip() else ([], 0)
-                ids = np.asarray([*ids, tok.eos_id], dtype=dtype)
-                stream.write(ids.tobytes())
-                c.update(lines=1, empty=not line.strip(), stream_tokens=len(ids))
-                if not line.strip():
+                stream.write(np.asarray([*ids, tok.eos_id], dtype=dtype).tobytes())
+                c.update(lines=1, empty=not line.strip(), stream_tokens=len(ids) + 1)
+                if tok.protocol == "authors":
+                    ids, ctx = authors_sequence(ids, tok)
+                elif not line.strip():
                     continue
-                if len(ids) - 1 <= ctx:  # no continuation but eos
+                ids = np.asarray([*ids, tok.eos_id], dtype=dtype)
+                # no continuation but eos (the authors' protocol keeps such a line)
+                if tok.protocol == "paper" and len(ids) - 1 <= ctx:
                     c["dropped_short"] += 1
                 elif max_len and len(ids) > max_len:
                     c["dropped_long"] += 1
@@ -280,13 +296,21 @@ def write_split(lines, tok, split, folder, dtype, max_len):
     return dict(c, oov_to_unk=tok.oov[split])
 
 
-def build(dataset, vocab, source, folder):
+def authors_sequence(ids, tok):
+    """A line's word ids -> (<bos>, the words left-padded with <cpad> to CONTEXT_LEN, their
+    context length), as the authors' src/wiki2/data.py forms it; an empty line is one <unk>."""
+    words = list(ids) or [tok.unk]
+    pad = [tok.stoi["<cpad>"]] * max(CONTEXT_LEN - len(words), 0)
+    return [tok.stoi["<bos>"], *pad, *words], CONTEXT_LEN + 1
+
+
+def build(dataset, vocab, source, folder, protocol="paper"):
     """Tokenize every split into `folder`; -> meta."""
     if DATASETS[dataset]["tokenizer"] == "gpt2" or vocab == "bpe":
         tok = BPE()
     else:
         with source["read"]("train") as f:
-            tok = Vocabulary.build(vocab, f, own=dataset == "text")
+            tok = Vocabulary.build(vocab, f, own=dataset == "text", protocol=protocol)
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
     counts = {}
     for s in SPLITS:
@@ -294,6 +318,7 @@ def build(dataset, vocab, source, folder):
             counts[s] = write_split(f, tok, s, folder, dtype, MAX_BPE_LEN * (tok.kind == "gpt2"))
     meta = dict(
         dataset=dataset,
+        protocol=protocol,
         version=VERSION,
         tokenizer=tok.kind,
         vocab_size=tok.vocab_size,
@@ -353,7 +378,7 @@ def usable(folder):
     return problem is None
 
 
-def prepare(dataset, data_dir=None, vocab="word", verbose=True):
+def prepare(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"):
     """Make sure the prepared memmaps exist and match their meta.json; -> their folder."""
     if (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word") or (
         vocab == "bpe" and dataset != "text"
@@ -362,7 +387,15 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True):
             f"--vocab {vocab} is not for {dataset} (char: wikitext2, ptb, text; bpe: "
             f"text; wikitext103 is GPT-2 BPE already)"
         )
-    name = os.path.join(cache_dir(), "prepared", dataset + ("" if vocab == "word" else f"-{vocab}"))
+    if protocol == "authors" and (vocab != "word" or DATASETS[dataset]["tokenizer"] != "word"):
+        raise UserError(
+            f"--protocol authors forms word-level sequences (wikitext2, ptb, text), not "
+            f"{dataset} --vocab {vocab}"
+        )
+    name = dataset + ("" if vocab == "word" else f"-{vocab}")
+    if protocol == "authors":
+        name += "-authors"
+    name = os.path.join(cache_dir(), "prepared", name)
     official = DATASETS[dataset].get("sha256")  # prepared before: not read again (nor downloaded)
     if (
         official
@@ -377,7 +410,7 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True):
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}-", dir=os.path.dirname(folder))
         try:
-            build(dataset, vocab, source, tmp)
+            build(dataset, vocab, source, tmp, protocol)
             os.rename(tmp, folder)
         except OSError:  # another process prepared it meanwhile (and may be reading it): kept
             if not os.path.isdir(folder):
@@ -424,10 +457,13 @@ def main(argv=None):
     p.add_argument("--dataset", required=True, choices=[*DATASETS, "rocstories"])
     p.add_argument("--vocab", default="word", choices=VOCABS)
     p.add_argument("--data_dir", help="a local copy (default $NANOGEN_DATA, else download)")
+    p.add_argument("--protocol", default="paper", choices=["paper", "authors"])
     a = p.parse_args(argv)
-    print_counts(
-        prepare(a.dataset, a.data_dir, a.vocab, verbose=False)
-    ) if a.dataset != "rocstories" else load_rocstories(a.data_dir)  # (it prints its own counts)
+    if a.dataset == "rocstories":
+        # (it prints its own counts)
+        load_rocstories(a.data_dir)
+    else:
+        print_counts(prepare(a.dataset, a.data_dir, a.vocab, verbose=False, protocol=a.protocol))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""NMST eq. 3 under any batching, the authors' protocol (--protocol authors) on the real
+WikiText-2, and the two perplexities of NMST Table 1."""
+
+import argparse
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from data.loader import epoch_batches, load_data, sequence_targets, targets_per_batch
+from data.prepare import CONTEXT_LEN
+
+
+def run_args(protocol="paper", **over):
+    a = dict(train.DEFAULTS, model="lstm", task="completion", dataset="wikitext2", window=None)
+    a.update(protocol=protocol, batch_size=32, max_tokens=None, train_seqs=0, **over)
+    return argparse.Namespace(**a)
+
+
+@pytest.fixture(scope="module")
+def authors():
+    args = run_args("authors")
+    return args, load_data(args, verbose=False)
+
+
+def test_the_authors_counts_on_wikitext2(authors):
+    """The counts of the authors' src/wiki2 pipeline, worked out from their code (data.py: every
+    line kept, <bos>, <cpad> to 10 words, "" as <unk>; train.py: the loss and its divisor;
+    DataLoader(batch_size=32, shuffle=True); the validation metric from position 10 on)."""
+    args, data = authors
+    train_split, valid = data["train"], data["valid"]
+    cpad = data["vocab"]["tokens"].index("<cpad>")
+    assert len(train_split) == 36_718
+    # the loss's terms: every target but padding (their loss sums the <cpad> targets too) ...
+    assert int(sequence_targets(train_split.lengths, train_split.contexts, True).sum()) == 2_243_404
+    # ... and their divisor, which leaves the <cpad> targets out
+    n_cpad = int((np.asarray(train_split.tokens) == cpad).sum())
+    assert 2_243_404 - n_cpad == 2_101_579
+    assert len(epoch_batches(args, data, 0)) == 1_148
+    # the validation metric: the continuation targets of every line, one eos for a short one
+    assert len(valid) == 3_760
+    assert int((valid.lengths - valid.contexts).sum()) == 195_390
+    assert int((valid.lengths - valid.contexts == 1).sum()) == 1_983
+    assert set(valid.contexts.tolist()) == {CONTEXT_LEN + 1}
+
+
+def test_an_empty_and_a_short_line_as_the_authors_form_them(authors):
+    """WikiText-2's first train line is empty: <bos> <cpad> x9 <unk> <eos>."""
+    _, data = authors
+    words = data["vocab"]["tokens"]
+    first = [words[i] for i in data["train"][0]]
+    assert first == ["<bos>", *["<cpad>"] * 9, "<unk>", "<eos>"]
+
+
+def test_the_authors_batches_are_random_not_sorted(authors):
+    args, data = authors
+    keys = epoch_batches(args, data, 0)
+    lengths = [float(np.mean(data["train"].lengths[k])) for k in keys]
+    assert lengths != sorted(lengths)
+    assert sorted(np.concatenate(keys).tolist()) == list(range(len(data["train"])))
+    again = epoch_batches(args, data, 0)
+    assert all((a == b).all() for a, b in zip(keys, again))
+
+
+def test_the_authors_loss_counts_the_context_targets_and_evaluation_does_not(authors):
+    from data.loader import get_batch
+
+    args, data = authors
+    key = epoch_batches(args, data, 0)[0]
+    train_batch = get_batch(args, data, key, "cpu", "train")
+    # (the same lines, read as an evaluation reads them)
+    eval_batch = get_batch(args, dict(data, valid=data["train"]), key, "cpu", "valid")
+    lengths = data["train"].lengths[key]
+    assert train_batch["n"] == int((lengths - 1).sum()) == int(train_batch["mask"].sum())
+    continuation = lengths - data["train"].contexts[key]
+    assert int(eval_batch["mask"].sum()) == int(continuation.sum())
+
+
+def gradient_shares(tmp_path, monkeypatch, protocol):
+    """One epoch of train.py's loop on 3,000 WikiText-2 lines, with each batch's log p a leaf
+    tensor: its gradient is the weight the loss gives every target token.  -> the total weight
+    and token count of the eos targets, of the targets of the shortest lines, of all targets;
+    the steps."""
+    seen = []
+
+    def leaf_score(model, batch, state=None):
+        log_p = torch.zeros(batch["targets"].shape, requires_grad=torch.is_grad_enabled())
+        if torch.is_grad_enabled():
+            seen.append((log_p, batch))
+        return log_p, batch["mask"], None
+
+    monkeypatch.setattr(train, "score", leaf_score)
+    out = tmp_path / protocol
+    flags = "--model lstm --dataset wikitext2 --n_layer 1 --d_model 8 --batch_size 32"
+    flags += " --train_seqs 3000 --max_epochs 1 --eval_seqs 8 --probe 0 --no_curves"
+    train.main(flags.split() + ["--protocol", protocol, "--out_dir", str(out)])
+    weight, count = np.zeros(3), np.zeros(3)
+    for log_p, batch in seen:
+        mask, grad = batch["mask"], -log_p.grad
+        targets = batch["targets"]
+        shortest = (batch["lengths"] - 1 <= CONTEXT_LEN + 3).unsqueeze(1)
+        for i, cls in enumerate((targets == 0, shortest.expand_as(mask), torch.ones_like(mask))):
+            weight[i] += float(grad[mask & cls].sum())
+            count[i] += int((mask & cls).sum())
+    return weight, count, len(seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["paper", "authors"])
+def test_every_target_token_weighs_alike_over_an_epoch(protocol, tmp_path, monkeypatch):
+    """NMST eq. 3 is the mean over all targets: over an epoch of length-sorted batches (the
+    paper protocol) or random ones (the authors'), the eos targets' and the shortest lines'
+    share of the gradient is their share of the tokens.  Dividing each batch by its own count
+    instead would give the eos targets several times their share (checked on these batches)."""
+    weight, count, steps = gradient_shares(tmp_path, monkeypatch, protocol)
+    assert weight[:2] / weight[2] == pytest.approx(count[:2] / count[2], rel=1e-6)
+    # (each step's weights add up to its count over the epoch's mean count: 1 a step on average)
+    assert weight[2] == pytest.approx(steps, rel=1e-6)
+    if protocol == "paper":
+        assert count[0] / count[2] < 0.02  # (eos: one target a line of > 10 words)
+
+
+@pytest.mark.slow
+def test_a_per_batch_mean_would_overweigh_the_eos_targets(wikitext2):
+    """The skew the fixed divisor removes is real on these batches: a per-batch mean gives the
+    eos targets of WikiText-2's sorted batches over 3x their token share (so the test above can
+    fail)."""
+    args = run_args("paper")
+    _, splits = wikitext2
+    split = splits["train"]
+    per_seq = sequence_targets(split.lengths, split.contexts)
+    keys = epoch_batches(args, dict(train=split), 0)
+    eos_weight = sum(len(k) / per_seq[k].sum() for k in keys) / len(keys)
+    eos_share = len(split) / per_seq.sum()
+    assert eos_weight / eos_share > 3
+
+
+def test_targets_per_batch_is_the_epochs_mean(wikitext2):
+    args = run_args("paper")
+    _, splits = wikitext2
+    split = splits["train"]
+    data = dict(train=split)
+    keys = epoch_batches(args, data, 0)
+    per_seq = sequence_targets(split.lengths, split.contexts)
+    assert targets_per_batch(args, data) == pytest.approx(per_seq.sum() / len(keys))
+
+
+@pytest.mark.slow
+def test_evaluate_reports_both_perplexities(tmp_path, capsys):
+    """An authors'-protocol run: its own perplexity is the authors' metric (every line); nanogen's
+    leaves out the lines whose continuation is eos alone, over fewer tokens."""
+    import evaluate
+
+    out = tmp_path / "run"
+    flags = "--model rnn --head nmst --dataset wikitext2 --protocol authors --n_layer 1"
+    flags += " --d_model 16 --max_iters 2 --train_seqs 200 --eval_seqs 300 --probe 0 --no_curves"
+    train.main(flags.split() + ["--out_dir", str(out)])
+    evaluate.main(["--ckpt", str(out / "ckpt_last.pt"), "--limit", "300", "--out", str(out / "r")])
+    text = capsys.readouterr().out
+    assert "nanogen's metric" in text and "the authors' metric" in text
+    import json
+
+    res = json.loads((out / "r").read_text())
+    assert res["ppl_authors"] == res["ppl"]
+    assert res["tokens_nanogen"] < res["tokens_authors"] == res["tokens"]
+    assert math.isfinite(res["ppl_nanogen"]) and res["ppl_nanogen"] != res["ppl_authors"]
