@@ -50,6 +50,12 @@ def paper_name(head):
     return PAPER_NAMES.get(head, head.upper())
 
 
+def t_half(epsilon):
+    """NMST Theorem 3: ST / NMST's p(eos) >= 1 - (1 - eps)^t passes 1/2 first at this t; from
+    then on greedy decoding must end, and top-k / nucleus sampling ends a step with p > 1/2."""
+    return math.ceil(math.log(2) / -math.log1p(-epsilon))
+
+
 def padded(vocab_size):
     """The rows of the embedding and U: the vocabulary padded to a multiple of 64 (tensor-core
     shapes, as nanoGPT's 50304); the padding rows are never produced, decoded or normalised over."""

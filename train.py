@@ -210,6 +210,7 @@ FLAGS = [  # (flag, default (None: a recipe's, or none), type (tuple: choices; b
     ("max_iters", None, INT0, "0: none"),
     ("grad_accum", None, INT1, "batches a step over all processes (default: one a process)"),
     ("max_minutes", 0.0, NONNEG, "0: none"),
+    ("whole_epochs", False, bool, "--max_minutes stops a run at an epoch's end, not mid-epoch"),
     ("eval_interval", None, INT0, "0: at epoch ends"),
     ("log_interval", 10, INT1, "steps between loss reads / stop checks"),
     ("train_seqs", 0, INT0, "0: all"),
@@ -828,7 +829,8 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
 
 def validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device, pending, since):
     """Evaluate, log, probe, lower a plateau lr, checkpoint; -> why the run stops now, or None."""
-    sync(args, pending, device, st)
+    # (under torchrun the processes' clocks are read together here: --whole_epochs' stop)
+    late = (sync(args, pending, device, st) or (None, None))[1]
     rank = world()[0]
     nll, n, tokens = all_sum([float(since["nll"]), since["n"], since["tokens"]], device)
     tok_per_s = tokens / max(time.time() - since["t0"], 1e-9)
@@ -872,14 +874,14 @@ def validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device, pendin
         curves.log_evaluation(args.out_dir, rec, args.tensorboard, not args.no_curves)
     save(args, raw, optimizer, scaler, data, st, hidden, best=improved)
     since.update(nll=0.0, n=0, tokens=0, t0=time.time())  # (tok/s: counted after the writing)
-    return limit_reached(args, st)  # (an early stop, say)
+    return limit_reached(args, st) or late  # (an early stop, say)
 
 
 def sync(args, pending, device, st):
     """The pending steps' losses and the stop flags, in one collective and one read, into
     steps.jsonl; -> None, or (signal, time limit)."""
     rank, procs = world()
-    late = args.max_minutes and st["elapsed"] >= 60 * args.max_minutes
+    late = args.max_minutes and st["elapsed"] >= 60 * args.max_minutes and at_a_stop(args, st)
     flags = torch.tensor([float(bool(STOP)), float(late)], device=device)
     values = torch.cat([torch.stack([p[2] for p in pending]).float(), flags]) if pending else flags
     if procs > 1:
@@ -944,10 +946,17 @@ def limit_reached(args, st):
         return f"reached --max_iters {args.max_iters}"
     if st["epoch"] >= args.max_epochs:
         return f"reached --max_epochs {args.max_epochs}"
-    if args.max_minutes and st["elapsed"] >= 60 * args.max_minutes and not dist.is_initialized():
+    late = args.max_minutes and st["elapsed"] >= 60 * args.max_minutes
+    if late and at_a_stop(args, st) and not dist.is_initialized():
         return f"reached --max_minutes {args.max_minutes:g}"
     if st["bad_evals"] >= args.patience:
         return f"early stop: no improvement in {args.patience} evaluations"
+
+
+def at_a_stop(args, st):
+    """Where --max_minutes may stop a run: after any step; with --whole_epochs only at an epoch's
+    end (so that no evaluation of half an epoch lowers a plateau lr)."""
+    return not args.whole_epochs or st["batch_in_epoch"] == 0
 
 
 def learning_rate(args, st):

@@ -166,3 +166,95 @@ def test_evaluate_reports_both_perplexities(tmp_path, capsys):
     assert res["ppl_authors"] == res["ppl"]
     assert res["tokens_nanogen"] < res["tokens_authors"] == res["tokens"]
     assert math.isfinite(res["ppl_nanogen"]) and res["ppl_nanogen"] != res["ppl_authors"]
+
+
+def test_the_authors_model_and_optimizer(tmp_path):
+    """--protocol authors: N(0, 1) embeddings, no dropout between the LSTM layers, AdamW betas
+    (0.9, 0.999) with weight decay on every parameter (biases too)."""
+    args, _ = train.get_args(
+        "--model lstm --dataset wikitext2 --protocol authors --d_model 64".split()
+        + ["--out_dir", str(tmp_path / "a")]
+    )
+    assert (args.beta2, args.batch_size, args.lr, args.max_epochs) == (0.999, 32, 1e-3, 70)
+    data = dict(vocab_size=5000, eos_id=0, vocab=None)
+    from model import LanguageModel
+
+    lm = LanguageModel(train.model_config(args, data))
+    assert lm.backbone.rnn.dropout == 0.0 and lm.backbone.drop.p == 0.5
+    assert 0.9 < float(lm.backbone.wte.weight.detach().std()) < 1.1
+    paper = LanguageModel(
+        train.model_config(argparse.Namespace(**dict(vars(args), protocol="paper")), data)
+    )
+    assert paper.backbone.rnn.dropout == 0.5 and float(paper.backbone.wte.weight.abs().max()) <= 0.1
+
+
+def test_whole_epochs_stops_a_capped_run_at_an_epochs_end(tmp_path):
+    """--max_minutes past its time: after the step that passes it, or with --whole_epochs at the
+    end of that epoch (3 batches of 32 here), so no evaluation falls mid-epoch."""
+    flags = "--model rnn --dataset wikitext2 --n_layer 1 --d_model 8 --batch_size 32"
+    flags += " --train_seqs 96 --eval_seqs 8 --probe 0 --no_curves --max_minutes 1e-9"
+    train.main(flags.split() + ["--out_dir", str(tmp_path / "any")])
+    train.main(flags.split() + ["--whole_epochs", "--out_dir", str(tmp_path / "whole")])
+    steps = [
+        train.load_checkpoint(str(tmp_path / name / "ckpt_last.pt"))["state"]["step"]
+        for name in ("any", "whole")
+    ]
+    assert steps == [1, 3]
+
+
+def test_theorem_3s_cells_and_the_two_standard_errors():
+    import reproduce
+    from heads import t_half
+
+    assert t_half(1e-3) == 693 and t_half(1e-5) == 69_315
+    cfg = dict(eps=1e-3)
+    assert reproduce.forced(cfg, "nmst", "greedy", 1000) and reproduce.forced(
+        cfg, "st", "topk-2", 693
+    )
+    assert not reproduce.forced(cfg, "nmst", "greedy", 692)
+    assert not reproduce.forced(cfg, "softmax", "greedy", 1000)
+    assert not reproduce.forced(cfg, "st", "beam-2", 1000)
+    # ddof 1: [1, 3] has sample std sqrt(2); means 2 and 5 lie 3 apart, 2 SE = 2 (1 + 1)^0.5
+    assert reproduce.mean_std([1.0, 3.0]) == "2.0 ± 1.4"
+    assert reproduce.differ([1.0, 3.0], [4.0, 6.0]) and not reproduce.differ([1.0, 3.0], [3.0, 5.0])
+    assert not reproduce.differ([1.0], [9.0])
+
+
+@pytest.mark.slow
+def test_the_lease_command_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, capsys):
+    """reproduce.py nmst-table1 --scale lease, its models and decoding shrunk to run on a CPU:
+    the RNN row's three heads trained at once under the authors' protocol (eps 1e-5, seed 0,
+    whole epochs, capped), the expected time said first, both perplexities in the table."""
+    import json
+
+    import reproduce
+
+    real = reproduce.nmst_settings
+
+    def small(scale, table):
+        cfg = real(scale, table)
+        tiny = "--d_model 16 --n_layer 1 --train_seqs 200 --max_epochs 2".split()
+        if scale == "lease":
+            cfg.update(contexts=8, L=40, models={"rnn": cfg["models"]["rnn"] + tiny})
+        return cfg
+
+    monkeypatch.setattr(reproduce, "nmst_settings", small)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "lease"
+    assert reproduce.main(["nmst-table1", "--scale", "lease", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("expected: at most 6.5 min of training (3 runs at once")
+    for head in ("softmax", "st", "nmst"):
+        a = json.load(open(out / "runs" / f"rnn-{head}-s0" / "args.json"))
+        assert (a["protocol"], a["whole_epochs"], a["seed"], a["max_minutes"]) == (
+            "authors",
+            True,
+            0,
+            6.5,
+        )
+        assert a["epsilon"] == 1e-5 and a["max_epochs"] == 2
+    table = (out / "table.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith(("| VA+", "| ST+", "| NMST+"))]
+    # (the first three: Table 1's; the paper's RNN row beside each)
+    assert all(" / " in r and "/ - (" not in r and "(17" in r for r in rows[:3])
+    assert "n = 1 seed(s)" in table and "t_1/2 = 69,315" in table
