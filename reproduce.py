@@ -28,7 +28,7 @@ import bench
 import curves
 import evaluate
 import train
-from data import UserError, run
+from data import UserError, check_output, run
 from heads import EPSILON_HEADS, paper_name
 from heads import HEADS as HEADS_AVAILABLE
 
@@ -689,6 +689,8 @@ def main(argv=None):
             else os.path.join(base_out or "results", f"{name}-{args.scale}")
         )
         args.runs = base_runs or os.path.join(args.out, "runs")
+        check_output(args.out, "--out", folder=True)
+        check_output(args.runs, "--runs", folder=True)
         try:
             os.makedirs(args.runs, exist_ok=True)
         except OSError as e:
