@@ -589,7 +589,8 @@ STOP = []  # the signals that asked this process to stop (on_signal appends, at 
 
 
 def on_signal(signum, frame):
-    """Ctrl-C, SIGTERM: the step finishes, ckpt_last.pt is written, the run exits 0."""
+    """Ctrl-C, SIGTERM: the step finishes, ckpt_last.pt is written (its state "stopped" by the
+    signal), the run exits 0."""
     if STOP and signum == signal.SIGINT and not dist.is_initialized():
         raise KeyboardInterrupt  # Ctrl-C twice: abort now
     STOP.append("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
@@ -689,6 +690,7 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
     ls = loss_scale(data["vocab_size"], args.ct_alpha, args.ct_beta) if args.loss_scaling else 1.0
     t0, pending, stop = time.time() - st["elapsed"], [], None
     since = dict(nll=0.0, n=0, tokens=0, t0=time.time())  # (nll: summed on the device)
+    resume_state(st, since)
     hidden, why = to(hidden, device), limit_reached(args, st)
     if why:
         return print(f"{args.out_dir}: this run already finished ({why}); raise the limit to go on")
@@ -759,6 +761,7 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
                 )
     if stop:
         sync(args, pending, device, st)
+        stop_state(st, since, stop, device)
         save(args, raw, optimizer, scaler, data, st, hidden)
     if rank == 0:
         print(
@@ -875,6 +878,23 @@ def save(args, model, optimizer, scaler, data, st, hidden, best=False):
         if best:
             shutil.copyfile(first, f"{last}.tmp")
             os.replace(f"{last}.tmp", last)
+
+
+def stop_state(st, since, stop, device):
+    """A run stopped by a signal says so in its checkpoint's state ("stopped": what reproduce.py
+    reads), and keeps its interval's sums since the last evaluation (all processes') for the next
+    evaluation's train loss."""
+    nll, n = all_sum([float(since["nll"]), since["n"]], device)
+    st.update(stopped=stop, since=dict(nll=nll, n=n))
+
+
+def resume_state(st, since):
+    """A resumed run is no longer stopped, and goes on with the interval's sums it kept (rank 0
+    alone: they are every process's)."""
+    st.pop("stopped", None)
+    kept = st.pop("since", {})
+    if world()[0] == 0:
+        since.update(kept)
 
 
 def to(state, device, detach=False):  # a recurrent state (tensor, tuple, None) on device

@@ -3,7 +3,9 @@ output paths checked before any work, reproduce.py --jobs under signals, resume 
 flags, a resumed run's log, flags reaching code that does not expect them, weak messages."""
 
 import os
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +15,7 @@ import curves
 import evaluate
 import reproduce
 import train
-from conftest import assert_one_line_error, run_in_process
+from conftest import ROOT, assert_one_line_error, run_in_process
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 TINY = (
@@ -92,3 +94,98 @@ def test_every_output_path_is_checked_before_any_work(lstm_run, read_only, tmp_p
     assert (lstm_run / "log.jsonl").read_bytes() == log and os.listdir(read_only) == []
     evaluate.main(evaluation + ["--no_ppl", "--out", str(tmp_path / "a" / "b" / "res.json")])
     assert (tmp_path / "a" / "b" / "res.json").is_file()
+
+
+def test_a_stopped_then_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path):
+    """A stop between two evaluations (a signal, here set as the run's sync reads step 3): the
+    next evaluation's train loss covers the whole interval (its sums are in the checkpoint), so
+    log.jsonl equals the uninterrupted run's but for the clocks."""
+    flags = TINY + ["--max_iters", "8", "--eval_interval", "5", "--log_interval", "1"]
+    train.main(flags + ["--out_dir", str(tmp_path / "ref")])
+    real = curves.append
+
+    def signal_at_step_3(path, *records):
+        if any(r.get("step") == 3 for r in records):
+            train.STOP.append("SIGTERM")
+        real(path, *records)
+
+    out = str(tmp_path / "run")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(curves, "append", signal_at_step_3)
+        train.main(flags + ["--out_dir", out])
+    state = train.load_checkpoint(f"{out}/ckpt_last.pt")["state"]
+    assert state["step"] == 4 and state["stopped"] == "SIGTERM" and state["since"]["n"] > 0
+    assert reproduce.run_status(out) == "stopped by SIGTERM"
+    train.main(flags + ["--out_dir", out, "--resume"])
+    assert reproduce.run_status(out) is None
+
+    def log(folder):
+        clocks = ("tokens_per_s", "elapsed_s", "mfu")
+        return [
+            {k: v for k, v in r.items() if k not in clocks}
+            for r in curves.read_log(os.path.join(folder, "log.jsonl"))
+        ]
+
+    assert log(out) == log(tmp_path / "ref") and len(log(out)) == 2
+
+
+def test_sigterm_to_reproduce_jobs_stops_its_children_cleanly(tmp_path):
+    """A real SIGTERM to a real `reproduce.py --jobs 2`: passed on to its train.py children (each
+    writes its checkpoint, marked stopped), no table, one line, no child left running: the same
+    command would go on from their checkpoints."""
+    out = tmp_path / "r"
+    argv = ["nmst-table1", "--scale", "tiny", "--heads", "softmax", "nmst", "--jobs", "2"]
+    argv += ["--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen(
+        [sys.executable, "reproduce.py", *argv],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    started = [out / "runs" / f"lstm-{h}-s0" / "steps.jsonl" for h in ("softmax", "nmst")]
+    deadline = time.time() + 120
+    while time.time() < deadline and not all(f.exists() for f in started):
+        time.sleep(0.01)  # (both children are training: their logs are started)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert_one_line_error(p.returncode, err, "stopped by SIGTERM; the runs' checkpoints are in")
+    assert not (out / "table.md").exists()
+    children = [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and str(out).encode() in read_bytes(f"/proc/{pid}/cmdline")
+    ]
+    assert children == []
+    stopped = [
+        log for log in (out / "runs").glob("*.log") if "stopped by SIGTERM" in log.read_text()
+    ]
+    assert stopped  # (a child may have finished first: not both)
+    for log in stopped:  # its checkpoint says so (reproduce.py reads it)
+        assert reproduce.run_status(str(log)[: -len(".log")]) == "stopped by SIGTERM"
+
+
+def read_bytes(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:  # (a process that ended meanwhile)
+        return b""
+
+
+def test_a_capped_run_is_partial_until_trained_to_its_end(tmp_path, capsys):
+    """--max_minutes stops a run early: the table names it PARTIAL; the same command without the
+    cap (or with --max_minutes 0: none) trains it on to its end, and the note goes."""
+    argv = ["nmst-table1", "--scale", "tiny", "--heads", "nmst", "--out", str(tmp_path / "r")]
+    assert reproduce.main(argv + ["--max_minutes", "0.00001"]) == 0
+    table = (tmp_path / "r" / "table.md").read_text()
+    assert "PARTIAL: lstm-nmst-s0 stopped at the --max_minutes cap" in table
+    run = str(tmp_path / "r" / "runs" / "lstm-nmst-s0")
+    assert reproduce.run_status(run) == "partial"
+    assert reproduce.main(argv + ["--max_minutes", "0"]) == 0
+    assert reproduce.run_status(run) is None
+    assert "PARTIAL" not in (tmp_path / "r" / "table.md").read_text()
+    assert train.load_checkpoint(f"{run}/ckpt_last.pt")["state"]["step"] == 6
+    capsys.readouterr()
