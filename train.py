@@ -266,11 +266,7 @@ def get_args(argv=None):
         if not os.path.exists(path := os.path.join(a["out_dir"], "ckpt_last.pt")):
             raise UserError(f"--resume: no checkpoint in {a['out_dir']}; start without --resume")
         ckpt = load_checkpoint(path)
-        if k := next((k for k in SHAPE if k in typed and typed[k] != ckpt["args"][k]), None):
-            raise UserError(
-                f"the checkpoint in {a['out_dir']} has {k}={ckpt['args'][k]}, not "
-                f"{typed[k]}: drop that flag, or use another --out_dir for a new run"
-            )
+        check_resume_flags(typed, ckpt["args"], a["out_dir"])
         a = {**ckpt["args"], **typed, "out_dir": a["out_dir"]}
         if a["data_dir"] and not os.path.isdir(a["data_dir"]):
             raise UserError(
@@ -279,6 +275,40 @@ def get_args(argv=None):
             )
     check_args(argparse.Namespace(**a))
     return argparse.Namespace(**a), ckpt
+
+
+RESUME_MAY_CHANGE = (
+    "out_dir",
+    "resume",
+    "data_dir",
+    "device",
+    "dtype",
+    "compile",
+    "peak_flops",
+    "max_iters",
+    "max_epochs",
+    "max_minutes",
+    "patience",
+    "log_interval",
+    "probe",
+    "probe_L",
+    "no_curves",
+    "tensorboard",
+)  # where, how and how long a resumed run goes on; it computes what it did
+
+
+def check_resume_flags(typed, saved, out_dir):
+    """--resume: a typed flag (even one at its default) that would change what the run computes
+    (its shape, data, batches, seed, optimizer, evaluations) is refused, never silently taken."""
+    changed = [
+        k for k in typed if k not in RESUME_MAY_CHANGE and k in saved and typed[k] != saved[k]
+    ]
+    if changed:
+        k = changed[0]
+        raise UserError(
+            f"the checkpoint in {out_dir} has {k}={saved[k]}, not {typed[k]}: drop that "
+            f"flag, or use another --out_dir for a new run"
+        )
 
 
 def run_name(a):

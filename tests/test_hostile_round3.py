@@ -189,3 +189,25 @@ def test_a_capped_run_is_partial_until_trained_to_its_end(tmp_path, capsys):
     assert "PARTIAL" not in (tmp_path / "r" / "table.md").read_text()
     assert train.load_checkpoint(f"{run}/ckpt_last.pt")["state"]["step"] == 6
     capsys.readouterr()
+
+
+def test_resume_refuses_every_flag_that_changes_what_the_run_computes(tmp_path, capsys):
+    """A stream run resumed with another --batch_size (its saved state has the old batch), --bptt
+    or --max_tokens, and a flag typed at its default but not the run's (--seed 0 on a seed-5
+    run): one line each; how long it goes on may change."""
+    out = str(tmp_path / "stream")
+    flags = "--model lstm --task stream --dataset ptb --d_model 8 --batch_size 4 --bptt 10".split()
+    flags += ["--eval_seqs", "50", "--seed", "5", "--out_dir", out]
+    train.main(flags + ["--max_iters", "1"])
+    resume = ["--out_dir", out, "--resume", "--max_iters", "2"]
+    for typed, said in (
+        (["--batch_size", "6"], "has batch_size=4, not 6"),
+        (["--bptt", "12"], "has bptt=10, not 12"),
+        (["--max_tokens", "64"], "has max_tokens=None, not 64"),
+        (["--seed", "0"], "has seed=5, not 0"),
+    ):
+        rc, err = run_in_process(train.main, resume + typed, capsys)
+        assert_one_line_error(rc, err, f"the checkpoint in {out} {said}: drop that flag")
+    train.main(resume + ["--lr", "1e-3"])  # the run's own value (the recipe's), typed: taken
+    train.main(resume + ["--max_iters", "3", "--patience", "4", "--probe", "0"])
+    assert train.load_checkpoint(f"{out}/ckpt_last.pt")["state"]["step"] == 3
