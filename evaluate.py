@@ -44,6 +44,7 @@ from train import (
     SEED,
     Parser,
     autocast,
+    check_args,
     check_vocab,
     evaluate,
     get_device,
@@ -189,8 +190,9 @@ def load_run(path, data_dir=None, device="cpu", sizes=None, outputs=()):
         check_output(out, flag, reads, folder)
     if sizes and args.task == "stream":
         raise UserError("a stream checkpoint reads 10 columns: drop --batch_size / --max_tokens")
-    if sizes:
+    if sizes:  # checked as train.py checks them (stories: --batch_size; not both)
         args.batch_size, args.max_tokens = sizes
+        check_args(args)
     data = load_data(args, verbose=False)
     check_vocab(ckpt, data, path)
     return ckpt, args, data, model.to(device)

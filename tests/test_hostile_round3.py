@@ -211,3 +211,29 @@ def test_resume_refuses_every_flag_that_changes_what_the_run_computes(tmp_path, 
     train.main(resume + ["--lr", "1e-3"])  # the run's own value (the recipe's), typed: taken
     train.main(resume + ["--max_iters", "3", "--patience", "4", "--probe", "0"])
     assert train.load_checkpoint(f"{out}/ckpt_last.pt")["state"]["step"] == 3
+
+
+def test_flags_reaching_code_that_does_not_expect_them(tmp_path, capsys):
+    """--max_tokens on a story checkpoint (a TypeError where train.py refuses it in one line),
+    both batching flags at once, and sample.py's --prompt_file - with standard input closed."""
+    out = tmp_path / "story"
+    story = "--model insnet --dataset synthetic --synthetic_count 4 --n_layer 1 --d_model 16"
+    story += " --n_head 2 --block_size 256 --batch_size 4 --max_iters 2 --eval_interval 2"
+    train.main(story.split() + ["--warmup", "0", "--out_dir", str(out)])
+    for flags in (["--max_tokens", "100"], ["--max_tokens", "100", "--batch_size", "2"]):
+        rc, err = run_in_process(
+            evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), *flags], capsys
+        )
+        assert_one_line_error(rc, err, "not both; stories: --batch_size")
+    text = tmp_path / "text"
+    train.main(TINY + ["--max_iters", "1", "--out_dir", str(text)])
+    sample = [sys.executable, "sample.py", "--ckpt", str(text / "ckpt_last.pt")]
+    p = subprocess.run(
+        [*sample, "--prompt_file", "-"],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        capture_output=True,
+        preexec_fn=lambda: os.close(0),
+    )
+    assert_one_line_error(p.returncode, p.stderr, "--prompt_file -: standard input is closed")
