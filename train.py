@@ -266,6 +266,10 @@ def get_args(argv=None):
         if not os.path.exists(path := os.path.join(a["out_dir"], "ckpt_last.pt")):
             raise UserError(f"--resume: no checkpoint in {a['out_dir']}; start without --resume")
         ckpt = load_checkpoint(path)
+        if not (
+            {"optimizer", "rng", "scaler", "hidden"} <= set(ckpt) and "elapsed" in ckpt["state"]
+        ):
+            raise UserError(f"{path} holds no training state to resume (not train.py's)")
         check_resume_flags(typed, ckpt["args"], a["out_dir"])
         a = {**ckpt["args"], **typed, "out_dir": a["out_dir"]}
         if a["data_dir"] and not os.path.isdir(a["data_dir"]):
@@ -503,7 +507,9 @@ def evaluate(
             nll_bound_per_story=(nll - log_orders) / max(seqs, 1),
         )
     total = len(data[split]) if limit is None else min(limit, len(data[split]))
-    return res if stream else dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - seqs)
+    return (
+        res if stream else dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - int(seqs))
+    )
 
 
 def probe(args, model, data):
@@ -588,6 +594,12 @@ def save_checkpoint(obj, path):
         ) from None
 
 
+RUN_KEYS = (
+    ("args", ("model", "head", "task", "dataset", "window")),
+    ("state", ("step",)),
+)  # what every reader of a checkpoint relies on (a hand-made one may lack it)
+
+
 def load_checkpoint(path):
     """A checkpoint of train.py, loaded safely (weights_only: never pickled code)."""
     try:
@@ -600,6 +612,9 @@ def load_checkpoint(path):
         ) from None
     if not (isinstance(ckpt, dict) and {"config", "model", "args", "vocab", "state"} <= set(ckpt)):
         raise UserError(f"{path} is not a checkpoint written by train.py")
+    if not all(isinstance(ckpt[k], dict) and set(need) <= set(ckpt[k]) for k, need in RUN_KEYS):
+        raise UserError(f"{path} is not a checkpoint written by train.py (incomplete args / state)")
+    ckpt["args"] = {**DEFAULTS, **ckpt["args"]}  # (a flag added since it was written: its default)
     wte = ckpt["model"].get("backbone.wte.weight", ckpt["model"].get("wte.weight"))
     if wte is not None and len(wte) != padded(ckpt["config"]["vocab_size"]):  # (heads.padded)
         raise UserError(f"{path} was written before nanogen padded the vocabulary: train it again")

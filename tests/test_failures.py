@@ -400,7 +400,7 @@ def wrapper_cases(tmp_path, capsys):
         "wrong-shapes.pt": dict(
             model={"w": torch.zeros(2)},
             config=cfg,
-            args=dict(cfg, task="completion", dataset="ptb"),
+            args=dict(cfg, task="completion", dataset="ptb", window=None),
             vocab="gpt2",
             state=dict(step=1),
         ),

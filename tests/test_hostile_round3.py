@@ -3,6 +3,7 @@ output paths checked before any work, reproduce.py --jobs under signals, resume 
 flags, a resumed run's log, flags reaching code that does not expect them, weak messages."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import bench
 import curves
 import evaluate
 import reproduce
+import sample
 import train
 from conftest import ROOT, assert_one_line_error, run_in_process
 
@@ -237,3 +239,51 @@ def test_flags_reaching_code_that_does_not_expect_them(tmp_path, capsys):
         preexec_fn=lambda: os.close(0),
     )
     assert_one_line_error(p.returncode, p.stderr, "--prompt_file -: standard input is closed")
+
+
+def test_weak_messages_made_plain(lstm_run, tmp_path, capsys, monkeypatch):
+    """A hand-made checkpoint with the right top-level keys, a hand-edited meta.json (another
+    shape, an unknown dtype: rebuilt, never a traceback), a float count of sequences."""
+    import torch
+
+    import data.prepare as prepare
+
+    real = train.load_checkpoint(str(lstm_run / "ckpt_best.pt"))
+    for name, args, state in (("no-args", {}, {}), ("no-state", real["args"], {})):
+        path = tmp_path / f"{name}.pt"
+        torch.save(dict(real, args=args, state=state), path)
+        for main, flags in ((evaluate.main, []), (sample.main, ["--prompt", "the"])):
+            rc, err = run_in_process(main, ["--ckpt", str(path), *flags], capsys)
+            assert_one_line_error(rc, err, "is not a checkpoint written by train.py (incomplete")
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    torch.save(
+        dict(
+            config=real["config"],
+            model=real["model"],
+            args=real["args"],
+            vocab=real["vocab"],
+            state=real["state"],
+        ),
+        hand / "ckpt_last.pt",
+    )
+    rc, err = run_in_process(train.main, ["--out_dir", str(hand), "--resume"], capsys)
+    assert_one_line_error(rc, err, "holds no training state to resume")
+    monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
+    folder = prepare.prepare("ptb", verbose=False)
+    meta = os.path.join(folder, "meta.json")
+    good = open(meta).read()
+    for edit in ('{"version": %d, "fingerprints": "x"}', "[1]", "dtype"):
+        text = good.replace('"uint16"', '"float128"') if edit == "dtype" else edit
+        if "%d" in text:
+            text = text % prepare.VERSION
+        open(meta, "w").write(text)
+        prepare.check_prepared.cache_clear()
+        assert prepare.prepare("ptb", verbose=False) == folder  # rebuilt
+        assert open(meta).read() == good
+    gpt = tmp_path / "gpt"
+    flags = "--model gpt --n_layer 1 --d_model 16 --n_head 2 --block_size 24 --batch_size 4"
+    train.main(TINY + flags.split() + ["--max_iters", "1", "--out_dir", str(gpt)])
+    capsys.readouterr()
+    evaluate.main(["--ckpt", str(gpt / "ckpt_last.pt"), "--limit", "40"])
+    assert re.search(r"\n\(\d+ sequences longer than the model's window", capsys.readouterr().out)
