@@ -20,6 +20,7 @@ import torch
 import curves
 import evaluate
 import train
+from data import check_output
 from data.loader import batches, bucket, load, story_batch
 from data.prepare import DATASETS
 from data.stories import synthetic
@@ -468,6 +469,7 @@ def main(argv=None):
             "--gpt_dim must be a multiple of --gpt_heads; --lengths <= 254, "
             "--seq <= 1024, --new_tokens <= 1015 (the models' windows)"
         )
+    check_output(args.plot, "--plot")
     globals()[f"bench_{args.what}"](args, train.get_device(args.device))
 
 

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from data import UserError, run
+from data import UserError, check_output, run
 from heads import EPSILON_HEADS, paper_name
 
 NOT_LABELS = (
@@ -56,11 +56,7 @@ def check_out_dir(out_dir, tensorboard=False, resume=False):
         )
     if tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard")
-    try:  # made and removed: nothing is written before the data is read (start_logs makes it)
-        os.rmdir(out_dir) if not os.path.isdir(out_dir) and os.makedirs(out_dir) is None else None
-    except OSError as e:  # (a folder another process of a torchrun made meanwhile is no error)
-        if not (isinstance(e, FileExistsError) and os.path.isdir(out_dir)):
-            raise UserError(f"cannot write to --out_dir {out_dir}: {e.strerror or e}") from None
+    check_output(out_dir, "--out_dir", folder=True)  # (nothing written: start_logs makes it)
 
 
 def start_logs(out_dir, args, step=0):
@@ -113,6 +109,7 @@ def save_figure(fig, path):
     import matplotlib.pyplot as plt
 
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fig.savefig(f"{path}.tmp", dpi=120, format="png", bbox_inches="tight")
         os.replace(f"{path}.tmp", path)
     except OSError as e:
@@ -253,6 +250,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.out.endswith(".png"):  # (never a checkpoint, a log or any other input)
         raise UserError(f"--out {args.out}: the figure is a PNG: name it .png")
+    check_output(args.out, "--out")
     print("\n".join(overlay(args.runs, args.out)))
 
 

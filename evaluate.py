@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 
 import curves
-from data import UserError, run
+from data import RUN_FILES, UserError, check_output, run
 from data.loader import batchify, bptt_windows, load_data
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
 from decode import (
@@ -44,6 +44,7 @@ from train import (
     SEED,
     Parser,
     autocast,
+    check_args,
     check_vocab,
     evaluate,
     get_device,
@@ -154,20 +155,8 @@ def check_flags(a):
         check_decoder_args(
             a.decoder, a.k, a.p, a.beam_size, a.temperature, a.consistent, a.length_penalty
         )
-    for path in (a.out, a.plot):  # an output never replaces an input or a checkpoint
-        if path and (
-            path.endswith(".pt")
-            or any(
-                os.path.exists(x) and os.path.exists(path) and os.path.samefile(path, x)
-                for x in [a.ckpt, *(a.compare or [])]
-                if x
-            )
-        ):
-            raise UserError(f"{path} would replace a checkpoint or an input: choose another path")
-    try:  # refused before any computation, not after
-        os.makedirs(a.plot or os.path.dirname(os.path.abspath(a.out or ".")), exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{a.plot or a.out} cannot be written: {e.strerror or e}") from None
+    if a.compare:  # (with --ckpt: checked in load_run, where the run's data folder is known)
+        check_output(a.plot, "--plot", a.compare, folder=True)
     return given
 
 
@@ -181,9 +170,10 @@ def model_from_checkpoint(ckpt, path):
     return model
 
 
-def load_run(path, data_dir=None, device="cpu", sizes=None):
+def load_run(path, data_dir=None, device="cpu", sizes=None, outputs=()):
     """A checkpoint's run: its arguments (on all of its data), its data (checked to carry the
-    checkpoint's vocabulary) and its model.  -> (ckpt, args, data, model)."""
+    checkpoint's vocabulary) and its model.  -> (ckpt, args, data, model).  outputs: (path,
+    flag, is a folder) checked before the data is read, never replacing what the run reads."""
     ckpt = load_checkpoint(path)
     model = model_from_checkpoint(ckpt, path)  # (before the data is read)
     args = argparse.Namespace(**dict(ckpt["args"], train_seqs=0, eval_seqs=0))
@@ -194,10 +184,15 @@ def load_run(path, data_dir=None, device="cpu", sizes=None):
                 f"--data_dir DIR where its text is now"
             )
         args.data_dir = data_dir
+    run_dir, data_folder = os.path.dirname(path), args.data_dir or os.environ.get("NANOGEN_DATA")
+    reads = [path, data_folder, *(os.path.join(run_dir, name) for name in RUN_FILES)]
+    for out, flag, folder in outputs:
+        check_output(out, flag, reads, folder)
     if sizes and args.task == "stream":
         raise UserError("a stream checkpoint reads 10 columns: drop --batch_size / --max_tokens")
-    if sizes:
+    if sizes:  # checked as train.py checks them (stories: --batch_size; not both)
         args.batch_size, args.max_tokens = sizes
+        check_args(args)
     data = load_data(args, verbose=False)
     check_vocab(ckpt, data, path)
     return ckpt, args, data, model.to(device)
@@ -210,7 +205,8 @@ def main(argv=None):
         return compare(a)
     device = get_device(a.device)
     sizes = (a.batch_size, a.max_tokens) if a.batch_size or a.max_tokens else None
-    ckpt, args, data, model = load_run(a.ckpt, a.data_dir, device, sizes)
+    outputs = [(a.out, "--out", False), (a.plot, "--plot", True)]
+    ckpt, args, data, model = load_run(a.ckpt, a.data_dir, device, sizes, outputs)
     res = dict(
         ckpt=os.path.abspath(a.ckpt),
         split=a.split,
@@ -304,6 +300,7 @@ def report(args, res, split):
 
 
 def write_json(path, obj):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(f"{path}.tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(f"{path}.tmp", path)

@@ -16,6 +16,7 @@ import argparse
 import itertools
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import bench
 import curves
 import evaluate
 import train
-from data import UserError, run
+from data import UserError, check_output, run
 from heads import EPSILON_HEADS, paper_name, t_half
 from heads import HEADS as HEADS_AVAILABLE
 
@@ -128,7 +129,7 @@ def decoder_flags(name):
 def train_all(plan, args):
     """Train, go on with or reuse every run of the plan [(name, flags)]: in turn, or --jobs at once
     as `python train.py` processes (output: RUNS/NAME.log); --max_minutes caps each."""
-    cap = ["--max_minutes", str(args.max_minutes)] if args.max_minutes else []
+    cap = ["--max_minutes", f"{args.max_minutes or 0:g}"]  # (0: none, a capped run's cap lifted)
     runs = [
         (
             out := os.path.join(args.runs, name),
@@ -139,7 +140,7 @@ def train_all(plan, args):
     most = (
         f": {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min of training, and each "
         "run's set-up and evaluations"
-        if cap
+        if args.max_minutes
         else ""
     )
     print(f"training {len(plan)} runs, {args.jobs} at a time{most}", flush=True)
@@ -152,20 +153,83 @@ def train_all(plan, args):
                     f"the same command goes on from there"
                 )
     else:  # `python train.py` processes, --jobs at once
-        with ThreadPoolExecutor(args.jobs) as pool:
-            codes = list(
-                pool.map(
-                    lambda r: subprocess.call(
-                        [sys.executable, train.__file__, *r[1]],
-                        stdout=open(f"{r[0]}.log", "a"),
-                        stderr=subprocess.STDOUT,
-                    ),
-                    runs,
-                )
+        codes, stop = train_processes(runs, args.jobs)
+        if stop:
+            raise UserError(
+                f"stopped by {stop}; the runs' checkpoints are in {args.runs}: "
+                f"the same command goes on from there"
             )
-        if failed := sum(c != 0 for c in codes):
+        failed = sum(c != 0 for c in codes)
+        if failed:
             raise UserError(f"{failed} of {len(plan)} runs failed: see their .log in {args.runs}")
+    status = {name: run_status(out) for (name, _), (out, _) in zip(plan, runs)}
+    short = [f"{name} ({why})" for name, why in status.items() if why not in (None, "partial")]
+    if short:
+        raise UserError(
+            f"{len(short)} of {len(plan)} runs stopped before their end: {', '.join(short)}; "
+            f"the same command goes on from there"
+        )
+    args.partial += [name for name, why in status.items() if why == "partial"]
     return {name: os.path.join(args.runs, name, "ckpt_best.pt") for name, _ in plan}
+
+
+def train_processes(runs, jobs):
+    """Each run's `python train.py` (output: RUNS/NAME.log), jobs at once, each in a session of its
+    own: a Ctrl-C or SIGTERM to this process is passed on as one SIGTERM (the run's clean stop:
+    its checkpoint written), and no further run starts; a second Ctrl-C aborts them.  -> (the
+    exit statuses, None for a run not started; the signal that stopped them, or None)."""
+    running, stop = [], []
+
+    def on_signal(signum, frame):
+        forward = signal.SIGTERM
+        if stop and signum == signal.SIGINT:
+            forward = signal.SIGINT
+        stop.append({signal.SIGINT: "Ctrl-C"}.get(signum, signal.Signals(signum).name))
+        for p in running:
+            p.send_signal(forward)
+
+    def start(run):
+        if stop:
+            return None
+        with open(f"{run[0]}.log", "a") as log:
+            p = subprocess.Popen(
+                [sys.executable, train.__file__, *run[1]],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        running.append(p)
+        # A signal between the look above and the start has not reached this process.
+        if stop:
+            p.send_signal(signal.SIGTERM)
+        return p.wait()
+
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            codes = list(pool.map(start, runs))
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    return codes, (stop or [None])[0]
+
+
+def run_status(out):
+    """-> None for a run trained to its end, "partial" for one its --max_minutes stopped, else why
+    it stopped short: train.py's checkpoint says (its state's "stopped": the signal that stopped
+    it, the one convention for a run stopped by a signal)."""
+    path = os.path.join(out, "ckpt_last.pt")
+    if not os.path.isfile(path):
+        return "no checkpoint: it was killed before its first evaluation"
+    ckpt = train.load_checkpoint(path)
+    st, cap = ckpt["state"], ckpt["args"]["max_minutes"]
+    if train.limit_reached(argparse.Namespace(**dict(ckpt["args"], max_minutes=0)), st):
+        return None
+    if st.get("stopped"):
+        return f"stopped by {st['stopped']}"
+    if cap and st["elapsed"] >= 60 * cap:
+        return "partial"
+    return "stopped before its end"
 
 
 def mean_std(values, digits=1):
@@ -725,6 +789,19 @@ def fig12(cfg, args):
     return ["", f"Fig. 12 (python bench.py insnet {' '.join(flags)}):", "", "```", *lines, "```"]
 
 
+def cap_note(args):
+    """The table's word on --max_minutes: the runs it stopped before their end, named (partial
+    until the same command, without the cap, trains them on)."""
+    if args.partial:
+        return (
+            f"; PARTIAL: {', '.join(args.partial)} stopped at the --max_minutes cap before their "
+            f"end (without --max_minutes the same command trains them on)"
+        )
+    if args.max_minutes:
+        return f"; each run capped at {args.max_minutes:g} min: none reached it"
+    return ""
+
+
 # --------------------------------------------------------------------------------------------
 def main(argv=None):
     p = train.Parser(
@@ -748,7 +825,12 @@ def main(argv=None):
         help="nmst-table1 / nmst-table4: the heads compared (default softmax st nmst)",
     )
     p.add_argument("--jobs", type=train.INT1, help="runs trained at once (1; a GPU: one a 24 GiB)")
-    p.add_argument("--max_minutes", type=train.POS, help="caps each run: a partial grid, said so")
+    p.add_argument(
+        "--max_minutes",
+        type=train.NONNEG,
+        help="caps each run: a partial grid, said so (0: no cap; a capped run goes on to its end; "
+        "--scale lease: 6.5 by default)",
+    )
     args = p.parse_args(argv)
     gib = torch.cuda.is_available() and torch.cuda.mem_get_info()[1] >> 30  # (a CPU: one at once)
     args.jobs = args.jobs or max(1, gib // 24)
@@ -767,6 +849,9 @@ def main(argv=None):
             else os.path.join(base_out or "results", f"{name}-{args.scale}")
         )
         args.runs = base_runs or os.path.join(args.out, "runs")
+        args.partial = []  # (train_all's, shared by the copies of args a result makes)
+        check_output(args.out, "--out", folder=True)
+        check_output(args.runs, "--runs", folder=True)
         try:
             os.makedirs(args.runs, exist_ok=True)
         except OSError as e:
@@ -782,12 +867,7 @@ def main(argv=None):
         minutes = (time.time() - t0) / 60
         lines += [
             "",
-            f"({name}, scale {args.scale}: {minutes:.1f} min on this machine"
-            + (
-                f"; each run capped at {args.max_minutes:g} min: partial where one reached it)"
-                if args.max_minutes
-                else ")"
-            ),
+            f"({name}, scale {args.scale}: {minutes:.1f} min on this machine{cap_note(args)})",
         ]
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -79,6 +79,8 @@ def main(argv=None):
     g = sampling_generator(device, args.seed or 0)
     if story:
         return sample_story(args, ckpt, model, g, device)
+    if args.prompt_file == "-" and sys.stdin is None:  # (started with standard input closed)
+        raise UserError("--prompt_file -: standard input is closed: give --prompt_file FILE")
     try:  # (a BOM is not text)
         text = (
             ""

@@ -287,11 +287,11 @@ def get_args(argv=None):
         if not os.path.exists(path := os.path.join(a["out_dir"], "ckpt_last.pt")):
             raise UserError(f"--resume: no checkpoint in {a['out_dir']}; start without --resume")
         ckpt = load_checkpoint(path)
-        if k := next((k for k in SHAPE if k in typed and typed[k] != ckpt["args"][k]), None):
-            raise UserError(
-                f"the checkpoint in {a['out_dir']} has {k}={ckpt['args'][k]}, not "
-                f"{typed[k]}: drop that flag, or use another --out_dir for a new run"
-            )
+        if not (
+            {"optimizer", "rng", "scaler", "hidden"} <= set(ckpt) and "elapsed" in ckpt["state"]
+        ):
+            raise UserError(f"{path} holds no training state to resume (not train.py's)")
+        check_resume_flags(typed, ckpt["args"], a["out_dir"])
         a = {**ckpt["args"], **typed, "out_dir": a["out_dir"]}
         if a["data_dir"] and not os.path.isdir(a["data_dir"]):
             raise UserError(
@@ -300,6 +300,41 @@ def get_args(argv=None):
             )
     check_args(argparse.Namespace(**a))
     return argparse.Namespace(**a), ckpt
+
+
+RESUME_MAY_CHANGE = (
+    "out_dir",
+    "resume",
+    "data_dir",
+    "device",
+    "dtype",
+    "compile",
+    "peak_flops",
+    "max_iters",
+    "max_epochs",
+    "max_minutes",
+    "whole_epochs",
+    "patience",
+    "log_interval",
+    "probe",
+    "probe_L",
+    "no_curves",
+    "tensorboard",
+)  # where, how and how long a resumed run goes on; it computes what it did
+
+
+def check_resume_flags(typed, saved, out_dir):
+    """--resume: a typed flag (even one at its default) that would change what the run computes
+    (its shape, data, batches, seed, optimizer, evaluations) is refused, never silently taken."""
+    changed = [
+        k for k in typed if k not in RESUME_MAY_CHANGE and k in saved and typed[k] != saved[k]
+    ]
+    if changed:
+        k = changed[0]
+        raise UserError(
+            f"the checkpoint in {out_dir} has {k}={saved[k]}, not {typed[k]}: drop that "
+            f"flag, or use another --out_dir for a new run"
+        )
 
 
 def run_name(a):
@@ -518,7 +553,7 @@ def evaluate(
     if args.protocol == "authors":
         res.update(ppl_authors=res["ppl"], tokens_authors=int(n))
     total = len(data[split]) if limit is None else min(limit, len(data[split]))
-    return dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - seqs)
+    return dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - int(seqs))
 
 
 def probe(args, model, data):
@@ -603,6 +638,12 @@ def save_checkpoint(obj, path):
         ) from None
 
 
+RUN_KEYS = (
+    ("args", ("model", "head", "task", "dataset", "window")),
+    ("state", ("step",)),
+)  # what every reader of a checkpoint relies on (a hand-made one may lack it)
+
+
 def load_checkpoint(path):
     """A checkpoint of train.py, loaded safely (weights_only: never pickled code)."""
     try:
@@ -615,6 +656,9 @@ def load_checkpoint(path):
         ) from None
     if not (isinstance(ckpt, dict) and {"config", "model", "args", "vocab", "state"} <= set(ckpt)):
         raise UserError(f"{path} is not a checkpoint written by train.py")
+    if not all(isinstance(ckpt[k], dict) and set(need) <= set(ckpt[k]) for k, need in RUN_KEYS):
+        raise UserError(f"{path} is not a checkpoint written by train.py (incomplete args / state)")
+    ckpt["args"] = {**DEFAULTS, **ckpt["args"]}  # (a flag added since it was written: its default)
     wte = ckpt["model"].get("backbone.wte.weight", ckpt["model"].get("wte.weight"))
     if wte is not None and len(wte) != padded(ckpt["config"]["vocab_size"]):  # (heads.padded)
         raise UserError(f"{path} was written before nanogen padded the vocabulary: train it again")
@@ -634,7 +678,8 @@ STOP = []  # the signals that asked this process to stop (on_signal appends, at 
 
 
 def on_signal(signum, frame):
-    """Ctrl-C, SIGTERM: the step finishes, ckpt_last.pt is written, the run exits 0."""
+    """Ctrl-C, SIGTERM: the step finishes, ckpt_last.pt is written (its state "stopped" by the
+    signal), the run exits 0."""
     if STOP and signum == signal.SIGINT and not dist.is_initialized():
         raise KeyboardInterrupt  # Ctrl-C twice: abort now
     STOP.append("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
@@ -740,6 +785,7 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
     ls = loss_scale(data["vocab_size"], args.ct_alpha, args.ct_beta) if args.loss_scaling else 1.0
     t0, pending, stop = time.time() - st["elapsed"], [], None
     since = dict(nll=0.0, n=0, tokens=0, t0=time.time())  # (nll: summed on the device)
+    resume_state(st, since)
     hidden, why = to(hidden, device), limit_reached(args, st)
     if why:
         return print(f"{args.out_dir}: this run already finished ({why}); raise the limit to go on")
@@ -815,6 +861,7 @@ def train(args, model, optimizer, scaler, ctx, data, st, hidden, device):
                 )
     if stop:
         sync(args, pending, device, st)
+        stop_state(st, since, stop, device)
         save(args, raw, optimizer, scaler, data, st, hidden)
     if rank == 0:
         print(
@@ -932,6 +979,23 @@ def save(args, model, optimizer, scaler, data, st, hidden, best=False):
         if best:
             shutil.copyfile(first, f"{last}.tmp")
             os.replace(f"{last}.tmp", last)
+
+
+def stop_state(st, since, stop, device):
+    """A run stopped by a signal says so in its checkpoint's state ("stopped": what reproduce.py
+    reads), and keeps its interval's sums since the last evaluation (all processes') for the next
+    evaluation's train loss."""
+    nll, n = all_sum([float(since["nll"]), since["n"]], device)
+    st.update(stopped=stop, since=dict(nll=nll, n=n))
+
+
+def resume_state(st, since):
+    """A resumed run is no longer stopped, and goes on with the interval's sums it kept (rank 0
+    alone: they are every process's)."""
+    st.pop("stopped", None)
+    kept = st.pop("since", {})
+    if world()[0] == 0:
+        since.update(kept)
 
 
 def to(state, device, detach=False):  # a recurrent state (tensor, tuple, None) on device

@@ -4,6 +4,7 @@ stories.py (ROCStories, InsNet's synthetic data); here the one-line error and ch
 import hashlib
 import os
 import sys
+import tempfile
 import urllib.request
 
 from tqdm import tqdm
@@ -20,6 +21,54 @@ def run(main):  # every command's entry point: a UserError is one line (exit 2),
     except (UserError, KeyboardInterrupt) as e:
         sys.stderr.write(f"error: {e if isinstance(e, UserError) else 'interrupted (Ctrl-C)'}\n")
         sys.exit(2 if isinstance(e, UserError) else 130)
+
+
+# The files of a run folder that train.py and evaluate.py read: no output may replace them.
+RUN_FILES = ("ckpt_last.pt", "ckpt_best.pt", "log.jsonl", "steps.jsonl", "args.json")
+
+
+def check_output(path, flag, reads=(), folder=False):
+    """An output path (a file, or with folder=True a folder written into), checked by every command
+    before any work starts: a one-line error naming it and why.  A file output is no folder, no
+    checkpoint, and no file the run reads (reads: files, and folders whose every file it reads)."""
+    if not path:
+        return
+    real, why = os.path.realpath(path), None
+    if folder and os.path.lexists(path) and not os.path.isdir(path):
+        why = "it is not a folder"
+    elif not folder and (path.endswith(("/", os.sep)) or os.path.isdir(path)):
+        why = "it is a folder: give a file name"
+    elif not folder and (path.endswith(".pt") or os.path.exists(path) and reads_it(real, reads)):
+        raise UserError(
+            f"{flag} {path} would replace a checkpoint or an input: choose another path"
+        )
+    else:
+        why = unwritable(real if folder else os.path.dirname(real))
+    if why:
+        raise UserError(f"cannot write to {flag} {path}: {why}")
+
+
+def reads_it(real, reads):  # is the (resolved) path one of the files read, or in a folder read?
+    for x in (os.path.realpath(x) for x in reads if x):
+        if real == x or real.startswith(x + os.sep):
+            return True
+    return False
+
+
+def unwritable(folder):
+    """-> why no file can be written into folder (or the folders made for it), or None: a
+    temporary file, never seen, is made in the nearest existing folder (root ignores the mode
+    bits, a read-only file system does not)."""
+    top = folder
+    while not os.path.lexists(top):
+        top = os.path.dirname(top)
+    if not os.path.isdir(top):
+        return f"{top} is not a folder"
+    try:
+        tempfile.TemporaryFile(dir=top).close()
+    except OSError as e:
+        return f"{top}: {e.strerror or e}"
+    return None
 
 
 def cache_dir():  # $NANOGEN_CACHE, default ~/.cache/nanogen: downloads and prepared data

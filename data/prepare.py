@@ -346,15 +346,16 @@ def fingerprints(folder):
 def check_prepared(folder, mtime):
     """-> None when the prepared files match what meta.json recorded (their sha256, checked once
     per process and version of meta.json), else what is wrong."""
-    try:
+    try:  # (a hand-edited meta.json of another shape is unreadable too: rebuilt)
         meta = load_meta(folder)
         if meta.get("version") != VERSION:
             return "an older version"
-        now = fingerprints(folder)
-    except (OSError, ValueError, KeyError) as e:
+        now, was = fingerprints(folder), meta["fingerprints"]
+        bad = [n for n in sorted({*now, *was}) if now.get(n) != was.get(n)]
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         return f"unreadable: {e}"
-    was = meta["fingerprints"]
-    bad = [n for n in sorted({*now, *was}) if now.get(n) != was.get(n)]
+    if meta.get("dtype") not in ("uint16", "uint32"):  # (what prepare writes)
+        return f"unreadable: dtype {meta.get('dtype')}"
     return f"{', '.join(bad)} differ from meta.json" if bad else None
 
 

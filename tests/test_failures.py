@@ -174,8 +174,8 @@ def test_lost_work_is_prevented(tmp_path, capsys):
     assert [r["step"] for r in steps_of(torn)] == [1, 2, 3, 4, 5, 6]
     # evaluate.py: an --out / --plot it could not write is an error before any work
     for flags, msg in (
-        (["--out", str(tmp_path / "file.txt" / "res.json")], "cannot be written"),
-        (["--decoder", "greedy", "--plot", str(torn / "steps.jsonl")], "cannot be written"),
+        (["--out", str(tmp_path / "file.txt" / "res.json")], "cannot write to --out"),
+        (["--decoder", "greedy", "--plot", str(torn / "steps.jsonl")], "cannot write to --plot"),
         (["--out", str(torn / "ckpt_best.pt")], "would replace a checkpoint or an input"),
         (["--out", str(torn / "ckpt_last.pt")], "would replace a checkpoint or an input"),
     ):
@@ -400,7 +400,7 @@ def wrapper_cases(tmp_path, capsys):
         "wrong-shapes.pt": dict(
             model={"w": torch.zeros(2)},
             config=cfg,
-            args=dict(cfg, task="completion", dataset="ptb"),
+            args=dict(cfg, task="completion", dataset="ptb", window=None),
             vocab="gpt2",
             state=dict(step=1),
         ),

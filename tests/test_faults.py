@@ -146,7 +146,8 @@ def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch):
     """The disk fills up while a checkpoint is written: one line naming the file and the disk, the
     previous checkpoint intact, no temporary file left."""
     path = tmp_path / "ckpt_last.pt"
-    ckpt = dict(model={"w": torch.ones(3)}, config={}, args={}, vocab="gpt2", state={})
+    args = dict(model="gpt", head="softmax", task="completion", dataset="ptb", window=None)
+    ckpt = dict(model={"w": torch.ones(3)}, config={}, args=args, vocab="gpt2", state=dict(step=0))
     save_checkpoint(ckpt, str(path))
     real_save = torch.save
 

@@ -102,7 +102,8 @@ def test_an_unpadded_checkpoint_is_refused_in_one_line(tmp_path):
         k: v[:V] if k.endswith(("wte.weight", "proj.weight")) else v
         for k, v in lm.state_dict().items()
     }
-    ckpt = dict(config=lm.cfg, model=state, args={}, vocab={}, state={})
+    args = dict(model="lstm", head="nmst", task="completion", dataset="ptb", window=None)
+    ckpt = dict(config=lm.cfg, model=state, args=args, vocab={}, state=dict(step=0))
     torch.save(ckpt, tmp_path / "old.pt")
     with pytest.raises(train.UserError, match="written before nanogen padded the vocabulary"):
         train.load_checkpoint(str(tmp_path / "old.pt"))

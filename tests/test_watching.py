@@ -5,6 +5,7 @@ the logs of an uninterrupted one."""
 
 import importlib.machinery
 import json
+import os
 import shutil
 import sys
 import time
@@ -320,22 +321,14 @@ def test_no_display_and_no_font_cache_still_train(tmp_path):
     assert (tmp_path / "run" / "curves.png").exists()
 
 
-def test_a_folder_made_meanwhile_by_another_torchrun_process_is_no_error(tmp_path, monkeypatch):
-    """Every process of a torchrun checks --out_dir at once: one may make the folder between
-    another's look and its own making (a FileExistsError), which is no reason to stop."""
-    made = []
-
-    def other_process_first(path, *a, **k):
-        made.append(path)
-        import os
-
-        os.mkdir(path)
-        raise FileExistsError(17, "File exists", path)
-
-    monkeypatch.setattr(curves.os, "makedirs", other_process_first)
+def test_a_folder_made_meanwhile_by_another_torchrun_process_is_no_error(tmp_path):
+    """Every process of a torchrun checks --out_dir at once: the check makes nothing (no race
+    between one process's look and another's making), and a folder already made passes."""
     curves.check_out_dir(str(tmp_path / "run"))
-    assert made and (tmp_path / "run").is_dir()  # (the other process's folder is left to it)
-    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "run").mkdir()  # another process's
+    curves.check_out_dir(str(tmp_path / "run"))
+    assert os.listdir(tmp_path / "run") == []
     (tmp_path / "file").write_text("")  # a file where a folder would go: still refused
     with pytest.raises(curves.UserError, match="cannot write to --out_dir"):
         curves.check_out_dir(str(tmp_path / "file" / "run"))
