@@ -568,6 +568,7 @@ def story_generation(model, args, data, a, device):
     gen = dict(
         bleu={n: bleu(hyps, refs, n) for n in range(1, 5)},
         stories=len(hyps),
+        repeating=sum(map(repeats_a_4gram, hyps)) / max(len(hyps), 1),
         keyword_inclusion=included / total if args.task == "storyline" and total else None,
         mean_length=sum(map(len, hyps)) / max(len(hyps), 1),
         examples=shown,
@@ -587,6 +588,12 @@ def story_generation(model, args, data, a, device):
             f"{ex['reference']}"
         )
     return gen
+
+
+def repeats_a_4gram(words):
+    """Whether a generated story holds some 4-gram twice: the mark of a decoder in a loop."""
+    grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
+    return len(set(grams)) < len(grams)
 
 
 # --- studies side by side: the table and the figures ------------------------------------------
