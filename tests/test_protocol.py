@@ -258,3 +258,22 @@ def test_the_lease_command_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, caps
     # (the first three: Table 1's; the paper's RNN row beside each)
     assert all(" / " in r and "/ - (" not in r and "(17" in r for r in rows[:3])
     assert "n = 1 seed(s)" in table and "t_1/2 = 69,315" in table
+
+
+def test_the_decode_batch_is_sized_to_the_device(monkeypatch):
+    """evaluate.py --decode_batch's default: 64 on a CPU; on a GPU what fits a quarter of the free
+    memory (16 GiB free here): an RNN's rows are few bytes (capped at 4096), a GPT-2's key / value
+    cache to L = 1000 takes 76 MB a row, a beam's row as many times more."""
+    import types
+
+    import evaluate
+
+    rnn = types.SimpleNamespace(cfg=dict(model="rnn", vocab_size=33_280, n_layer=2, d_model=256))
+    gpt = types.SimpleNamespace(
+        cfg=dict(model="gpt", vocab_size=50_257, n_layer=12, d_model=768, block_size=1024)
+    )
+    assert evaluate.decode_batch_size(rnn, 1000, 1, "cpu") == 64
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (16 * 2**30, 80 * 2**30))
+    assert evaluate.decode_batch_size(rnn, 100_000, 1, "cuda:0") == 4096
+    assert evaluate.decode_batch_size(gpt, 1000, 1, "cuda:0") == 4 * 2**30 // 76_301_584
+    assert evaluate.decode_batch_size(gpt, 1000, 4, "cuda:0") == 4 * 2**30 // (4 * 76_301_584)
