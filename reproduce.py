@@ -43,9 +43,9 @@ def nmst_settings(scale, table):
     on WikiText-103).  cpu: PTB (a 10k vocabulary is cheaper than WikiText-2's 33k), small
     models, the paper's eps = 1e-5: Theorem 3's t_1/2 = 69,315 lies far beyond L = 1000, so
     every r_nt in the table is learned, not forced (at eps = 1e-3, t_1/2 = 693 < L would decide
-    ST / NMST's r_nt(1000) under greedy, top-k and nucleus).  lease: Table 1's RNN row as the authors'
-    code trains it (--protocol authors, eps = 1e-5, seed 0, <= 50 epochs), its three heads at
-    once on one GPU, each capped so that training and evaluation end within 9 minutes."""
+    ST / NMST's r_nt(1000) under greedy, top-k and nucleus).  lease: Table 1's RNN row as the
+    authors' code trains it (--protocol authors, eps = 1e-5, seed 0, <= 50 epochs), its three
+    heads at once on one GPU, each capped so that training and evaluation end within 9 minutes."""
     small = "--d_model 128 --dropout 0.1 --lr 3e-3 --lr_schedule constant --batch_size 32".split()
     gpt = ["--n_layer", "2", "--n_head", "4", "--block_size", "1024", *small, "--lr", "1e-3"]
     tiny = "--d_model 16 --batch_size 8 --n_layer 1 --train_seqs 200".split()
