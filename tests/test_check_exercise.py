@@ -184,7 +184,10 @@ def test_the_command_says_fail_and_exits_1_on_a_wrong_answer(tmp_path, capsys):
     apply(root, [MUTANTS[1][0][1]])
     assert check_exercise.main(["1", "--root", root]) == 1
     out = capsys.readouterr().out
-    assert "FAIL  heads.logt_log_alpha(z_eos, t, w) equals" in out and "exercise 1: 2 of 5 checks pass" in out, out
+    assert (
+        "FAIL  heads.logt_log_alpha(z_eos, t, w) equals" in out
+        and "exercise 1: 2 of 5 checks pass" in out
+    ), out
 
 
 def test_the_checker_grades_the_code_it_is_given_and_puts_the_tree_back(tmp_path):

@@ -23,7 +23,7 @@ def exercise_text(n):
     """The README's exercise n: its backticked spans, whitespace collapsed."""
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     section = text[
-        text.index("Three exercises that need a code change:") : text.index("## On a GPU")
+        text.index("Three exercises that need a code change") : text.index("## On a GPU")
     ]
     part = re.split(r"\n(?=\d\. \*)", section)[n]
     return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", part)]
@@ -43,7 +43,9 @@ def test_the_text_names_real_places_and_is_what_the_solution_does(n):
     code = code_text("*.py")
     done = " ".join(" ".join(new.split()) for _, _, new in edits_of(n))
     for span in exercise_text(n):
-        if span.startswith("python "):
+        if span.startswith("python -m tests.check_exercise"):
+            assert span.split()[3:] == [str(n)], span  # the exercise's own checker
+        elif span.startswith("python "):
             assert n == 1 and span.split()[1:] == REPRODUCE_LOGT, span  # the command run below
         elif span.startswith("--"):
             flag = span.split()[0]  # a flag of a command

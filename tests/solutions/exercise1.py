@@ -42,8 +42,8 @@ def st_log_alpha(''',
         "heads.py",
         '        if self.kind == "st":\n            return st_log_probs(',
         '        if self.kind == "logt":\n'
-        "            log_alpha, log_one_minus_alpha = logt_log_alpha(logits[..., self.eos_id], t, self.w)\n"
-        "            return _assemble(logits, self.eos_id, log_alpha, log_one_minus_alpha), None\n"
+        "            z_eos = logits[..., self.eos_id]\n"
+        "            return _assemble(logits, self.eos_id, *logt_log_alpha(z_eos, t, self.w)), None\n"
         '        if self.kind == "st":\n            return st_log_probs(',
     ),
     (
