@@ -197,6 +197,7 @@ def test_exercise_2_a_new_decoder_samples_like_the_others(tmp_path):
 def test_exercise_3_a_new_backbone_passes_the_contract_trains_and_decodes(tmp_path):
     code = graded_copy(3, tmp_path / "code")  # (the tests too)
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The new backbone's name is the student's choice ("dgcnn" in the solution).
     shipped = "('rnn', 'lstm', 'gcnn', 'gpt')"
     name = subprocess.run(
         [sys.executable, "-c", f"import model; print(*set(model.MODELS) - set({shipped}))"],
@@ -204,7 +205,7 @@ def test_exercise_3_a_new_backbone_passes_the_contract_trains_and_decodes(tmp_pa
         capture_output=True,
         text=True,
         timeout=120,
-    ).stdout.strip()  # the new backbone's name ("dgcnn" in the solution)
+    ).stdout.strip()
 
     def run(*args):
         p = subprocess.run(

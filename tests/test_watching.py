@@ -97,7 +97,8 @@ def test_the_probe_says_when_its_example_ended_at_once(tokens, said, monkeypatch
     )
     monkeypatch.setattr(train, "decode_in_batches", lambda *a, **kw: result)
 
-    class Split:  # one validation sequence: its context 1 2 3
+    # One validation sequence, whose context is 1 2 3.
+    class Split:
         contexts = np.array([3])
 
         def __len__(self):
@@ -112,7 +113,8 @@ def test_the_probe_says_when_its_example_ended_at_once(tokens, said, monkeypatch
     lm = types.SimpleNamespace(cfg=dict(model="lstm"))
     train.probe(types.SimpleNamespace(probe=1, probe_L=30), lm, data)
     out = capsys.readouterr().out
-    assert said in out and out.count("ended at once") == (tokens == [0]), out
+    assert said in out, out
+    assert ("ended at once" in out) == (tokens == [0]), out
 
 
 def test_tokens_per_second_leave_out_checkpoint_writing(tmp_path, monkeypatch):
