@@ -573,6 +573,8 @@ def probe(args, model, data):
         probe_mean_length=float(res["lengths"].double().mean()),
     )
     end = f"eos at t={len(tokens)}" if ended else f"cut at L={L}: not terminated"
+    if ended and len(tokens) == 1:
+        end += ": the model ended at once"
     print(
         f"        probe: r_nt({L}) {rec['probe_r_nt']:.3f} over {n} contexts | mean length "
         f'{rec["probe_mean_length"]:.1f} | "{tok.decode(split.context(0).tolist())}" >>> '

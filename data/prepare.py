@@ -428,10 +428,12 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"
             f"could not read {dataset} from {source['path']}: {str(e)[:160]} (text "
             f"that is not UTF-8, or a damaged archive)"
         ) from None
-    if verbose and not source["official"]:
+    if verbose and dataset == "text":
+        print(f"note: your text from {source['path']}{source['held_out']}", file=sys.stderr)
+    elif verbose and not source["official"]:
         print(
-            f"note: {source['path']} is not the official {dataset} data: used as found"
-            f"{source.get('held_out', '')}",
+            f"note: {source['path']} is a copy of {dataset} other than the official files (no "
+            f"checksum to match): used as found",
             file=sys.stderr,
         )
     if verbose:

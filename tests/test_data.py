@@ -115,7 +115,7 @@ def test_checksum_mismatch_clear_error_no_partial_files(tmp_path, monkeypatch):
     assert not prepared.exists() or not any(prepared.iterdir())
 
 
-def test_local_folder_and_unofficial_zip_accepted(tmp_path, monkeypatch):
+def test_local_folder_and_unofficial_zip_accepted(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
     d = tmp_path / "extracted"
     (d / "wikitext-2").mkdir(parents=True)
@@ -140,6 +140,9 @@ def test_local_folder_and_unofficial_zip_accepted(tmp_path, monkeypatch):
     src = P.find_source("wikitext2", str(z))
     assert src["path"] == str(z / "my-copy.zip") and not src["official"]
     assert src["sha256"] == P.sha256_file(z / "my-copy.zip")
+    P.prepare("wikitext2", str(z), verbose=True)
+    err = capsys.readouterr().err
+    assert f"note: {z / 'my-copy.zip'} is a copy of wikitext2 other than the official files" in err
 
 
 def test_download_from_file_url_verifies_sha256(tmp_path):

@@ -1,9 +1,10 @@
 """The layout a reader relies on: no import cycle between nanogen's files (function-local imports
 counted too, so that none can hide one), and the paper files (heads, model, decode, insnet)
-import no command file."""
+import no command file; the guided step (docs/step.md) names places that exist."""
 
 import ast
 import os
+import re
 
 from conftest import ROOT
 
@@ -51,3 +52,33 @@ def test_paper_files_import_no_command():
     for m in CONCEPT:
         assert not graph[m] & COMMANDS, (m, graph[m] & COMMANDS)
     assert graph["data"] == set()  # the shared error and downloads stand on nothing of nanogen's
+
+
+def defined_names(path):
+    """The names a file defines: its functions, classes and module-level assignments, and
+    Class.method for the methods of its classes."""
+    names = set()
+    for node in ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}.{f.name}" for f in node.body if isinstance(f, ast.FunctionDef)}
+        if isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_the_guided_step_names_live_places():
+    """docs/step.md (linked from the README) names places as `file:function` or
+    `file:Class.method`: each exists, and each line of its Python excerpts is in the code."""
+    step = open(os.path.join(ROOT, "docs", "step.md"), encoding="utf-8").read()
+    assert "(docs/step.md)" in open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    anchors = re.findall(r"([\w/]+\.py):([A-Za-z_][\w.]*\w)", step)
+    assert len(anchors) >= 20, anchors
+    missing = [f"{path}:{name}" for path, name in anchors if name not in defined_names(path)]
+    assert not missing, f"docs/step.md names places that are gone: {missing}"
+    code = "".join(open(os.path.join(ROOT, f), encoding="utf-8").read() for f in ("train.py",))
+    for block in re.findall(r"```python\n(.*?)```", step, re.S):
+        for line in block.splitlines():
+            statement = line.split("  #")[0].strip()
+            assert statement in code, f"docs/step.md quotes a line train.py no longer has: {line}"

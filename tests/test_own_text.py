@@ -71,7 +71,9 @@ def test_own_text_trains_evaluates_and_samples_without_data(
         str(out),
     ]
     train.main(flags)
-    assert "valid and test held out of train.txt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"note: your text from {own_text} (valid and test held out of train.txt)" in err
+    assert "official" not in err  # (a folder of one's own text is no copy of anything)
     evaluate.main(["--ckpt", str(out / "ckpt_best.pt"), "--data_dir", str(own_text)])
     with_dir = capsys.readouterr().out
     assert "ppl" in with_dir

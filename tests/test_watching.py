@@ -12,6 +12,7 @@ import time
 import types
 
 import pytest
+import torch
 
 import curves
 import evaluate
@@ -80,6 +81,41 @@ def test_the_probe_is_evaluate_greedy(tmp_path, monkeypatch):
     assert last["probe_r_nt"] == d["decoding"]["r_nt"]["30"]
     assert last["probe_mean_length"] == pytest.approx(d["decoding"]["mean_length"])
     assert last["eos_prob_at_end"] == pytest.approx(d["eos_prob_at_end"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "tokens, said", [([0], "[eos at t=1: the model ended at once]"), ([5, 0], '"5" [eos at t=2]')]
+)
+def test_the_probe_says_when_its_example_ended_at_once(tokens, said, monkeypatch, capsys):
+    """An example continuation that is only eos prints as "", and the line says why."""
+    import numpy as np
+
+    result = dict(
+        tokens=[tokens],
+        terminated=torch.tensor([True]),
+        lengths=torch.tensor([len(tokens)]),
+        scores=torch.zeros(1),
+    )
+    monkeypatch.setattr(train, "decode_in_batches", lambda *a, **kw: result)
+
+    # One validation sequence, whose context is 1 2 3.
+    class Split:
+        contexts = np.array([3])
+
+        def __len__(self):
+            return 1
+
+        def context(self, i):
+            return np.array([1, 2, 3])
+
+    split = Split()
+    words = types.SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)))
+    data = dict(valid=split, tokenizer=words, eos_id=0)
+    lm = types.SimpleNamespace(cfg=dict(model="lstm"))
+    train.probe(types.SimpleNamespace(probe=1, probe_L=30), lm, data)
+    out = capsys.readouterr().out
+    assert said in out, out
+    assert ("ended at once" in out) == (tokens == [0]), out
 
 
 def test_tokens_per_second_leave_out_checkpoint_writing(tmp_path, monkeypatch):

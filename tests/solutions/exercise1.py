@@ -1,0 +1,74 @@
+"""The solution of exercise 1 (README, Coursework): a termination head alpha_t = sigmoid(z_eos +
+w log t) with a learned scalar w.  Try the exercise before reading on; `python -m
+tests.check_exercise 1` grades your own answer.
+
+EDITS: (file, anchor, what replaces it), in the README's order, applied by solutions.apply."""
+
+EDITS = [
+    (
+        "heads.py",
+        'HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos")',
+        'HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos", "logt")',
+    ),
+    (
+        "heads.py",
+        'TERMINATION_HEADS = ("st", "nmst")',
+        'TERMINATION_HEADS = ("st", "nmst", "logt")',
+    ),
+    (
+        "heads.py",
+        "def st_log_alpha(",
+        '''def logt_log_alpha(z_eos, t, w):
+    """Coursework exercise 1:  alpha_t = sigmoid(z_eos + w log t), w a learned scalar.
+    In log space, with a = z_eos + w log t:  log(alpha_t) = logsigmoid(a),
+    log(1 - alpha_t) = logsigmoid(-a).  z_eos (...); t (...) (t <= 0: scored as t = 1)
+    -> (log_alpha, log_one_minus_alpha), each (...)."""
+    z_eos = _eos_precision(z_eos)
+    t = torch.clamp(torch.as_tensor(t, device=z_eos.device), min=1).to(z_eos.dtype)
+    a = z_eos + w * torch.log(t)
+    return F.logsigmoid(a), F.logsigmoid(-a)
+
+
+def st_log_alpha(''',
+    ),
+    (
+        "heads.py",
+        "        self.vocab_size = vocab_size  # U's rows past it are padding, sliced off (padded)",
+        "        self.vocab_size = vocab_size  # U's rows past it are padding, sliced off (padded)\n"
+        '        if kind == "logt":\n'
+        "            self.w = nn.Parameter(torch.zeros(()))",
+    ),
+    (
+        "heads.py",
+        '        if self.kind == "st":\n            return st_log_probs(',
+        '        if self.kind == "logt":\n'
+        "            z_eos = logits[..., self.eos_id]\n"
+        "            return _assemble(logits, self.eos_id, *logt_log_alpha(z_eos, t, self.w)), None\n"
+        '        if self.kind == "st":\n            return st_log_probs(',
+    ),
+    (
+        "heads.py",
+        '        elif self.kind == "st":\n            log_alpha, log_one_minus_alpha, head_state',
+        '        elif self.kind == "logt":\n'
+        "            log_alpha, log_one_minus_alpha = logt_log_alpha(z_eos, t, self.w)\n"
+        '        elif self.kind == "st":\n            log_alpha, log_one_minus_alpha, head_state',
+    ),
+    (
+        "tests/test_heads.py",
+        "def test_softmax_matches_eq2():",
+        '''@pytest.mark.parametrize("w", [-1.5, 0.5, 2.0])
+def test_logt_matches_its_formula_float64(w):
+    """alpha_t = sigmoid(z_eos + w log t), t <= 0 scored as t = 1."""
+    from heads import logt_log_alpha
+
+    z = torch.randn(3, 7, dtype=torch.float64) * 10
+    t = steps(-2, z.shape)
+    alpha = torch.sigmoid(z + w * torch.log(t.clamp(min=1).double()))
+    log_alpha, log_one_minus_alpha = logt_log_alpha(z, t, torch.tensor(w))
+    torch.testing.assert_close(log_alpha.exp(), alpha, atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(log_one_minus_alpha.exp(), 1 - alpha, atol=1e-12, rtol=1e-9)
+
+
+def test_softmax_matches_eq2():''',
+    ),
+]
