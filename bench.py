@@ -10,6 +10,7 @@
 Every figure is of the machine that runs it; RESULTS.md has ours, with their commands.
 """
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -17,11 +18,13 @@ import time
 
 import torch
 
+import common
 import curves
 import evaluate
+import insnet
 import train
-from data import check_output
-from data.loader import batches, bucket, load, story_batch
+from common import check_output
+from data.loader import batches, bucket, load
 from data.prepare import DATASETS
 from data.stories import synthetic
 from decode import decode
@@ -79,7 +82,7 @@ def train_step(model, x, y, t=None, ctx=None, loss=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
-        with ctx or train.nullcontext():
+        with ctx or contextlib.nullcontext():
             value = loss() if loss else -model(x, t, targets=y)[0].mean()
         opt.zero_grad(set_to_none=True)
         value.backward()
@@ -145,7 +148,7 @@ def bench_train(args, device, ctx=None):
             lm = LanguageModel(cfg_for(model, "softmax" if compiled else head, V, **kw))
             lm.to(device).train()
             fns[head] = train_step(
-                train.compile_model(
+                common.compile_model(
                     lm, dynamic=head == "compiled", graphs=(device.startswith("cuda"))
                 )
                 if compiled
@@ -158,7 +161,7 @@ def bench_train(args, device, ctx=None):
         fns["reference"] = reference_step(model, args, x, y, c)
         first = {h: timed(fns[h], 0, 1, device) for h in heads if h in ("compiled", "static")}
         sec = alternating(fns, args.rounds, args.iters, device)
-        peak = train.peak_flops(device, "bfloat16" if c else "float32")
+        peak = common.peak_flops(device, "bfloat16" if c else "float32")
         mfu = [
             f"{h} {100 * B * T / sec[h] * lm.flops_per_token(T) / peak:.1f}%"
             for h in heads
@@ -314,7 +317,7 @@ def bench_insnet(args, device):
 def epoch_time(name, cfg, n, args, device):
     data, it = synthetic(args.seqs, lengths=(n,), seed=n), name == "insertion_transformer"
     torch.manual_seed(0)
-    model = train.INSERTION.get(cfg["model"], LanguageModel)(cfg).to(device).train()
+    model = insnet.INSERTION.get(cfg["model"], LanguageModel)(cfg).to(device).train()
     opt, bs, g = (
         torch.optim.AdamW(model.parameters(), lr=1e-4),
         args.it_batch if it else args.batch,
@@ -323,8 +326,8 @@ def epoch_time(name, cfg, n, args, device):
 
     def epoch():
         for i in range(0, len(data), bs):
-            batch = story_batch(data[i : i + bs], name != "gpt", "random", g, device)
-            log_p, mask, _ = train.score(model, batch)
+            batch = insnet.story_batch(data[i : i + bs], name != "gpt", "random", g, device)
+            log_p, mask, _ = evaluate.score(model, batch)
             opt.zero_grad(set_to_none=True)
             (-torch.where(mask, log_p, 0.0).sum() / batch["n"]).backward()
             opt.step()
@@ -390,7 +393,7 @@ def bench_arch(args, device):
         prompts = [torch.as_tensor(data["valid"].context(i), device=device) for i in range(16)]
         n = sum(map(len, decode(lm, prompts, 64)["tokens"]))  # (the warm-up; greedy: the same)
         tps = n / timed(lambda: decode(lm, prompts, 64), 0, 3, device)
-        ppl = train.evaluate(run, lm, data, "valid", 1000, device)["ppl"]
+        ppl = evaluate.perplexity(run, lm, data, "valid", 1000, device)["ppl"]
         rows.append(
             f"{model:5s} {f'{n_layer}x{d_model}':8s} {lm.num_params():10,d} "
             f"{statistics.median(r['tokens_per_s'] for r in log):11.0f} {tps:12.0f} "
@@ -429,7 +432,7 @@ def bench_batches(args, device):
 
 
 def parser():
-    p, pos = train.Parser(description=__doc__.splitlines()[0]), train.INT1
+    p, pos = common.Parser(description=__doc__.splitlines()[0]), common.INT1
     p.add_argument("what", choices=["train", "batches", "decode", "insnet", "arch", "gpu"])
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action="store_true", help="train: also softmax compiled")
@@ -452,7 +455,7 @@ def parser():
     ):
         p.add_argument(f"--{flag}", type=pos, default=default)
     p.add_argument("--lengths", type=pos, nargs="+", default=[20, 40, 60, 80, 100, 120, 160])
-    p.add_argument("--budget", type=train.POS, default=120, help="arch: seconds per model")
+    p.add_argument("--budget", type=common.POS, default=120, help="arch: seconds per model")
     p.add_argument("--plot", help="insnet: the figure (PNG)")
     return p
 
@@ -465,13 +468,13 @@ def main(argv=None):
         or args.seq > 1024
         or args.new_tokens > 1015
     ):
-        raise train.UserError(
+        raise common.UserError(
             "--gpt_dim must be a multiple of --gpt_heads; --lengths <= 254, "
             "--seq <= 1024, --new_tokens <= 1015 (the models' windows)"
         )
     check_output(args.plot, "--plot")
-    globals()[f"bench_{args.what}"](args, train.get_device(args.device))
+    globals()[f"bench_{args.what}"](args, common.get_device(args.device))
 
 
 if __name__ == "__main__":
-    train.run(main)
+    common.run(main)

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from data import UserError, check_output, run
+from common import UserError, check_output, run
 from heads import EPSILON_HEADS, paper_name
 
 NOT_LABELS = (

@@ -29,7 +29,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from data import UserError
+from common import UserError
 from model import WINDOWED, eval_mode
 
 DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")

@@ -14,13 +14,33 @@ import argparse
 import json
 import math
 import os
+import time
 from collections import Counter
+from contextlib import nullcontext
 
 import torch
+from tqdm import tqdm
 
 import curves
-from data import RUN_FILES, UserError, check_output, run
-from data.loader import batchify, bptt_windows, load_data
+from common import (
+    INT0,
+    INT1,
+    POS,
+    RUN_FILES,
+    SEED,
+    Parser,
+    UserError,
+    all_sum,
+    autocast,
+    check_output,
+    check_vocab,
+    get_device,
+    load_checkpoint,
+    number,
+    run,
+    world,
+)
+from data.loader import batchify, bptt_windows, collate, epoch_batches, load_data, to_device
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
 from decode import (
     DECODERS,
@@ -31,26 +51,12 @@ from decode import (
     decode_stats,
     eos_probs,
     longest_continuation,
+    non_termination_ratio,
     sampling_generator,
 )
 from heads import EPSILON_HEADS, paper_name
-from insnet import generate
+from insnet import INSERTION, generate, story_batch
 from model import LanguageModel, eval_mode
-from train import (
-    INSERTION,
-    INT0,
-    INT1,
-    POS,
-    SEED,
-    Parser,
-    autocast,
-    check_args,
-    check_vocab,
-    evaluate,
-    get_device,
-    load_checkpoint,
-    number,
-)
 
 STUDY_FLAGS = (
     "L",
@@ -195,9 +201,12 @@ def load_run(path, data_dir=None, device="cpu", sizes=None, outputs=()):
         check_output(out, flag, reads, folder)
     if sizes and args.task == "stream":
         raise UserError("a stream checkpoint reads 10 columns: drop --batch_size / --max_tokens")
-    if sizes:  # checked as train.py checks them (stories: --batch_size; not both)
+    if sizes and all(sizes):
+        raise UserError("give --batch_size (sequences a batch) or --max_tokens, not both")
+    if sizes and sizes[1] and args.task in ("story", "storyline"):
+        raise UserError("a story checkpoint is batched by --batch_size (stories), not --max_tokens")
+    if sizes:
         args.batch_size, args.max_tokens = sizes
-        check_args(args)
     data = load_data(args, verbose=False)
     check_vocab(ckpt, data, path)
     return ckpt, args, data, model.to(device)
@@ -233,7 +242,7 @@ def main(argv=None):
     if not a.no_ppl:
         sizes = dict(batch_size=a.batch_size, max_tokens=a.max_tokens) if sizes else None
         res.update(
-            evaluate(
+            perplexity(
                 args,
                 model,
                 data,
@@ -744,3 +753,164 @@ def plot_study(results, out_dir, files=None):
 
 if __name__ == "__main__":
     run(main)
+
+
+def score(model, batch, state=None):
+    """One call of the model -> (log p of every predicted token or event (B, T), the mask of those
+    that count, the stream's state).  Insertion models (InsNet paper): log p(slot) +
+    log p(token | slot) of every insertion, then log p(terminate) on the finished canvas."""
+    if "order" in batch:
+        s = model(**{k: batch[k] for k in ("tokens", "order", "lengths", "n_given", "slot_start")})
+        return (
+            torch.cat([s["slot"] + s["token"], s["end"].unsqueeze(1)], 1),
+            torch.cat([s["loss_mask"], torch.ones_like(s["loss_mask"][:, :1])], 1),
+            None,
+        )
+    log_p, state = model(batch["inputs"], batch["t"], state, targets=batch["targets"])
+    if "start" not in batch:  # not a stream: every batch starts afresh
+        return log_p.float(), batch["mask"], None
+    return log_p.float(), torch.ones_like(log_p, dtype=torch.bool), state  # (a stream: all count)
+
+
+@torch.no_grad()
+def perplexity(
+    args,
+    model,
+    data,
+    split="valid",
+    limit=None,
+    device="cpu",
+    ctx=nullcontext(),
+    desc=None,
+    sizes=None,
+):
+    """A split's figures: dict(nll per predicted token or event, ppl, ...).  Completion (NMST):
+    the continuation's tokens (eos included), the mean p(eos) at the true end; stream (CT): every
+    token, the state carried on; stories: per story too, a bound on -log p(story).  limit: the
+    first N sequences (stream: tokens a column).  torchrun: each process every world-th batch."""
+    limit, stream, story = (
+        limit or args.eval_seqs or None,
+        args.task == "stream",
+        args.task in ("story", "storyline"),
+    )
+    if stream:  # the usual 10 evaluation columns (or the first `limit` tokens of each)
+        data = {
+            **data,
+            split: batchify(data["streams"][split], 10, split)[:, : limit and limit + 1],
+        }
+    (rank, procs), keys = world(), epoch_batches(args, data, 0, split, limit, sizes)
+    # nll, n, p(eos) at the end, sequences, log n!, and nll, n of the rows of > 1 target
+    sums, state = torch.zeros(7, dtype=torch.float64, device=device), None
+    with eval_mode(model):
+        for key in tqdm(
+            keys if stream else keys[rank::procs], desc, disable=None if desc else True, leave=False
+        ):
+            b = get_batch(args, data, key, device, split)
+            with ctx:
+                log_p, mask, state = score(model, b, state)
+            n, zero = mask.sum(1).double(), torch.zeros((), device=device)
+            end = zero if stream or story else log_p.gather(1, b["lengths"].unsqueeze(1) - 2).exp()
+            orders = (
+                torch.lgamma(n)
+                if story and args.order == "random" and args.model in INSERTION
+                else zero
+            )  # log n!: n - 1 insertions, then termination
+            nll_rows = -torch.where(mask, log_p.double(), 0.0).sum(1)  # (B,)
+            # nanogen's metric leaves out the lines whose continuation is eos alone (<= 10 words)
+            long = n > 1
+            sums += torch.stack(
+                [
+                    nll_rows.sum(),
+                    n.sum(),
+                    end.sum().double(),
+                    zero.double() + (0 if stream else len(n)),
+                    orders.sum().double(),
+                    nll_rows[long].sum(),
+                    n[long].sum(),
+                ]
+            )
+    nll, n, end, seqs, log_orders, nll_long, n_long = all_sum(sums.tolist(), device)
+    res = dict(
+        nll=nll / max(n, 1),
+        ppl=math.exp(min(nll / max(n, 1), 700)),
+        tokens=int(n),
+        sequences=int(seqs),
+    )
+    if story:  # by Jensen's inequality, -log p(x) <= E_pi[-log p(x, pi)] - log n!
+        return dict(
+            res,
+            nll_per_story=nll / max(seqs, 1),
+            nll_bound_per_story=(nll - log_orders) / max(seqs, 1),
+        )
+    if stream:
+        return res
+    # Both perplexities of NMST Table 1, each over its own tokens: nanogen's (the continuations of
+    # the lines of more than 10 words) and the authors' (their code's: one eos target more for
+    # every shorter line, which only the authors' protocol keeps)
+    res.update(
+        ppl_nanogen=math.exp(min(nll_long / max(n_long, 1), 700)),
+        tokens_nanogen=int(n_long),
+        ppl_authors=None,
+        tokens_authors=None,
+    )
+    if args.protocol == "authors":
+        res.update(ppl_authors=res["ppl"], tokens_authors=int(n))
+    total = len(data[split]) if limit is None else min(limit, len(data[split]))
+    return dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - int(seqs))
+
+
+def probe(args, model, data):
+    """The termination probe (NMST paper eq. 11): greedy continuations of the first --probe
+    validation contexts up to --probe_L tokens, as `evaluate.py --decoder greedy --limit --L`."""
+    split, t0, n = data["valid"], time.time(), min(args.probe, len(data["valid"]))
+    cap = longest_continuation(model, int(split.contexts[:n].max(initial=0)))
+    if n == 0 or (L := args.probe_L if cap is None else min(args.probe_L, cap)) < 1:
+        return {}
+    res = decode_in_batches(model, [torch.as_tensor(split.context(i)) for i in range(n)], L)
+    tokens, ended, tok = res["tokens"][0], bool(res["terminated"][0]), data["tokenizer"]
+    text = tok.decode([t for t in tokens if t != data["eos_id"]])
+    rec = dict(
+        probe_r_nt=non_termination_ratio(res["lengths"], res["terminated"], L),
+        probe_L=L,
+        probe_n=n,
+        probe_mean_length=float(res["lengths"].double().mean()),
+    )
+    end = f"eos at t={len(tokens)}" if ended else f"cut at L={L}: not terminated"
+    if ended and len(tokens) == 1:
+        end += ": the model ended at once"
+    print(
+        f"        probe: r_nt({L}) {rec['probe_r_nt']:.3f} over {n} contexts | mean length "
+        f'{rec["probe_mean_length"]:.1f} | "{tok.decode(split.context(0).tolist())}" >>> '
+        f'"{text[:120]}{"..." if len(text) > 120 else ""}" [{end}]',
+        flush=True,
+    )
+    return dict(rec, probe_seconds=time.time() - t0)
+
+
+def get_batch(args, data, key, device, split="train"):
+    """One batch: inputs, targets, t and the loss mask (completion), a window of the stream's
+    columns, or stories; n (the predicted tokens or events) and n_inputs: host ints."""
+    if args.task == "stream":
+        (i, L), cols = key, data[split]
+        return dict(
+            inputs=to_device(cols[:, i : i + L], device),
+            t=None,
+            mask=None,
+            start=i,
+            targets=to_device(cols[:, i + 1 : i + 1 + L], device),
+            n=cols[:, :L].numel(),
+            n_inputs=cols[:, :L].numel(),
+        )
+    if args.task in ("story", "storyline"):
+        return story_batch(
+            [data[split][i] for i in key[0]],
+            args.model != "gpt",
+            args.order,
+            torch.Generator().manual_seed(key[1]),
+            device,
+        )
+    cap = args.max_tokens and (args.window or math.inf)
+    # The authors' protocol trains on the context's targets too (their loss has no context mask);
+    # every evaluation scores the continuation alone.
+    context_loss = args.protocol == "authors" and split == "train"
+    return collate(data[split], key, device, cap, context_loss)

@@ -36,11 +36,14 @@ The baseline, IT-vanilla (InsertionTransformer below): a bidirectional encoder w
 positions, re-run over the whole canvas before every insertion; slot = W [h_left ; h_right] + b.
 """
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import UserError
+from common import UserError
+from data.loader import pad_batch
+from data.stories import story_targets
 from decode import draw, filter_log_probs
 from heads import padded
 from model import GPT, Block, eval_mode
@@ -493,3 +496,23 @@ def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device=
         slot_start=torch.tensor([g - 1 for g in n_given]),
     )  # the gap after the prefix
     return {k: v.to(device) for k, v in batch.items()}  # (n_given: BOS, EOS, prefix, keywords)
+
+
+def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
+    """A batch of encoded stories.  An insertion model's: one insertion order per sequence
+    (collate_insertions); the L2R baseline's: a batch as pad_batch's, the given prefix its context
+    (its loss on the tokens after the prefix, EOS included).  n: the predicted events (tokens;
+    insertions and the termination), n_inputs: the tokens read, both host ints."""
+    toks, n_given = [s["tokens"] for s in seqs], [s["n_given"] for s in seqs]
+    if not insertion:
+        return pad_batch(toks, np.array(n_given), device)
+    kws = [s["keyword_pos"] for s in seqs]
+    return dict(
+        collate_insertions(toks, n_given, kws, order, generator, device),
+        n=sum(story_targets(s, insertion) for s in seqs),
+        n_inputs=sum(map(len, toks)),
+    )
+
+
+# The insertion models by their --model name (train.py, evaluate.py, sample.py build them by it).
+INSERTION = {"insnet": InsNet, "insertion_transformer": InsertionTransformer}

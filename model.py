@@ -33,14 +33,13 @@ attention with is_causal and no mask (FlashAttention on a GPU) and the LSTM unpa
 import collections
 import contextlib
 import math
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from data import UserError, cache_dir, download
+from common import UserError
 from heads import Head, padded
 
 MODELS = ("rnn", "lstm", "gcnn", "gpt")
@@ -463,32 +462,3 @@ def gpt_state_from_hf(hf_state, lm):
     if missing:
         raise UserError(f"the GPT-2 weights lack {missing[0]} (and {len(missing) - 1} more)")
     return {**own, **out, "head.proj.weight": out["backbone.wte.weight"]}
-
-
-HF_HUB = "https://huggingface.co/{name}/resolve/main/model.safetensors"
-
-
-def gpt2_weights(name, path=None):
-    """GPT-2's HuggingFace state_dict from `path` (a file, or a folder holding model.safetensors or
-    pytorch_model.bin), else from the hub, downloaded into the cache once."""
-    if path is None:  # (downloaded once)
-        path = download(
-            HF_HUB.format(name=name),
-            f"{cache_dir()}/hub/{name}/model.safetensors",
-            hint="pass --weights PATH to a local copy",
-        )
-    for file in ("model.safetensors", "pytorch_model.bin"):
-        path = os.path.join(path, file) if os.path.isfile(os.path.join(path, file)) else path
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            return load_file(path)
-        state = dict(torch.load(path, map_location="cpu", weights_only=True))
-        if not all(torch.is_tensor(v) for v in state.values()):
-            raise TypeError("not a state_dict")
-        return state
-    except Exception as e:  # missing, truncated, not a weights file
-        raise UserError(
-            f"--weights {path}: not a readable GPT-2 checkpoint ({type(e).__name__})"
-        ) from None

@@ -26,10 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import bench
+import common
 import curves
 import evaluate
 import train
-from data import UserError, check_output, run
+from common import UserError, check_output, run
 from heads import EPSILON_HEADS, paper_name, t_half
 from heads import HEADS as HEADS_AVAILABLE
 
@@ -221,7 +222,7 @@ def run_status(out):
     path = os.path.join(out, "ckpt_last.pt")
     if not os.path.isfile(path):
         return "no checkpoint: it was killed before its first evaluation"
-    ckpt = train.load_checkpoint(path)
+    ckpt = common.load_checkpoint(path)
     st, cap = ckpt["state"], ckpt["args"]["max_minutes"]
     if train.limit_reached(argparse.Namespace(**dict(ckpt["args"], max_minutes=0)), st):
         return None
@@ -806,7 +807,7 @@ def fig12(cfg, args):
         os.path.join(args.out, "fig12.png"),
     ]
     bench_args = bench.parser().parse_args(["insnet", *flags])
-    lines = bench.bench_insnet(bench_args, train.get_device("cpu"))
+    lines = bench.bench_insnet(bench_args, common.get_device("cpu"))
     return ["", f"Fig. 12 (python bench.py insnet {' '.join(flags)}):", "", "```", *lines, "```"]
 
 
@@ -825,7 +826,7 @@ def cap_note(args):
 
 # --------------------------------------------------------------------------------------------
 def main(argv=None):
-    p = train.Parser(
+    p = common.Parser(
         description="Reproduce a paper result in one command: train (or reuse the "
         "runs), evaluate, write the paper's table beside nanogen's."
     )
@@ -845,10 +846,10 @@ def main(argv=None):
         choices=HEADS_AVAILABLE,
         help="nmst-table1 / nmst-table4: the heads compared (default softmax st nmst)",
     )
-    p.add_argument("--jobs", type=train.INT1, help="runs trained at once (1; a GPU: one a 24 GiB)")
+    p.add_argument("--jobs", type=common.INT1, help="runs trained at once (1; a GPU: one a 24 GiB)")
     p.add_argument(
         "--max_minutes",
-        type=train.NONNEG,
+        type=common.NONNEG,
         help="caps each run: a partial grid, said so (0: no cap; a capped run goes on to its end; "
         "--scale lease: 6.5 by default)",
     )

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from data import UserError, run
+from common import Parser, UserError, get_device, load_checkpoint, number, run
 from data.prepare import tokenizer
 from data.stories import BOS, EOS, PAD, SEP, SPECIALS, encode_story
 from decode import (
@@ -28,8 +28,7 @@ from decode import (
     sampling_generator,
 )
 from evaluate import add_decoding_flags, model_from_checkpoint
-from insnet import generate
-from train import INSERTION, Parser, get_device, load_checkpoint, number
+from insnet import INSERTION, generate
 
 
 def main(argv=None):

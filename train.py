@@ -9,15 +9,12 @@ torchrun --nproc_per_node=4 train.py --head nmst --dataset wikitext103  # (... -
 
 import argparse
 import atexit
-import ctypes
 import math
 import os
-import re
 import shutil
 import signal
 import sys
 import time
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -27,24 +24,37 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import curves
-from data import UserError, run
-from data.loader import (
-    batchify,
-    check_fits,
-    epoch_batches,
-    get_batch,
-    load_data,
-    targets_per_batch,
+from common import (
+    FRACTION,
+    INT0,
+    INT1,
+    NONNEG,
+    POS,
+    SEED,
+    Parser,
+    UserError,
+    all_sum,
+    autocast,
+    check_vocab,
+    compile_model,
+    get_device,
+    load_checkpoint,
+    number,
+    peak_flops,
+    run,
+    save_checkpoint,
+    world,
 )
+from data import gpt2_weights
+from data.loader import check_fits, epoch_batches, load_data, targets_per_batch
 from data.prepare import DATASETS, VOCABS
-from decode import decode_in_batches, longest_continuation, non_termination_ratio
-from heads import HEADS, TERMINATION_HEADS, loss_scale, padded
-from insnet import InsertionTransformer, InsNet
-from model import MODELS, WINDOWED, LanguageModel, eval_mode, gpt2_weights, gpt_state_from_hf
+from evaluate import get_batch, perplexity, probe, score
+from heads import HEADS, TERMINATION_HEADS, loss_scale
+from insnet import INSERTION
+from model import MODELS, WINDOWED, LanguageModel, gpt_state_from_hf
 
 # ----- flags: their defaults, the --model's recipe over them (NMST paper section 4 and app. D;
 # InsNet paper section 4.3; gcnn and gpt from scratch: nanogen's), what you type over both -------
-INSERTION = {"insnet": InsNet, "insertion_transformer": InsertionTransformer}
 STORY_DATASETS = ("rocstories", "synthetic")
 GPT2_SIZES = {
     "gpt2": (12, 12, 768),
@@ -104,27 +114,6 @@ RECIPES = {
 AUTHORS = dict(beta2=0.999, batch_size=32, lr=1e-3, max_epochs=70, patience=10)
 
 
-def number(kind, ok, words):
-    """An argparse type: a finite number of `kind` for which ok(value) holds."""
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
-        if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
-        return value
-
-    return parse
-
-
-INT1, INT0 = number(int, lambda v: v >= 1, ">= 1"), number(int, lambda v: v >= 0, ">= 0")
-POS, NONNEG = number(float, lambda v: v > 0, "> 0"), number(float, lambda v: v >= 0, ">= 0")
-FRACTION, SEED = (
-    number(float, lambda v: 0 <= v < 1, "in [0, 1)"),
-    number(int, lambda v: 0 <= v < 2**63, "in [0, 2^63)"),
-)
 FLAGS = [  # (flag, default (None: a recipe's, or none), type (tuple: choices; bool: switch), help)
     ("model", "gpt", (*MODELS, *INSERTION), "insnet, insertion_transformer: insnet.py"),
     (
@@ -221,11 +210,6 @@ FLAGS = [  # (flag, default (None: a recipe's, or none), type (tuple: choices; b
     ("tensorboard", False, bool, "also OUT_DIR/tensorboard (pip install tensorboard)"),
 ]
 DEFAULTS = {flag: default for flag, default, _, _ in FLAGS}
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit status 2
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def parser():
@@ -450,231 +434,6 @@ def model_config(args, data):
     )
 
 
-# ----- the loss: one call of the model -------------------------------------------------------
-def score(model, batch, state=None):
-    """One call of the model -> (log p of every predicted token or event (B, T), the mask of those
-    that count, the stream's state).  Insertion models (InsNet paper): log p(slot) +
-    log p(token | slot) of every insertion, then log p(terminate) on the finished canvas."""
-    if "order" in batch:
-        s = model(**{k: batch[k] for k in ("tokens", "order", "lengths", "n_given", "slot_start")})
-        return (
-            torch.cat([s["slot"] + s["token"], s["end"].unsqueeze(1)], 1),
-            torch.cat([s["loss_mask"], torch.ones_like(s["loss_mask"][:, :1])], 1),
-            None,
-        )
-    log_p, state = model(batch["inputs"], batch["t"], state, targets=batch["targets"])
-    if "start" not in batch:  # not a stream: every batch starts afresh
-        return log_p.float(), batch["mask"], None
-    return log_p.float(), torch.ones_like(log_p, dtype=torch.bool), state  # (a stream: all count)
-
-
-# ----- evaluation: perplexity (completion, stream), the stories' NLL; the termination probe ---
-@torch.no_grad()
-def evaluate(
-    args,
-    model,
-    data,
-    split="valid",
-    limit=None,
-    device="cpu",
-    ctx=nullcontext(),
-    desc=None,
-    sizes=None,
-):
-    """A split's figures: dict(nll per predicted token or event, ppl, ...).  Completion (NMST):
-    the continuation's tokens (eos included), the mean p(eos) at the true end; stream (CT): every
-    token, the state carried on; stories: per story too, a bound on -log p(story).  limit: the
-    first N sequences (stream: tokens a column).  torchrun: each process every world-th batch."""
-    limit, stream, story = (
-        limit or args.eval_seqs or None,
-        args.task == "stream",
-        args.task in ("story", "storyline"),
-    )
-    if stream:  # the usual 10 evaluation columns (or the first `limit` tokens of each)
-        data = {
-            **data,
-            split: batchify(data["streams"][split], 10, split)[:, : limit and limit + 1],
-        }
-    (rank, procs), keys = world(), epoch_batches(args, data, 0, split, limit, sizes)
-    # nll, n, p(eos) at the end, sequences, log n!, and nll, n of the rows of > 1 target
-    sums, state = torch.zeros(7, dtype=torch.float64, device=device), None
-    with eval_mode(model):
-        for key in tqdm(
-            keys if stream else keys[rank::procs], desc, disable=None if desc else True, leave=False
-        ):
-            b = get_batch(args, data, key, device, split)
-            with ctx:
-                log_p, mask, state = score(model, b, state)
-            n, zero = mask.sum(1).double(), torch.zeros((), device=device)
-            end = zero if stream or story else log_p.gather(1, b["lengths"].unsqueeze(1) - 2).exp()
-            orders = (
-                torch.lgamma(n)
-                if story and args.order == "random" and args.model in INSERTION
-                else zero
-            )  # log n!: n - 1 insertions, then termination
-            nll_rows = -torch.where(mask, log_p.double(), 0.0).sum(1)  # (B,)
-            # nanogen's metric leaves out the lines whose continuation is eos alone (<= 10 words)
-            long = n > 1
-            sums += torch.stack(
-                [
-                    nll_rows.sum(),
-                    n.sum(),
-                    end.sum().double(),
-                    zero.double() + (0 if stream else len(n)),
-                    orders.sum().double(),
-                    nll_rows[long].sum(),
-                    n[long].sum(),
-                ]
-            )
-    nll, n, end, seqs, log_orders, nll_long, n_long = all_sum(sums.tolist(), device)
-    res = dict(
-        nll=nll / max(n, 1),
-        ppl=math.exp(min(nll / max(n, 1), 700)),
-        tokens=int(n),
-        sequences=int(seqs),
-    )
-    if story:  # by Jensen's inequality, -log p(x) <= E_pi[-log p(x, pi)] - log n!
-        return dict(
-            res,
-            nll_per_story=nll / max(seqs, 1),
-            nll_bound_per_story=(nll - log_orders) / max(seqs, 1),
-        )
-    if stream:
-        return res
-    # Both perplexities of NMST Table 1, each over its own tokens: nanogen's (the continuations of
-    # the lines of more than 10 words) and the authors' (their code's: one eos target more for
-    # every shorter line, which only the authors' protocol keeps)
-    res.update(
-        ppl_nanogen=math.exp(min(nll_long / max(n_long, 1), 700)),
-        tokens_nanogen=int(n_long),
-        ppl_authors=None,
-        tokens_authors=None,
-    )
-    if args.protocol == "authors":
-        res.update(ppl_authors=res["ppl"], tokens_authors=int(n))
-    total = len(data[split]) if limit is None else min(limit, len(data[split]))
-    return dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - int(seqs))
-
-
-def probe(args, model, data):
-    """The termination probe (NMST paper eq. 11): greedy continuations of the first --probe
-    validation contexts up to --probe_L tokens, as `evaluate.py --decoder greedy --limit --L`."""
-    split, t0, n = data["valid"], time.time(), min(args.probe, len(data["valid"]))
-    cap = longest_continuation(model, int(split.contexts[:n].max(initial=0)))
-    if n == 0 or (L := args.probe_L if cap is None else min(args.probe_L, cap)) < 1:
-        return {}
-    res = decode_in_batches(model, [torch.as_tensor(split.context(i)) for i in range(n)], L)
-    tokens, ended, tok = res["tokens"][0], bool(res["terminated"][0]), data["tokenizer"]
-    text = tok.decode([t for t in tokens if t != data["eos_id"]])
-    rec = dict(
-        probe_r_nt=non_termination_ratio(res["lengths"], res["terminated"], L),
-        probe_L=L,
-        probe_n=n,
-        probe_mean_length=float(res["lengths"].double().mean()),
-    )
-    end = f"eos at t={len(tokens)}" if ended else f"cut at L={L}: not terminated"
-    if ended and len(tokens) == 1:
-        end += ": the model ended at once"
-    print(
-        f"        probe: r_nt({L}) {rec['probe_r_nt']:.3f} over {n} contexts | mean length "
-        f'{rec["probe_mean_length"]:.1f} | "{tok.decode(split.context(0).tolist())}" >>> '
-        f'"{text[:120]}{"..." if len(text) > 120 else ""}" [{end}]',
-        flush=True,
-    )
-    return dict(rec, probe_seconds=time.time() - t0)
-
-
-# ----- what every command shares: the device, one-line errors, checkpoints -------------------
-def get_device(name, local_rank=None):
-    """--device -> 'cpu' or 'cuda:N', this process's, set up for speed."""
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UserError(f"--device {name}: unknown device (use auto, cpu, cuda or cuda:N)")
-    if device.startswith("cuda"):
-        index = int(device.partition(":")[2] or 0) if local_rank is None else local_rank
-        if index >= torch.cuda.device_count():
-            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
-        device = f"cuda:{index}"
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cuda.enable_cudnn_sdp(False)  # it plans anew for every (B, T) it meets
-    elif sys.platform == "linux":  # glibc: keep freed (B*T, V) tensors in the heap, rather than
-        libc = ctypes.CDLL(None)  # unmap them and page-fault them in anew every step (2x faster)
-        libc.mallopt(-4, 0), libc.mallopt(-1, 2**31 - 1)  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD
-    return device
-
-
-def autocast(device, dtype):
-    """--dtype's autocast on CUDA (auto: bfloat16 where native), else none: float32."""
-    native = device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False)
-    dt = {
-        "auto": torch.bfloat16 if native else None,
-        "float32": None,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-    }[dtype]
-    return torch.autocast("cuda", dtype=dt) if device.startswith("cuda") and dt else nullcontext()
-
-
-def world():  # (this process's rank, the number of processes): torchrun's, or (0, 1)
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def all_sum(values, device):  # a list of numbers summed over the processes (one collective)
-    if dist.is_initialized():
-        dist.all_reduce(values := torch.tensor(values, dtype=torch.float64, device=device))
-    return values.tolist() if torch.is_tensor(values) else values
-
-
-def save_checkpoint(obj, path):
-    """torch.save into a temporary file, then os.replace: a crash leaves the old file or the new."""
-    try:
-        torch.save(obj, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
-    except (OSError, RuntimeError) as e:  # a full disk (torch's zip writer: a RuntimeError)
-        if os.path.exists(f"{path}.tmp"):
-            os.remove(f"{path}.tmp")
-        raise UserError(
-            f"could not write {path}: {str(e).strip().splitlines()[-1][:200]} (the "
-            f"previous checkpoint, if any, is intact)"
-        ) from None
-
-
-RUN_KEYS = (
-    ("args", ("model", "head", "task", "dataset", "window")),
-    ("state", ("step",)),
-)  # what every reader of a checkpoint relies on (a hand-made one may lack it)
-
-
-def load_checkpoint(path):
-    """A checkpoint of train.py, loaded safely (weights_only: never pickled code)."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # missing, a folder, truncated, not a torch file, pickled code
-        raise UserError(
-            f"no checkpoint at {path}"
-            if not os.path.isfile(path)
-            else f"{path} is not a readable nanogen checkpoint ({type(e).__name__})"
-        ) from None
-    if not (isinstance(ckpt, dict) and {"config", "model", "args", "vocab", "state"} <= set(ckpt)):
-        raise UserError(f"{path} is not a checkpoint written by train.py")
-    if not all(isinstance(ckpt[k], dict) and set(need) <= set(ckpt[k]) for k, need in RUN_KEYS):
-        raise UserError(f"{path} is not a checkpoint written by train.py (incomplete args / state)")
-    ckpt["args"] = {**DEFAULTS, **ckpt["args"]}  # (a flag added since it was written: its default)
-    wte = ckpt["model"].get("backbone.wte.weight", ckpt["model"].get("wte.weight"))
-    if wte is not None and len(wte) != padded(ckpt["config"]["vocab_size"]):  # (heads.padded)
-        raise UserError(f"{path} was written before nanogen padded the vocabulary: train it again")
-    return ckpt
-
-
-def check_vocab(ckpt, data, path):  # no silently wrong number: a model reads its own vocabulary
-    if ckpt["vocab"] != data["vocab"] or ckpt["config"]["eos_id"] != data["eos_id"]:
-        raise UserError(
-            f"{path} was trained on another vocabulary than the "
-            f"{ckpt['args']['dataset']} data here (point --data_dir at its data)"
-        )
-
-
 # ----- the run: set-up (data, model, DDP, resume), then the loop ------------------------------
 STOP = []  # the signals that asked this process to stop (on_signal appends, at any moment)
 
@@ -883,7 +642,7 @@ def validate(args, raw, optimizer, scaler, ctx, data, st, hidden, device, pendin
     rank = world()[0]
     nll, n, tokens = all_sum([float(since["nll"]), since["n"], since["tokens"]], device)
     tok_per_s = tokens / max(time.time() - since["t0"], 1e-9)
-    val = evaluate(args, raw, data, "valid", device=device, ctx=ctx)
+    val = perplexity(args, raw, data, "valid", device=device, ctx=ctx)
     if not math.isfinite(val["nll"]):
         raise UserError(
             f"non-finite validation loss at step {st['step']}; stopping (try a lower "
@@ -1031,27 +790,6 @@ def learning_rate(args, st):
         return st["lr"]
     warm = min(1.0, (st["step"] + 1) / args.warmup) if args.warmup else 1.0
     return args.lr * warm * max(0.0, 1.0 - st["step"] / args.decay_steps)
-
-
-def compile_model(model, backend="inductor", dynamic=True, graphs=False):
-    """-> the model compiled for the train step: dynamic shapes; no matmul padding (it baked the
-    first T in the backward); CUDA graphs (not for micro-batches: a replay reuses their grads)."""
-    return torch.compile(
-        model,
-        dynamic=dynamic,
-        backend=backend,
-        options={"shape_padding": False, "triton.cudagraphs": graphs}
-        if backend == "inductor"
-        else None,
-    )
-
-
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # bf16 dense
-
-
-def peak_flops(device, dtype):  # a known GPU's dense peak FLOP/s (PEAK_FLOPS; float32: half), or 0
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else ""
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), 0) / (1 + (dtype == "float32"))
 
 
 def mfu_per_token(args, model, data, device):

@@ -1,74 +1,14 @@
 """nanogen's data: prepare.py (download, verify, tokenize), loader.py (batches: where t is made),
-stories.py (ROCStories, InsNet's synthetic data); here the one-line error and checked downloads."""
+stories.py (ROCStories, InsNet's synthetic data); here checked downloads, GPT-2's weights too."""
 
 import hashlib
 import os
-import sys
-import tempfile
 import urllib.request
 
+import torch
 from tqdm import tqdm
 
-
-class UserError(Exception):
-    """A problem the user can fix (a flag, a file, the data): every command prints it as one line
-    `error: ...` and exits with status 2.  Any other exception is a bug and keeps its traceback."""
-
-
-def run(main):  # every command's entry point: a UserError is one line (exit 2), a bug a traceback
-    try:
-        sys.exit(main())
-    except (UserError, KeyboardInterrupt) as e:
-        sys.stderr.write(f"error: {e if isinstance(e, UserError) else 'interrupted (Ctrl-C)'}\n")
-        sys.exit(2 if isinstance(e, UserError) else 130)
-
-
-# The files of a run folder that train.py and evaluate.py read: no output may replace them.
-RUN_FILES = ("ckpt_last.pt", "ckpt_best.pt", "log.jsonl", "steps.jsonl", "args.json")
-
-
-def check_output(path, flag, reads=(), folder=False):
-    """An output path (a file, or with folder=True a folder written into), checked by every command
-    before any work starts: a one-line error naming it and why.  A file output is no folder, no
-    checkpoint, and no file the run reads (reads: files, and folders whose every file it reads)."""
-    if not path:
-        return
-    real, why = os.path.realpath(path), None
-    if folder and os.path.lexists(path) and not os.path.isdir(path):
-        why = "it is not a folder"
-    elif not folder and (path.endswith(("/", os.sep)) or os.path.isdir(path)):
-        why = "it is a folder: give a file name"
-    elif not folder and (path.endswith(".pt") or os.path.exists(path) and reads_it(real, reads)):
-        raise UserError(
-            f"{flag} {path} would replace a checkpoint or an input: choose another path"
-        )
-    else:
-        why = unwritable(real if folder else os.path.dirname(real))
-    if why:
-        raise UserError(f"cannot write to {flag} {path}: {why}")
-
-
-def reads_it(real, reads):  # is the (resolved) path one of the files read, or in a folder read?
-    for x in (os.path.realpath(x) for x in reads if x):
-        if real == x or real.startswith(x + os.sep):
-            return True
-    return False
-
-
-def unwritable(folder):
-    """-> why no file can be written into folder (or the folders made for it), or None: a
-    temporary file, never seen, is made in the nearest existing folder (root ignores the mode
-    bits, a read-only file system does not)."""
-    top = folder
-    while not os.path.lexists(top):
-        top = os.path.dirname(top)
-    if not os.path.isdir(top):
-        return f"{top} is not a folder"
-    try:
-        tempfile.TemporaryFile(dir=top).close()
-    except OSError as e:
-        return f"{top}: {e.strerror or e}"
-    return None
+from common import UserError
 
 
 def cache_dir():  # $NANOGEN_CACHE, default ~/.cache/nanogen: downloads and prepared data
@@ -129,3 +69,32 @@ def download(url, dest, sha256=None, hint="pass --data_dir DIR (or set NANOGEN_D
         if os.path.exists(part):
             os.remove(part)
     return dest
+
+
+HF_HUB = "https://huggingface.co/{name}/resolve/main/model.safetensors"
+
+
+def gpt2_weights(name, path=None):
+    """GPT-2's HuggingFace state_dict from `path` (a file, or a folder holding model.safetensors or
+    pytorch_model.bin), else from the hub, downloaded into the cache once."""
+    if path is None:  # (downloaded once)
+        path = download(
+            HF_HUB.format(name=name),
+            f"{cache_dir()}/hub/{name}/model.safetensors",
+            hint="pass --weights PATH to a local copy",
+        )
+    for file in ("model.safetensors", "pytorch_model.bin"):
+        path = os.path.join(path, file) if os.path.isfile(os.path.join(path, file)) else path
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        state = dict(torch.load(path, map_location="cpu", weights_only=True))
+        if not all(torch.is_tensor(v) for v in state.values()):
+            raise TypeError("not a state_dict")
+        return state
+    except Exception as e:  # missing, truncated, not a weights file
+        raise UserError(
+            f"--weights {path}: not a readable GPT-2 checkpoint ({type(e).__name__})"
+        ) from None

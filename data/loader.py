@@ -14,10 +14,9 @@ import os
 import numpy as np
 import torch
 
-from data import UserError
+from common import UserError
 from data.prepare import SPLITS, load_meta, prepare, tokenizer
-from data.stories import EOS, load_sequences
-from insnet import collate_insertions
+from data.stories import EOS, load_sequences, story_targets
 
 
 class CompletionSplit:
@@ -141,60 +140,6 @@ def sequence_targets(lengths, contexts, context_loss=False):
     if context_loss:
         return lengths - 1
     return np.maximum(lengths - np.maximum(contexts, 1), 0)
-
-
-def get_batch(args, data, key, device, split="train"):
-    """One batch: inputs, targets, t and the loss mask (completion), a window of the stream's
-    columns, or stories; n (the predicted tokens or events) and n_inputs: host ints."""
-    if args.task == "stream":
-        (i, L), cols = key, data[split]
-        return dict(
-            inputs=to_device(cols[:, i : i + L], device),
-            t=None,
-            mask=None,
-            start=i,
-            targets=to_device(cols[:, i + 1 : i + 1 + L], device),
-            n=cols[:, :L].numel(),
-            n_inputs=cols[:, :L].numel(),
-        )
-    if args.task in ("story", "storyline"):
-        return story_batch(
-            [data[split][i] for i in key[0]],
-            args.model != "gpt",
-            args.order,
-            torch.Generator().manual_seed(key[1]),
-            device,
-        )
-    cap = args.max_tokens and (args.window or math.inf)
-    # The authors' protocol trains on the context's targets too (their loss has no context mask);
-    # every evaluation scores the continuation alone.
-    context_loss = args.protocol == "authors" and split == "train"
-    return collate(data[split], key, device, cap, context_loss)
-
-
-def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
-    """A batch of encoded stories.  An insertion model's: one insertion order per sequence
-    (collate_insertions); the L2R baseline's: a batch as pad_batch's, the given prefix its context
-    (its loss on the tokens after the prefix, EOS included).  n: the predicted events (tokens;
-    insertions and the termination), n_inputs: the tokens read, both host ints."""
-    toks, n_given = [s["tokens"] for s in seqs], [s["n_given"] for s in seqs]
-    if not insertion:
-        return pad_batch(toks, np.array(n_given), device)
-    kws = [s["keyword_pos"] for s in seqs]
-    return dict(
-        collate_insertions(toks, n_given, kws, order, generator, device),
-        n=sum(story_targets(s, insertion) for s in seqs),
-        n_inputs=sum(map(len, toks)),
-    )
-
-
-def story_targets(seq, insertion):
-    """The predicted events of one encoded story.  An insertion model predicts every token but
-    BOS, EOS, the given prefix and the keywords, then the termination; the L2R baseline every
-    token after the given prefix, EOS included."""
-    if insertion:
-        return len(seq["tokens"]) - seq["n_given"] - len(seq["keyword_pos"])
-    return max(len(seq["tokens"]) - max(seq["n_given"], 1), 0)
 
 
 def check_fits(args, data):

@@ -40,7 +40,8 @@ import numpy as np
 
 if __name__ == "__main__" and not __package__:  # `python data/prepare.py`, as nanoGPT's scripts
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import UserError, cache_dir, check_sha256, download, run, sha256_file  # noqa: E402
+from common import UserError, run
+from data import cache_dir, check_sha256, download, sha256_file  # noqa: E402
 from data.stories import load_rocstories  # noqa: E402
 
 CONTEXT_LEN, MAX_BPE_LEN, SPLITS, HELD_OUT = 10, 1024, ("train", "valid", "test"), 20

@@ -18,7 +18,8 @@ import os
 
 import torch
 
-from data import UserError, cache_dir, download
+from common import UserError
+from data import cache_dir, download
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>")
 PAD, BOS, EOS, SEP, UNK = range(len(SPECIALS))
@@ -178,3 +179,12 @@ def load_sequences(
             for k in ("train", "valid", "test")
         },
     )
+
+
+def story_targets(seq, insertion):
+    """The predicted events of one encoded story.  An insertion model predicts every token but
+    BOS, EOS, the given prefix and the keywords, then the termination; the L2R baseline every
+    token after the given prefix, EOS included."""
+    if insertion:
+        return len(seq["tokens"]) - seq["n_given"] - len(seq["keyword_pos"])
+    return max(len(seq["tokens"]) - max(seq["n_given"], 1), 0)

@@ -210,7 +210,7 @@ def check_typical_names():
 def check_typical_args():
     """check_decoder_args: typical reads --p and refuses it missing or outside (0, 1] in one line"""
     import decode
-    from data import UserError
+    from common import UserError
 
     decode.check_decoder_args("typical", p=0.9)
     for p in (None, 0.0, 1.5):

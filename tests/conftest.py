@@ -100,14 +100,14 @@ class RecomputeStepper:
 
 
 def run_cli(main, argv=None):
-    """A command's exit status as the shell sees it (train.run), without a new interpreter."""
+    """A command's exit status as the shell sees it (common.run), without a new interpreter."""
     from train import run
 
     try:
         run(lambda: main(argv))
     except SystemExit as e:
         return e.code or 0
-    raise AssertionError("train.run returned without exiting")
+    raise AssertionError("common.run returned without exiting")
 
 
 def run_in_process(main, argv, capsys):
@@ -119,7 +119,7 @@ def run_in_process(main, argv, capsys):
         run(lambda: main(argv))
     except SystemExit as e:  # (run always exits; argparse's errors too)
         return e.code or 0, capsys.readouterr().err  # (sys.exit(None): status 0)
-    raise AssertionError("train.run returned without exiting")
+    raise AssertionError("common.run returned without exiting")
 
 
 def assert_one_line_error(rc, stderr, pattern):

@@ -5,6 +5,7 @@ beside its timings: nanogen's greedy decoding picks HuggingFace generate()'s tok
 import pytest
 
 import bench
+import common
 import train
 
 pytestmark = pytest.mark.slow  # seconds each: python -m pytest -m "" runs them
@@ -69,7 +70,7 @@ def test_the_timed_train_step_runs_the_compiled_model():
 
     train.torch._dynamo.reset()
     counter = CompileCounter()
-    lm = train.compile_model(
+    lm = common.compile_model(
         bench.LanguageModel(
             bench.cfg_for("gpt", "softmax", 64, n_layer=1, d_model=16, n_head=2)
         ).train(),

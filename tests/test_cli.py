@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
+import common
 import evaluate
 import train
+from common import load_checkpoint
 from conftest import ROOT, assert_one_line_error, run_in_process
-from train import load_checkpoint
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 
@@ -206,7 +207,7 @@ def test_corrupt_and_foreign_checkpoints(tmp_path, capsys):
     torch.save({"weights": torch.zeros(3)}, plain)
     torch.save({"payload": subprocess.Popen}, evil)  # pickled code
     good = tmp_path / "good.pt"
-    train.save_checkpoint(
+    common.save_checkpoint(
         dict(config={}, model={}, args={}, vocab="gpt2", state={}, w=torch.randn(1000)), str(good)
     )
     (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:3000])
@@ -599,12 +600,12 @@ def test_checkpoint_for_another_vocabulary(tmp_path, tiny_ckpt):
     ckpt = load_checkpoint(str(tiny_ckpt))
     ckpt["args"]["dataset"] = "wikitext2"  # a PTB model (V = 10,000) against WikiText-2's (33,278)
     bad = tmp_path / "ptb.pt"
-    train.save_checkpoint(ckpt, str(bad))
+    common.save_checkpoint(ckpt, str(bad))
     rc, _, err = run_cli("evaluate.py", "--ckpt", str(bad))
     assert_one_line_error(rc, err, "was trained on another vocabulary than the wikitext2 data")
     ckpt = load_checkpoint(str(tiny_ckpt))  # the same size, two words swapped: still another
     ckpt["vocab"]["tokens"][5:7] = ckpt["vocab"]["tokens"][6:4:-1]
-    train.save_checkpoint(ckpt, str(bad))
+    common.save_checkpoint(ckpt, str(bad))
     rc, _, err = run_cli("evaluate.py", "--ckpt", str(bad))
     assert_one_line_error(rc, err, "was trained on another vocabulary than the ptb data")
 
@@ -775,14 +776,14 @@ def test_an_error_line_is_one_write_and_a_bug_keeps_its_traceback(monkeypatch):
     )
 
     def fails(argv):
-        raise train.UserError("the folder is in use")
+        raise common.UserError("the folder is in use")
 
     with pytest.raises(SystemExit) as e:
-        train.run(lambda: fails([]))
+        common.run(lambda: fails([]))
     assert e.value.code == 2 and writes == ["error: the folder is in use\n"]
 
     def bug():
         raise KeyError("a bug")
 
     with pytest.raises(KeyError):
-        train.run(bug)
+        common.run(bug)

@@ -151,7 +151,7 @@ def test_hidden_state_detached_between_windows():
     args = train.argparse.Namespace(task="stream", bptt=5, eval_seqs=0)
     stream = torch.randint(0, 30, (200,))  # 10 columns of 20 tokens: 19 targets each, in 4 windows
     assert (
-        train.evaluate(args, lm, dict(streams=dict(valid=stream)))["tokens"] == 10 * 19
+        evaluate.perplexity(args, lm, dict(streams=dict(valid=stream)))["tokens"] == 10 * 19
         and grad == [False] * 4
     )
 

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+import evaluate
 import sample
 import train
-from data import UserError
+from common import UserError
 from data import prepare as P
-from data.loader import batches, bucket, collate, epoch_batches, get_batch, load
+from data.loader import batches, bucket, collate, epoch_batches, load
+from evaluate import get_batch
 from model import LanguageModel
 
 # the counts documented in README.md (section "Data"), produced by data/prepare.py
@@ -262,7 +264,7 @@ def test_a_bucket_s_padding_changes_no_number(wikitext2):
     tight, wide = collate(splits["valid"], index), collate(splits["valid"], index, cap=512)
     assert wide["inputs"].shape[1] == bucket(tight["inputs"].shape[1]) > tight["inputs"].shape[1]
     assert (wide["n"], wide["n_inputs"]) == (tight["n"], tight["n_inputs"])
-    (a, ma, _), (b, mb, _) = train.score(lm, tight), train.score(lm, wide)
+    (a, ma, _), (b, mb, _) = evaluate.score(lm, tight), evaluate.score(lm, wide)
     torch.testing.assert_close(a[ma], b[mb], rtol=0, atol=1e-12)
 
 

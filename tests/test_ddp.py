@@ -146,7 +146,7 @@ def test_time_limit_is_decided_together(tmp_path):
     ]
     p = run(TORCHRUN + [WORKER], out, args, env=dict(NANOGEN_TEST_WORKER="fast_clock"))
     assert "reached --max_minutes" in p.stdout, p.stdout[-2000:]
-    from train import load_checkpoint
+    from common import load_checkpoint
 
     steps = [r["step"] for r in log(out, "steps.jsonl")]
     assert load_checkpoint(str(out / "ckpt_last.pt"))["state"]["step"] == steps[-1] > 0
@@ -186,7 +186,7 @@ def test_a_storm_of_sigterms_still_checkpoints(tmp_path):
     assert "stopped by SIGTERM after step" in stdout, (stdout[-2000:], stderr[-3000:])
     # torchrun's own traceback reports the second signal it got; no worker has one or failed
     assert 'train.py", line' not in stderr and "exitcode" not in stderr, stderr[-3000:]
-    from train import load_checkpoint
+    from common import load_checkpoint
 
     step = load_checkpoint(str(out / "ckpt_last.pt"))["state"]["step"]
     assert f"after step {step};" in stdout and log(out, "steps.jsonl")[-1]["step"] == step
@@ -207,7 +207,7 @@ def test_a_signal_to_one_process_stops_them_all(tmp_path):
     ]
     p = run(TORCHRUN + [WORKER], out, args, env=dict(NANOGEN_TEST_WORKER="sigterm=3"))
     assert "stopped by a signal to another process after step 4;" in p.stdout, p.stdout[-2000:]
-    from train import load_checkpoint
+    from common import load_checkpoint
 
     assert (
         load_checkpoint(str(out / "ckpt_last.pt"))["state"]["step"]
@@ -248,7 +248,7 @@ def test_every_process_resumes_its_own_rng(tmp_path):
     assert [(r["step"], r["train_loss"], r["val_loss"]) for r in whole] == [
         (r["step"], r["train_loss"], r["val_loss"]) for r in parts
     ]
-    from train import load_checkpoint
+    from common import load_checkpoint
 
     ranks = load_checkpoint(str(tmp_path / "parts" / "ckpt_last.pt"))["rng"]
     assert len(ranks) == 2 and not (ranks[0]["cpu"] == ranks[1]["cpu"]).all()

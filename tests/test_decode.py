@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from common import UserError
 from conftest import RecomputeStepper, steps
-from data import UserError
 from decode import (
     decode,
     decode_in_batches,

@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import common
 import decode
+import evaluate
 import train
 from conftest import DEVICES, run_cli, steps
-from data.loader import collate
+from data.loader import collate, epoch_batches
 from heads import nmst_log_probs
 from model import MODELS, LanguageModel
 
@@ -55,7 +57,7 @@ REAL_GPU = torch.cuda.is_available()  # asked before any test fakes one
 
 @pytest.fixture
 def device_flags():
-    """The process-wide switches train.get_device sets (TF32, cuDNN attention), restored after."""
+    """The process-wide switches common.get_device sets (TF32, cuDNN attention), restored after."""
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
     yield
@@ -90,16 +92,16 @@ def test_default_run_on_one_gpu_reaches_the_first_kernel(one_fake_gpu, device, t
     assert one_fake_gpu == [0]
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     assert not torch.backends.cuda.cudnn_sdp_enabled()
-    assert train.get_device(device) == "cuda:0"
+    assert common.get_device(device) == "cuda:0"
 
 
 def test_a_missing_gpu_or_an_unknown_device_is_a_user_error(one_fake_gpu):
-    with pytest.raises(train.UserError, match="this machine has 1 GPU"):
-        train.get_device("cuda:1")
+    with pytest.raises(common.UserError, match="this machine has 1 GPU"):
+        common.get_device("cuda:1")
     with pytest.raises(
-        train.UserError, match="--device mps: unknown device"
+        common.UserError, match="--device mps: unknown device"
     ):  # (MPS has no float64)
-        train.get_device("mps")
+        common.get_device("mps")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's heap")
@@ -108,13 +110,13 @@ def test_a_cpu_keeps_freed_memory_in_the_heap(monkeypatch):
     a step does not page-fault its (B*T, V) tensors in anew."""
     calls = []
     monkeypatch.setattr(
-        train.ctypes,
+        common.ctypes,
         "CDLL",
         lambda name: types.SimpleNamespace(
             mallopt=lambda option, value: calls.append((option, value))
         ),
     )
-    assert train.get_device("cpu") == "cpu"
+    assert common.get_device("cpu") == "cpu"
     assert calls == [(-4, 0), (-1, 2**31 - 1)]
 
 
@@ -154,12 +156,12 @@ def test_autocast_dtype_is_native_bf16_or_float32(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", native)
     native.answer = True
-    assert train.autocast("cuda:0", "auto").fast_dtype == torch.bfloat16
+    assert common.autocast("cuda:0", "auto").fast_dtype == torch.bfloat16
     native.answer = False
-    assert not hasattr(train.autocast("cuda:0", "auto"), "fast_dtype")  # float32 (T4, V100)
+    assert not hasattr(common.autocast("cuda:0", "auto"), "fast_dtype")  # float32 (T4, V100)
     assert seen == [False, False]
-    assert train.autocast("cuda:0", "float16").fast_dtype == torch.float16
-    assert not hasattr(train.autocast("cpu", "bfloat16"), "fast_dtype")
+    assert common.autocast("cuda:0", "float16").fast_dtype == torch.float16
+    assert not hasattr(common.autocast("cpu", "bfloat16"), "fast_dtype")
 
 
 @pytest.mark.slow
@@ -188,7 +190,7 @@ def test_float16_trains_with_a_grad_scaler(monkeypatch, tmp_path, capsys):
         ]
     )
     assert "cpu, float16 autocast" in capsys.readouterr().out  # the precision is said
-    ckpt = train.load_checkpoint(str(out / "ckpt_last.pt"))
+    ckpt = common.load_checkpoint(str(out / "ckpt_last.pt"))
     assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0
     import json
 
@@ -310,15 +312,15 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
     index = [3, 10, 57, 99]
     batch = dict(collate(splits["valid"], index), n=1)
     assert int(batch["lengths"].min()) < int(batch["lengths"].max())  # really padded
-    log_p, mask, _ = train.score(lm, batch)
+    log_p, mask, _ = evaluate.score(lm, batch)
     (-log_p[mask].sum()).backward()
     args = train.argparse.Namespace(
         **dict(train.DEFAULTS, task="completion", batch_size=4, eval_seqs=8, window=None)
     )
-    train.evaluate(args, lm, dict(splits))
+    evaluate.perplexity(args, lm, dict(splits))
     assert calls and all(calls_ == (True, True) for calls_ in calls)
     for b, i in enumerate(index):
-        alone = train.score(lm, dict(collate(splits["valid"], [i]), n=1))[0]
+        alone = evaluate.score(lm, dict(collate(splits["valid"], [i]), n=1))[0]
         n = alone.size(1)
         torch.testing.assert_close(log_p[b, :n], alone[0], rtol=1e-6, atol=1e-5)  # float32 rounding
 
@@ -352,7 +354,7 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
         kernel_size=3,
     )
     counter = CompileCounter()
-    lm = train.compile_model(LanguageModel(cfg).train(), backend=counter)
+    lm = common.compile_model(LanguageModel(cfg).train(), backend=counter)
     args = train.argparse.Namespace(
         **dict(
             train.DEFAULTS,
@@ -364,10 +366,10 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
         )
     )
     shapes, counts = set(), []
-    for key in train.epoch_batches(args, dict(splits), 0)[:16]:
-        batch = train.get_batch(args, dict(splits), key, "cpu")
+    for key in epoch_batches(args, dict(splits), 0)[:16]:
+        batch = evaluate.get_batch(args, dict(splits), key, "cpu")
         shapes.add(tuple(batch["inputs"].shape))
-        log_p, mask, _ = train.score(lm, batch)
+        log_p, mask, _ = evaluate.score(lm, batch)
         (-log_p[mask].sum() / batch["n"]).backward()
         counts.append(counter.frame_count)
     assert len(shapes) >= 8
@@ -383,16 +385,16 @@ def test_compile_asks_inductor_for_no_matmul_padding(monkeypatch):
     seen = {}
     monkeypatch.setattr(train.torch, "compile", lambda model, **kw: seen.update(kw) or model)
     lm = tiny_lm("gpt", "softmax", "cpu")
-    assert train.compile_model(lm) is lm
+    assert common.compile_model(lm) is lm
     assert seen == dict(
         dynamic=True,
         backend="inductor",
         options={"shape_padding": False, "triton.cudagraphs": False},
     )
-    train.compile_model(lm, dynamic=False, graphs=True)  # (bench.py's static column, on a GPU)
+    common.compile_model(lm, dynamic=False, graphs=True)  # (bench.py's static column, on a GPU)
     assert seen["dynamic"] is False and seen["options"]["triton.cudagraphs"] is True
     monkeypatch.undo()
-    assert train.compile_model(lm, backend="eager")._orig_mod is lm  # (train.py's `raw`)
+    assert common.compile_model(lm, backend="eager")._orig_mod is lm  # (train.py's `raw`)
 
 
 COMPILED_RUNS = [
@@ -441,7 +443,7 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
                 bias=True,
             )
         ).cuda()
-        lm = train.compile_model(lm, graphs=True)  # (train.py on a GPU: --max_tokens batches)
+        lm = common.compile_model(lm, graphs=True)  # (train.py on a GPU: --max_tokens batches)
         frames = []
         for B, T in ((6, 158), (3, 345), (5, 187)):
             x = torch.randint(0, 50256, (B, T), device="cuda")
@@ -503,12 +505,12 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
 
     @pytest.mark.cuda
     def test_training_attention_on_the_gpu_goes_to_flash_not_cudnn(device_flags):
-        """After train.get_device, a training step's attention (bfloat16, CausalSelfAttention's
+        """After common.get_device, a training step's attention (bfloat16, CausalSelfAttention's
         packed q / k / v, dropout 0.1, causal) goes to flash attention (on Ampere and newer), not
         to cuDNN's, which builds a plan for every new (B, T) (torch's first choice on an H100)."""
         from torch.nn.attention import SDPBackend
 
-        train.get_device("cuda:0")
+        common.get_device("cuda:0")
         B, T, H, hd = 3, 187, 12, 64
         x = torch.randn(B, T, 3 * H * hd, device="cuda", dtype=torch.bfloat16)
         q, k, v = (z.view(B, T, H, hd).transpose(1, 2) for z in x.split(H * hd, dim=2))

@@ -14,10 +14,11 @@ import zipfile
 import pytest
 import torch
 
+import common
 import evaluate
 import train
+from common import load_checkpoint, save_checkpoint
 from conftest import ROOT, assert_one_line_error, run_in_process
-from train import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 
@@ -450,7 +451,7 @@ def test_an_output_whose_folder_cannot_be_made_is_a_user_error(tmp_path, capsys)
     import reproduce
 
     (tmp_path / "a_file").write_text("x")
-    with pytest.raises(train.UserError, match="could not write .*the previous checkpoint"):
+    with pytest.raises(common.UserError, match="could not write .*the previous checkpoint"):
         save_checkpoint({"w": torch.ones(2)}, str(tmp_path / "a_file" / "ckpt_last.pt"))
     rc, err = run_in_process(
         reproduce.main,

@@ -13,10 +13,11 @@ import time
 import pytest
 import torch
 
+import common
 import heads
 import train
+from common import load_checkpoint, save_checkpoint
 from conftest import ROOT, run_cli
-from train import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 
@@ -160,7 +161,7 @@ def test_disk_full_during_a_checkpoint_write(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(
-        train.UserError, match="could not write .*file write failed.*previous checkpoint.*intact"
+        common.UserError, match="could not write .*file write failed.*previous checkpoint.*intact"
     ):
         save_checkpoint(dict(ckpt, model={"w": torch.zeros(3)}), str(path))
     monkeypatch.setattr(torch, "save", real_save)

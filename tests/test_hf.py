@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from data import UserError
+import data
+from common import UserError, load_checkpoint
 from decode import decode
 from model import LanguageModel, gpt_state_from_hf
-from train import load_checkpoint
 
 
 def pair(n_layer=2, n_embd=64, n_head=4, V=101, seed=0):
@@ -183,11 +183,9 @@ def test_train_init_from_hf_checkpoint(tmp_path, monkeypatch):
 
 
 def test_hub_download_path(tmp_path, monkeypatch):
-    """model.gpt2_weights downloads into the cache (here from a file:// 'hub') and reuses it;
+    """data.gpt2_weights downloads into the cache (here from a file:// 'hub') and reuses it;
     offline with no cached copy it says to pass --weights."""
     from safetensors.torch import save_file
-
-    import model
 
     hf, lm = pair(seed=2)
     (tmp_path / "hub" / "gpt2").mkdir(parents=True)
@@ -196,25 +194,23 @@ def test_hub_download_path(tmp_path, monkeypatch):
         tmp_path / "hub" / "gpt2" / "model.safetensors",
     )
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(model, "HF_HUB", (tmp_path / "hub").as_uri() + "/{name}/model.safetensors")
+    monkeypatch.setattr(data, "HF_HUB", (tmp_path / "hub").as_uri() + "/{name}/model.safetensors")
     fresh = LanguageModel(lm.cfg)
-    fresh.load_state_dict(gpt_state_from_hf(model.gpt2_weights("gpt2"), fresh))
+    fresh.load_state_dict(gpt_state_from_hf(data.gpt2_weights("gpt2"), fresh))
     assert os.path.exists(tmp_path / "cache" / "hub" / "gpt2" / "model.safetensors")
     for k, v in lm.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v)
     monkeypatch.setenv("NANOGEN_OFFLINE", "1")
-    assert set(model.gpt2_weights("gpt2")) == set(hf.state_dict())  # cached: no network needed
+    assert set(data.gpt2_weights("gpt2")) == set(hf.state_dict())  # cached: no network needed
     monkeypatch.setenv("NANOGEN_CACHE", str(tmp_path / "empty"))
     with pytest.raises(UserError, match="NANOGEN_OFFLINE is set: pass --weights PATH"):
-        model.gpt2_weights("gpt2")
+        data.gpt2_weights("gpt2")
     monkeypatch.delenv("NANOGEN_OFFLINE")
-    monkeypatch.setattr(
-        model, "HF_HUB", (tmp_path / "nohub").as_uri() + "/{name}/model.safetensors"
-    )
+    monkeypatch.setattr(data, "HF_HUB", (tmp_path / "nohub").as_uri() + "/{name}/model.safetensors")
     with pytest.raises(
         UserError, match="^could not download file://.*offline\\? pass --weights PATH"
     ):
-        model.gpt2_weights("gpt2")  # the hub unreachable: one sentence, one fix
+        data.gpt2_weights("gpt2")  # the hub unreachable: one sentence, one fix
 
 
 def test_missing_weights_are_said_before_the_data_is_read(tmp_path, monkeypatch):

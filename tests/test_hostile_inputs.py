@@ -10,7 +10,9 @@ import shutil
 import pytest
 import torch
 
+import common
 import curves
+import data
 import evaluate
 import reproduce
 import sample
@@ -228,7 +230,7 @@ def test_a_read_only_or_full_cache_is_one_line(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(tempfile, "mkdtemp", full)
-    with pytest.raises(train.UserError, match="No space left on device .set NANOGEN_CACHE"):
+    with pytest.raises(common.UserError, match="No space left on device .set NANOGEN_CACHE"):
         prepare.prepare("ptb", verbose=False)
 
 
@@ -243,8 +245,8 @@ def test_malformed_hf_weights_are_one_line(content, tmp_path):
     else:
         path = tmp_path / "pytorch_model.bin"
         torch.save([torch.zeros(3)] if content == "a list" else {"w": "x"}, str(path))
-    with pytest.raises(train.UserError, match="not a readable GPT-2 checkpoint"):
-        train.gpt2_weights("gpt2", str(tmp_path))
+    with pytest.raises(common.UserError, match="not a readable GPT-2 checkpoint"):
+        data.gpt2_weights("gpt2", str(tmp_path))
 
 
 def test_a_malformed_study_is_one_line(lstm_run, tmp_path, capsys):

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import bench
+import common
 import curves
 import evaluate
 import reproduce
@@ -115,7 +116,7 @@ def test_a_stopped_then_resumed_run_logs_what_an_uninterrupted_one_does(tmp_path
     with pytest.MonkeyPatch.context() as m:
         m.setattr(curves, "append", signal_at_step_3)
         train.main(flags + ["--out_dir", out])
-    state = train.load_checkpoint(f"{out}/ckpt_last.pt")["state"]
+    state = common.load_checkpoint(f"{out}/ckpt_last.pt")["state"]
     assert state["step"] == 4 and state["stopped"] == "SIGTERM" and state["since"]["n"] > 0
     assert reproduce.run_status(out) == "stopped by SIGTERM"
     train.main(flags + ["--out_dir", out, "--resume"])
@@ -189,7 +190,7 @@ def test_a_capped_run_is_partial_until_trained_to_its_end(tmp_path, capsys):
     assert reproduce.main(argv + ["--max_minutes", "0"]) == 0
     assert reproduce.run_status(run) is None
     assert "PARTIAL" not in (tmp_path / "r" / "table.md").read_text()
-    assert train.load_checkpoint(f"{run}/ckpt_last.pt")["state"]["step"] == 6
+    assert common.load_checkpoint(f"{run}/ckpt_last.pt")["state"]["step"] == 6
     capsys.readouterr()
 
 
@@ -212,7 +213,7 @@ def test_resume_refuses_every_flag_that_changes_what_the_run_computes(tmp_path, 
         assert_one_line_error(rc, err, f"the checkpoint in {out} {said}: drop that flag")
     train.main(resume + ["--lr", "1e-3"])  # the run's own value (the recipe's), typed: taken
     train.main(resume + ["--max_iters", "3", "--patience", "4", "--probe", "0"])
-    assert train.load_checkpoint(f"{out}/ckpt_last.pt")["state"]["step"] == 3
+    assert common.load_checkpoint(f"{out}/ckpt_last.pt")["state"]["step"] == 3
 
 
 def test_flags_reaching_code_that_does_not_expect_them(tmp_path, capsys):
@@ -248,7 +249,7 @@ def test_weak_messages_made_plain(lstm_run, tmp_path, capsys, monkeypatch):
 
     import data.prepare as prepare
 
-    real = train.load_checkpoint(str(lstm_run / "ckpt_best.pt"))
+    real = common.load_checkpoint(str(lstm_run / "ckpt_best.pt"))
     for name, args, state in (("no-args", {}, {}), ("no-state", real["args"], {})):
         path = tmp_path / f"{name}.pt"
         torch.save(dict(real, args=args, state=state), path)

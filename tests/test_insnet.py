@@ -77,6 +77,7 @@ import itertools  # noqa: E402
 
 import pytest  # noqa: E402
 
+from evaluate import score  # noqa: E402
 from insnet import (  # noqa: E402
     InsertionTransformer,
     InsNet,
@@ -87,11 +88,10 @@ from insnet import (  # noqa: E402
     insertion_targets,
     start_canvas,
 )  # noqa: E402
-from train import score  # noqa: E402
 
 
 def story_nll(m, batch):
-    """-log p of each (sequence, order) and its number of events, from train.score."""
+    """-log p of each (sequence, order) and its number of events, from evaluate.score."""
     log_p, mask, _ = score(m, batch)
     return -(log_p * mask).sum(1), mask.sum(1)
 
@@ -334,7 +334,7 @@ def test_decoding_starts_from_the_training_canvas(name):
 
 def test_order_average_minus_log_n_factorial_bounds_the_nll():
     """-log p(x) = -log sum_pi p(x, pi) <= mean_pi[-log p(x, pi)] - log n!  (Jensen, uniform pi):
-    train.evaluate's nll_bound_per_story, checked exactly over all 4! orders."""
+    evaluate.perplexity's nll_bound_per_story, checked exactly over all 4! orders."""
     import math
 
     m = tiny("insnet")

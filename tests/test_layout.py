@@ -9,7 +9,7 @@ import re
 from conftest import ROOT
 
 CONCEPT = {"heads", "model", "decode", "insnet"}
-COMMANDS = {"train", "evaluate", "sample", "reproduce", "bench", "curves"}
+COMMANDS = {"train", "evaluate", "sample", "reproduce", "bench", "curves"}  # (common: shared)
 
 
 def modules():
@@ -44,14 +44,26 @@ def test_no_import_cycle():
 
     for m in sorted(graph):
         visit(m, [])
-    assert {"train", "heads", "data", "data.loader"} <= set(graph)  # (the walk saw the files)
+    assert {"train", "heads", "data", "data.loader", "common"} <= set(graph)  # (the walk saw them)
 
 
 def test_paper_files_import_no_command():
     graph = modules()
     for m in CONCEPT:
         assert not graph[m] & COMMANDS, (m, graph[m] & COMMANDS)
-    assert graph["data"] == set()  # the shared error and downloads stand on nothing of nanogen's
+
+
+def test_imports_point_down():
+    """common.py stands on nothing of nanogen's; data/ on common alone (and its own files);
+    nothing imports train.py but the drivers that call its main (reproduce, bench)."""
+    graph = modules()
+    assert graph["common"] == set()
+    for m in [m for m in graph if m == "data" or m.startswith("data.")]:
+        outside = {n for n in graph[m] if n != "data" and not n.startswith("data.")}
+        assert outside <= {"common"}, (m, outside)
+    importers = {m for m, imported in graph.items() if "train" in imported}
+    assert importers <= {"reproduce", "bench"}, importers
+    assert "evaluate" in graph["train"] and "train" not in graph["evaluate"]
 
 
 def defined_names(path):

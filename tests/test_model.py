@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-import train
+import common
 from conftest import DEVICES, steps
 from model import MODELS, LanguageModel
 
@@ -128,7 +128,7 @@ def test_unknown_model_rejected():
 @pytest.mark.usefixtures("no_tf32")
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_model_matches_eager(device):
-    """What train.py --compile does (train.compile_model: torch.compile, inductor): the same
+    """What train.py --compile does (common.compile_model: torch.compile, inductor): the same
     log-probs and gradients as the eager model, and unchanged state_dict keys (so checkpoints of
     compiled runs load into plain models).  A tiny model: inductor compiles in about 20 s on
     the CPU."""
@@ -149,7 +149,7 @@ def test_compiled_model_matches_eager(device):
     )
     eager, plain = LanguageModel(cfg).to(device), LanguageModel(cfg).to(device)
     plain.load_state_dict(eager.state_dict())
-    compiled = train.compile_model(plain)  # (no CUDA graphs: graphs=False, its default)
+    compiled = common.compile_model(plain)  # (no CUDA graphs: graphs=False, its default)
     torch._dynamo.utils.counters.clear()
     x = torch.randint(0, 50, (2, 12), device=device)
     grads = []

@@ -5,10 +5,10 @@ over the rows in use, an older unpadded checkpoint refused in one line."""
 import pytest
 import torch
 
+import common
 import heads
 import insnet
 import model
-import train
 from conftest import steps
 from heads import HEADS
 from model import LanguageModel
@@ -107,11 +107,11 @@ def test_an_unpadded_checkpoint_is_refused_in_one_line(tmp_path):
     args = dict(model="lstm", head="nmst", task="completion", dataset="ptb", window=None)
     ckpt = dict(config=lm.cfg, model=state, args=args, vocab={}, state=dict(step=0))
     torch.save(ckpt, tmp_path / "old.pt")
-    with pytest.raises(train.UserError, match="written before nanogen padded the vocabulary"):
-        train.load_checkpoint(str(tmp_path / "old.pt"))
+    with pytest.raises(common.UserError, match="written before nanogen padded the vocabulary"):
+        common.load_checkpoint(str(tmp_path / "old.pt"))
     torch.save(dict(ckpt, model=lm.state_dict()), tmp_path / "new.pt")
     assert (
-        train.load_checkpoint(str(tmp_path / "new.pt"))["model"]["backbone.wte.weight"].shape[0]
+        common.load_checkpoint(str(tmp_path / "new.pt"))["model"]["backbone.wte.weight"].shape[0]
         == 128
     )
 

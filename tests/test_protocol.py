@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import train
 from data.loader import epoch_batches, load_data, sequence_targets, targets_per_batch
 from data.prepare import CONTEXT_LEN
@@ -65,7 +66,7 @@ def test_the_authors_batches_are_random_not_sorted(authors):
 
 
 def test_the_authors_loss_counts_the_context_targets_and_evaluation_does_not(authors):
-    from data.loader import get_batch
+    from evaluate import get_batch
 
     args, data = authors
     key = epoch_batches(args, data, 0)[0]
@@ -196,7 +197,7 @@ def test_whole_epochs_stops_a_capped_run_at_an_epochs_end(tmp_path):
     train.main(flags.split() + ["--out_dir", str(tmp_path / "any")])
     train.main(flags.split() + ["--whole_epochs", "--out_dir", str(tmp_path / "whole")])
     steps = [
-        train.load_checkpoint(str(tmp_path / name / "ckpt_last.pt"))["state"]["step"]
+        common.load_checkpoint(str(tmp_path / name / "ckpt_last.pt"))["state"]["step"]
         for name in ("any", "whole")
     ]
     assert steps == [1, 3]

@@ -514,7 +514,7 @@ def test_a_signal_that_stops_a_run_stops_reproduce(signal_name, tmp_path, monkey
 def test_a_new_runs_error_is_not_called_a_reuse_problem(tmp_path, monkeypatch, capsys):
     """An error of a run reproduce.py starts (offline: no GPT-2 weights) is said as it is; only a
     run it continues can be one it 'cannot reuse or continue'."""
-    from data import UserError
+    from common import UserError
 
     def offline(argv):
         raise UserError("could not download gpt2 (offline?); pass --weights PATH")

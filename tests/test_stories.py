@@ -11,6 +11,7 @@ import evaluate
 import insnet
 import sample
 import train
+from common import load_checkpoint
 from conftest import run_cli
 from data.stories import (
     BOS,
@@ -24,7 +25,6 @@ from data.stories import (
     synthetic,
 )
 from evaluate import bleu
-from train import load_checkpoint
 
 LINE = (
     "the pet bug <EOT> oliver spotted jar hoped safe <EOL> </s> oliver was playing . </s> "
@@ -134,7 +134,8 @@ def test_rocstories_splits(rocstories):
 
 def test_prepare_reports_rocstories(capsys, tmp_path, monkeypatch):
     """python -m data.prepare --dataset rocstories: its files found (or downloaded) and counted."""
-    from data import UserError, prepare
+    from common import UserError
+    from data import prepare
 
     prepare.main(["--dataset", "rocstories"])
     assert "9316 / 500 / 9816 stories" in capsys.readouterr().out

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+import common
 import curves
 import evaluate
 import train
@@ -112,7 +113,7 @@ def test_the_probe_says_when_its_example_ended_at_once(tokens, said, monkeypatch
     words = types.SimpleNamespace(decode=lambda ids: " ".join(map(str, ids)))
     data = dict(valid=split, tokenizer=words, eos_id=0)
     lm = types.SimpleNamespace(cfg=dict(model="lstm"))
-    train.probe(types.SimpleNamespace(probe=1, probe_L=30), lm, data)
+    evaluate.probe(types.SimpleNamespace(probe=1, probe_L=30), lm, data)
     out = capsys.readouterr().out
     assert said in out, out
     assert ("ended at once" in out) == (tokens == [0]), out
@@ -121,7 +122,7 @@ def test_the_probe_says_when_its_example_ended_at_once(tokens, said, monkeypatch
 def test_tokens_per_second_leave_out_checkpoint_writing(tmp_path, monkeypatch):
     """tok/s (and MFU) count the training steps since the last evaluation, not the writing of
     its checkpoints (GPT-2 124M with AdamW: 1.5 GB each).  Here each write takes 1000 s."""
-    late, write = [0.0], train.save_checkpoint
+    late, write = [0.0], common.save_checkpoint
     monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: time.time() + late[0]))
     monkeypatch.setattr(
         train,
@@ -152,7 +153,7 @@ def test_each_evaluation_redraws_the_curves_and_writes_ckpt_last_once(
     tmp_path, monkeypatch, capsys
 ):
     drawn, written = [], []
-    draw, write = curves.draw_run, train.save_checkpoint
+    draw, write = curves.draw_run, common.save_checkpoint
     monkeypatch.setattr(curves, "draw_run", lambda folder: drawn.append(folder) or draw(folder))
     monkeypatch.setattr(
         train, "save_checkpoint", lambda obj, path: written.append(path) or write(obj, path)

@@ -22,6 +22,8 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common
+import evaluate
 import train  # noqa: E402
 
 mode, rank = os.environ.get("NANOGEN_TEST_WORKER", ""), int(os.environ.get("RANK", "0"))
@@ -57,8 +59,8 @@ elif mode == "count_build":
     build = prepare.build
     prepare.build = lambda *a, **k: print(f"BUILD rank {rank}", flush=True) or build(*a, **k)
 elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
-    if rank == 1:  # (train.score: one call a step here, and none in an evaluation before step 4)
-        train.score = kill_on(int(mode.split("=")[1]), train.score, sig=signal.SIGTERM)
+    if rank == 1:  # (evaluate.score: one call a step here, and none in an evaluation before step 4)
+        evaluate.score = kill_on(int(mode.split("=")[1]), evaluate.score, sig=signal.SIGTERM)
     if mode.startswith("sigterm_at_exit="):
         import torch.distributed
 
@@ -78,4 +80,4 @@ elif mode.startswith("kill="):
         train.validate = kill_on(int(n), train.validate)
     elif where == "checkpoint":
         os.replace = kill_on(int(n), os.replace, lambda src, dst: str(dst).endswith(".pt"))
-train.run(lambda: train.main(sys.argv[1:]))
+common.run(lambda: train.main(sys.argv[1:]))

@@ -47,9 +47,9 @@ class LanguageModel(nn.Module):""",
     ),
     (
         "model.py",
-        '    if cfg["model"] in ("rnn", "lstm"):\n        return Recurrent(',
+        '    if cfg["model"] in ("rnn", "lstm"):\n        rnn = Recurrent(',
         '    if cfg["model"] == "dgcnn":\n        return DilatedGCNN(V, cfg["block_size"], cfg["n_layer"], D, '
-        'cfg["kernel_size"], cfg["dropout"])\n    if cfg["model"] in ("rnn", "lstm"):\n        return Recurrent(',
+        'cfg["kernel_size"], cfg["dropout"])\n    if cfg["model"] in ("rnn", "lstm"):\n        rnn = Recurrent(',
     ),
     (
         "train.py",
