@@ -1,0 +1,103 @@
+"""What no formatter undoes, checked on every Python file of the project (tests included):
+`ruff format` and `ruff check` (ruff.toml; CI runs both) make the layout, this test rejects the
+golf that hides branching.  One idea a line."""
+
+import ast
+import os
+import subprocess
+
+from conftest import ROOT
+
+# Functions that still take more than 6 parameters: each is a debt, none may be added.
+MANY_PARAMETERS = set()
+
+
+def project_files():
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [f for f in listed if os.path.exists(os.path.join(ROOT, f))]
+
+
+def is_condition(node):
+    """A value that reads as a truth test: a comparison, and / or / not, a bool() or is... call."""
+    if isinstance(node, (ast.Compare, ast.BoolOp)):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return True
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = getattr(func, "id", getattr(func, "attr", ""))
+        return name in ("bool", "isfile", "isdir", "exists")
+    return False
+
+
+def is_sequence(node):
+    if isinstance(node, (ast.List, ast.Tuple, ast.JoinedStr)):
+        return True
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def parameters(node):
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    count = len([n for n in names if n not in ("self", "cls")])
+    return count + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def golf(path):
+    """-> ['file:line what'] for each construct the style rejects."""
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+    found = []
+    for node in ast.walk(tree):
+        where = f"{path}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.NamedExpr):
+            found.append(f"{where} walrus :=")
+        if isinstance(node, ast.IfExp):
+            inner = [n for part in (node.test, node.body, node.orelse) for n in ast.walk(part)]
+            if any(isinstance(n, ast.IfExp) for n in inner):
+                found.append(f"{where} nested conditional expression")
+        if isinstance(node, ast.Expr) and isinstance(node.value, (ast.IfExp, ast.Tuple)):
+            found.append(f"{where} a conditional expression or tuple as a statement")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            pairs = ((node.left, node.right), (node.right, node.left))
+            if any(is_sequence(a) and is_condition(b) for a, b in pairs):
+                found.append(f"{where} sequence * condition")
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
+            if getattr(node.value.func, "id", "") == "print":
+                found.append(f"{where} return print(...)")
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
+            found.append(f"{where} a lambda given a name (write a def)")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            name = f"{path}:{node.name}"
+            if parameters(node) > 6 and name not in MANY_PARAMETERS:
+                found.append(f"{where} {node.name} takes {parameters(node)} parameters (<= 6)")
+    return found
+
+
+def test_no_golf_in_any_file():
+    found = [line for path in project_files() for line in golf(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_checks_catch_what_they_name(tmp_path, monkeypatch):
+    """Each rule on a file that breaks it once (so the test above can fail)."""
+    lines = [
+        "if (n := 3):\n    pass",
+        "x = 1 if a else 2 if b else 3",
+        "print(1) if a else print(2)",
+        'flags = ["--resume"] * os.path.isfile(p)',
+        "def f():\n    return print(1)",
+        "g = lambda x: x",
+        "def h(a, b, c, d, e, f, g):\n    pass",
+    ]
+    monkeypatch.setattr("test_style.ROOT", str(tmp_path))
+    for i, text in enumerate(lines):
+        (tmp_path / f"bad{i}.py").write_text(text + "\n")
+        assert len(golf(f"bad{i}.py")) == 1, text
+    (tmp_path / "good.py").write_text("def h(self, a, b, c, d, e, f):\n    x = 1 if a else 2\n")
+    assert golf("good.py") == []
