@@ -98,7 +98,10 @@ def reference_step(model, args, x, y, ctx=None):
     torch.manual_seed(0)
     if model == "gpt":
         net = hf_models(args, x.device, 0.0)[0]
-        logits = lambda: net(x).logits  # noqa: E731
+
+        def logits():
+            return net(x).logits
+
     else:
         net = torch.nn.ModuleList(
             [
@@ -108,21 +111,24 @@ def reference_step(model, args, x, y, ctx=None):
             ]
         ).to(x.device)
         net[2].weight = net[0].weight
-        logits = lambda: net[2](net[1](net[0](x))[0])  # noqa: E731
-    return train_step(
-        net,
-        x,
-        y,
-        ctx=ctx,
-        loss=lambda: torch.nn.functional.cross_entropy(logits().flatten(0, 1).float(), y.flatten()),
-    )
+
+        def logits():
+            return net[2](net[1](net[0](x))[0])
+
+    def loss():
+        return torch.nn.functional.cross_entropy(logits().flatten(0, 1).float(), y.flatten())
+
+    return train_step(net, x, y, ctx=ctx, loss=loss)
 
 
 def bench_train(args, device, ctx=None):
     """Tokens/s of a train step by head (ST / NMST cost what softmax costs; --compile: softmax as
     train.py --compile compiles it, and static; 1st step's s) beside plain PyTorch at the same
     shape (reference_step): the LSTM in float32, the GPT under `ctx` (gpu: bf16 autocast); MFU."""
-    heads = ("softmax", "st", "nmst", *["compiled", "static"] * args.compile, "reference")
+    heads = ["softmax", "st", "nmst"]
+    if args.compile:
+        heads += ["compiled", "static"]
+    heads.append("reference")
     print(
         f"train step, {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
         f"medians of {args.rounds} alternating rounds\n{'model':5s} {'V':>6s} {'B x T':>9s} "
@@ -147,17 +153,11 @@ def bench_train(args, device, ctx=None):
             compiled = head in ("compiled", "static")  # train.py --compile's; static shapes
             lm = LanguageModel(cfg_for(model, "softmax" if compiled else head, V, **kw))
             lm.to(device).train()
-            fns[head] = train_step(
-                common.compile_model(
-                    lm, dynamic=head == "compiled", graphs=(device.startswith("cuda"))
-                )
-                if compiled
-                else lm,
-                x,
-                y,
-                t,
-                c,
-            )
+            net = lm
+            if compiled:
+                graphs = device.startswith("cuda")
+                net = common.compile_model(lm, dynamic=head == "compiled", graphs=graphs)
+            fns[head] = train_step(net, x, y, t, c)
         fns["reference"] = reference_step(model, args, x, y, c)
         first = {h: timed(fns[h], 0, 1, device) for h in heads if h in ("compiled", "static")}
         sec = alternating(fns, args.rounds, args.iters, device)
@@ -243,17 +243,13 @@ def bench_decode(args, device):
 
         with torch.no_grad():
             t_ours, t_hf = timed(ours, 1, args.iters, device), timed(theirs, 1, args.iters, device)
-        n_ours, n_hf = sum(map(len, res["ours"]["tokens"])), res["hf"][:, 10:].numel()
-        same = (
-            "-"
-            if beams > 1
-            else str(
-                all(
-                    res["hf"][i, 10 : 10 + len(t)].tolist() == t
-                    for i, t in enumerate(res["ours"]["tokens"])
-                )
-            )
-        )
+        ours_tokens = res["ours"]["tokens"]
+        n_ours, n_hf = sum(map(len, ours_tokens)), res["hf"][:, 10:].numel()
+        # Greedy: whether both picked the same tokens (HF's rows hold the 10 prompt tokens first).
+        same = "-"
+        if beams == 1:
+            hf_rows = [res["hf"][i, 10 : 10 + len(t)].tolist() for i, t in enumerate(ours_tokens)]
+            same = str(hf_rows == ours_tokens)
         print(
             f"{name:8s} {n_ours / t_ours:14.0f} {n_hf / t_hf:10.0f} "
             f"{n_ours / t_ours / (n_hf / t_hf):8.2f} {same:>12s}"
@@ -284,16 +280,9 @@ def bench_insnet(args, device):
     print("\n".join(lines))
     rows = []
     for n in args.lengths:
-        t = [
-            epoch_time(
-                m,
-                dict(cfg_for("gpt", "softmax", 30000, eos_id=2), **shape, model=m),
-                n,
-                args,
-                device,
-            )
-            for m in ("insnet", "insertion_transformer", "gpt")
-        ]
+        cfg = dict(cfg_for("gpt", "softmax", 30000, eos_id=2), **shape)
+        models = ("insnet", "insertion_transformer", "gpt")
+        t = [epoch_time(m, dict(cfg, model=m), n, args, device) for m in models]
         rows.append((n, *t))
         lines.append(
             f"{n:6d} {t[0]:9.2f} {t[1]:11.2f} {t[2]:9.2f} {t[0] / t[2]:11.2f} {t[1] / t[0]:10.1f}"
@@ -318,11 +307,9 @@ def epoch_time(name, cfg, n, args, device):
     data, it = synthetic(args.seqs, lengths=(n,), seed=n), name == "insertion_transformer"
     torch.manual_seed(0)
     model = insnet.INSERTION.get(cfg["model"], LanguageModel)(cfg).to(device).train()
-    opt, bs, g = (
-        torch.optim.AdamW(model.parameters(), lr=1e-4),
-        args.it_batch if it else args.batch,
-        torch.Generator().manual_seed(0),
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    bs = args.it_batch if it else args.batch
+    g = torch.Generator().manual_seed(0)
 
     def epoch():
         for i in range(0, len(data), bs):
@@ -349,45 +336,13 @@ def bench_arch(args, device):
     ]
     for model, n_layer, d_model in ARCH:
         with tempfile.TemporaryDirectory() as out:
-            train.main(
-                [
-                    "--model",
-                    model,
-                    "--dataset",
-                    "ptb",
-                    "--n_layer",
-                    str(n_layer),
-                    "--d_model",
-                    str(d_model),
-                    "--n_head",
-                    "4",
-                    "--block_size",
-                    "256",
-                    "--dropout",
-                    "0.1",
-                    "--batch_size",
-                    "32",
-                    "--lr",
-                    "2e-3",
-                    "--lr_schedule",
-                    "constant",
-                    "--max_iters",
-                    "0",
-                    "--max_minutes",
-                    str(args.budget / 60),
-                    "--probe",
-                    "0",
-                    "--no_curves",
-                    "--eval_interval",
-                    str(args.eval_every),
-                    "--eval_seqs",
-                    "300",
-                    "--out_dir",
-                    out,
-                    "--device",
-                    device,
-                ]
-            )
+            flags = (
+                f"--model {model} --dataset ptb --n_layer {n_layer} --d_model {d_model} "
+                f"--n_head 4 --block_size 256 --dropout 0.1 --batch_size 32 --lr 2e-3 "
+                f"--lr_schedule constant --max_iters 0 --max_minutes {args.budget / 60} "
+                f"--probe 0 --no_curves --eval_interval {args.eval_every} --eval_seqs 300"
+            ).split()
+            train.main([*flags, "--out_dir", out, "--device", device])
             ckpt, run, data, lm = evaluate.load_run(f"{out}/ckpt_last.pt", device=device)
             log = curves.read_log(os.path.join(out, "log.jsonl"))
         prompts = [torch.as_tensor(data["valid"].context(i), device=device) for i in range(16)]
@@ -406,7 +361,8 @@ def bench_gpu(args, device):
     """On a GPU: the train-step table at the NMST paper's LSTM (2 x 512, 32 x 128, float32) and
     GPT-2 124M (8 x 1024, bf16 autocast), eager and compiled; then decoding against HF."""
     if not device.startswith("cuda"):
-        return print("no CUDA device here: bench.py gpu times nanogen's CUDA paths (nothing to do)")
+        print("no CUDA device here: bench.py gpu times nanogen's CUDA paths (nothing to do)")
+        return
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     vars(args).update(
         gpt_layers=12, gpt_dim=768, gpt_heads=12, gpt_batch=8, batch=32, prompts=32, compile=True

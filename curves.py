@@ -38,12 +38,15 @@ NOT_LABELS = (
 def read_log(path, step=math.inf):
     """The records of a run's .jsonl log up to `step` (a line torn by a crash is skipped)."""
     records = []
-    for line in open(path) if os.path.exists(path) else []:
+    if not os.path.exists(path):
+        return records
+    for line in open(path):
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        records += [record] if isinstance(record, dict) and record.get("step", step) <= step else []
+        if isinstance(record, dict) and record.get("step", step) <= step:
+            records.append(record)
     return records
 
 
@@ -173,27 +176,32 @@ def labels(runs):
     """What tells each run apart: the flags whose values differ between the runs (a head by the
     papers' name, as in every figure; eps only where a head has one), or its folder."""
     args = [a for a, _ in runs]
-    reads = lambda a, k: k != "epsilon" or a.get("head") in EPSILON_HEADS  # noqa: E731
-    what = ("model", "head", "dataset", "task")  # their values stand alone; they come first
-    keys = [
-        k
-        for k in sorted(
-            {k for a in args for k in a} - set(NOT_LABELS), key=lambda k: (k not in what, k)
-        )
-        if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1
-    ] or ["head"]
-    names = [
-        " ".join(
-            (paper_name(a[k]) if k == "head" else str(a[k])) if k in what else f"{k}={a.get(k)}"
-            for k in keys
-            if k in a and reads(a, k)
-        )
-        or os.path.basename(os.path.normpath(folder))
-        for a, folder in runs
-    ]
+
+    def reads(a, k):
+        return k != "epsilon" or a.get("head") in EPSILON_HEADS
+
+    # These flags' values stand alone in a label, and come first.
+    what = ("model", "head", "dataset", "task")
+    flags = sorted({k for a in args for k in a} - set(NOT_LABELS), key=lambda k: (k not in what, k))
+    keys = [k for k in flags if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1]
+    keys = keys or ["head"]
+    names = []
+    for a, folder in runs:
+        words = [label_word(a, k, what) for k in keys if k in a and reads(a, k)]
+        names.append(" ".join(words) or os.path.basename(os.path.normpath(folder)))
     if len(set(names)) < len(names):  # alike in every flag: told apart by their folders
         names = [f"{n} ({os.path.normpath(f)})" for n, (_, f) in zip(names, runs)]
     return names
+
+
+def label_word(a, k, what):
+    """The word of flag k in a run's label: a head by the papers' name, a value that stands alone,
+    or k=value."""
+    if k == "head":
+        return paper_name(a[k])
+    if k in what:
+        return str(a[k])
+    return f"{k}={a.get(k)}"
 
 
 def overlay(folders, path):

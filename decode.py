@@ -108,24 +108,15 @@ class CachedStepper:
 
 # --- the decoders -----------------------------------------------------------------------------
 @torch.no_grad()
-def decode(
-    lm,
-    prompts,
-    L,
-    decoder="greedy",
-    k=None,
-    p=None,
-    beam_size=None,
-    temperature=1.0,
-    consistent=False,
-    length_penalty=0.0,
-    generator=None,
-):
+def decode(lm, prompts, L, decoder="greedy", generator=None, **options):
     """Continue every prompt for at most L tokens.
     prompts: list of 1-D LongTensors (different lengths allowed), or an (N, P) tensor.
+    options: the decoder's own, as check_decoder_args names them (k, p, beam_size, temperature,
+    consistent, length_penalty).
     -> dict(tokens: list of lists (eos included when produced), terminated: bool tensor (N,),
             lengths: long tensor (N,) = len(tokens), scores: sum of log-probs (N,))."""
-    check_decoder_args(decoder, k, p, beam_size, temperature, consistent, length_penalty)
+    options = dict(DECODER_OPTIONS, **options)
+    check_decoder_args(decoder, **options)
     device = next(lm.parameters()).device
     padded, lengths = pad_prompts(prompts, device)
     cap = longest_continuation(lm, int(lengths.max()))
@@ -139,16 +130,18 @@ def decode(
     with eval_mode(lm):
         stepper = CachedStepper(lm)
         if decoder == "beam":
-            return _beam(stepper, padded, lengths, L, beam_size, lm.eos_id, length_penalty)
-        return _sample(
-            stepper,
-            padded,
-            lengths,
-            L,
-            decoder,
-            dict(k=k, p=p, temperature=temperature, eos_id=lm.eos_id, consistent=consistent),
-            generator,
+            return _beam(
+                stepper, padded, lengths, L, options["beam_size"], options["length_penalty"]
+            )
+        filt = dict(
+            decoder=decoder,
+            k=options["k"],
+            p=options["p"],
+            temperature=options["temperature"],
+            eos_id=lm.eos_id,
+            consistent=options["consistent"],
         )
+        return _sample(stepper, padded, lengths, L, filt, generator)
 
 
 def longest_continuation(lm, prompt_len):
@@ -189,6 +182,10 @@ def pad_prompts(prompts, device):
 
 
 STORY_DECODERS = ("greedy", "sample", "topk")  # insertion decoding: slot, then token
+# The decoders' own arguments and their defaults (none given).
+DECODER_OPTIONS = dict(
+    k=None, p=None, beam_size=None, temperature=1.0, consistent=False, length_penalty=0.0
+)
 
 
 def check_decoder_args(
@@ -245,10 +242,10 @@ def sampling_generator(device, seed):
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _sample(stepper, prompts, lengths, L, decoder, filt, generator):
+def _sample(stepper, prompts, lengths, L, filt, generator):
     """Greedy (eq. 8) and the sampling decoders (eq. 12-15): one token per active row per step,
     everything kept on the model's device; one read per step (how many rows just ended).
-    filt: filter_log_probs's k, p, temperature, eos_id, consistent."""
+    filt: filter_log_probs's decoder, k, p, temperature, eos_id, consistent."""
     N, dev = len(lengths), prompts.device
     tokens = torch.full((N, L), -1, dtype=torch.long, device=dev)
     scores = torch.zeros(N, dtype=torch.float64, device=dev)
@@ -257,10 +254,10 @@ def _sample(stepper, prompts, lengths, L, decoder, filt, generator):
     active = torch.arange(N, device=dev)  # prompt index of every row the stepper holds
     log_probs = stepper.start(prompts, lengths)
     for t in range(1, L + 1):
-        if decoder == "greedy":
+        if filt["decoder"] == "greedy":
             choice = log_probs.argmax(-1)  # eq. 8
         else:
-            choice = draw(filter_log_probs(log_probs.float(), decoder, **filt), generator)
+            choice = draw(filter_log_probs(log_probs.float(), **filt), generator)
         tokens[active, t - 1] = choice
         scores[active] += log_probs.gather(1, choice.unsqueeze(1)).squeeze(1).double()
         ended = choice == filt["eos_id"]
@@ -279,14 +276,14 @@ def _sample(stepper, prompts, lengths, L, decoder, filt, generator):
     return _result(tokens.cpu(), out_len.cpu(), terminated.cpu(), scores.cpu())
 
 
-def _beam(stepper, prompts, lengths, L, k, eos_id, length_penalty):
+def _beam(stepper, prompts, lengths, L, k, length_penalty):
     """Beam search, Definition A.3: keep k prefixes P_t; expand each by its top-k tokens
     (eq. 16-17) and keep the k best of the k x k candidates by s(rho) = sum of log-probs
     (eq. 18).  A prefix of P_t that ends with eos goes to the final set P and is not expanded;
     the search for a prompt ends once P holds k sequences, and returns argmax_{rho in P} s(rho)
     (eq. 19) (with length_penalty a > 0: s / |rho|^a, off by default).  If P is not full after
     L steps the continuation is non-terminated: the best unfinished prefix (L tokens)."""
-    N, dev = len(lengths), prompts.device
+    N, dev, eos_id = len(lengths), prompts.device, stepper.lm.eos_id
     rows = torch.arange(N, device=dev).repeat_interleave(k)  # every prompt's k beams
     log_probs = stepper.start(prompts, lengths)[rows]  # one encoding per prompt, k copies
     stepper.reorder(rows)
@@ -332,7 +329,13 @@ def _beam_result(finished, unfinished, N, L, k, length_penalty):
     out_len = torch.full((N,), L, dtype=torch.long)
     terminated = torch.zeros(N, dtype=torch.bool)
     scores = torch.full((N,), float("-inf"), dtype=torch.float64)
-    norm = (lambda c: c[0] / len(c[1]) ** length_penalty) if length_penalty else (lambda c: c[0])
+
+    def norm(candidate):
+        score, seq = candidate
+        if length_penalty:
+            return score / len(seq) ** length_penalty
+        return score
+
     for i in range(N):
         if len(finished[i]) >= k:
             s, seq = max(finished[i], key=norm)

@@ -223,6 +223,11 @@ def check_head_options(kind, epsilon, temperature):
         )
 
 
+HEAD_OPTIONS = dict(
+    bias=False, n_experts=1, ct_alpha=None, ct_beta=None, ct_rank=0, temperature=1.0
+)
+
+
 class Head(nn.Module):
     """Output layer: h (B, T, D) -> log_probs (B, T, V).
 
@@ -230,37 +235,31 @@ class Head(nn.Module):
     running `log_keep` (B,) and None for the others.  t (B, T) is the continuation step of every
     position (only ST / NMST read it; None is fine for the others)."""
 
-    def __init__(
-        self,
-        kind,
-        d_model,
-        vocab_size,
-        eos_id,
-        epsilon=None,
-        bias=False,
-        n_experts=1,
-        ct_alpha=None,
-        ct_beta=None,
-        ct_rank=0,
-        temperature=1.0,
-    ):
+    def __init__(self, kind, d_model, vocab_size, eos_id, epsilon=None, **options):
+        """options (HEAD_OPTIONS gives their defaults): bias (of U), n_experts (MoS), ct_alpha,
+        ct_beta and ct_rank (CT), a constant temperature."""
         super().__init__()
-        check_head_options(kind, epsilon, temperature)
+        unknown = set(options) - set(HEAD_OPTIONS)
+        if unknown:
+            raise TypeError(f"Head() got unknown options: {', '.join(sorted(unknown))}")
+        o = dict(HEAD_OPTIONS, **options)
+        check_head_options(kind, epsilon, o["temperature"])
         self.kind, self.eos_id, self.epsilon = kind, int(eos_id), epsilon
-        self.temperature, self.ct_alpha, self.ct_beta = float(temperature), ct_alpha, ct_beta
-        self.proj = nn.Linear(d_model, padded(vocab_size), bias=bias)  # U, the (tied) decoder
+        self.temperature = float(o["temperature"])
+        self.ct_alpha, self.ct_beta = o["ct_alpha"], o["ct_beta"]
+        self.proj = nn.Linear(d_model, padded(vocab_size), bias=o["bias"])  # U, the (tied) decoder
         self.vocab_size = vocab_size  # U's rows past it are padding, sliced off (padded)
         if kind in ("mos", "ctmos"):  # MoS: prior W_p and per-expert latents tanh(W_k h)
-            self.n_experts = n_experts
-            self.prior = nn.Linear(d_model, n_experts, bias=False)
-            self.latent = nn.Linear(d_model, n_experts * d_model)
-        if kind in ("ct", "ctmos"):  # W_tau, optionally factorised W_tau1 W_tau2 (rank ct_rank)
-            self.tau = (
-                nn.Linear(d_model, vocab_size)
-                if ct_rank <= 0
-                else nn.Sequential(
-                    nn.Linear(d_model, ct_rank, bias=False), nn.Linear(ct_rank, vocab_size)
-                )
+            self.n_experts = o["n_experts"]
+            self.prior = nn.Linear(d_model, self.n_experts, bias=False)
+            self.latent = nn.Linear(d_model, self.n_experts * d_model)
+        # CT: W_tau, optionally factorised as W_tau1 W_tau2 of rank ct_rank.
+        ct_rank = o["ct_rank"]
+        if kind in ("ct", "ctmos") and ct_rank <= 0:
+            self.tau = nn.Linear(d_model, vocab_size)
+        elif kind in ("ct", "ctmos"):
+            self.tau = nn.Sequential(
+                nn.Linear(d_model, ct_rank, bias=False), nn.Linear(ct_rank, vocab_size)
             )
 
     def temperatures(self, h):
@@ -288,8 +287,11 @@ class Head(nn.Module):
         logits = self.proj(h)[..., : self.vocab_size]  # (B, T, V)
         if self.kind == "ct":
             return ct_log_probs(logits, self.temperatures(h)), None
-        if self.kind == "softmax":  # (a constant temperature c: no division at c = 1, decoding)
-            return softmax_log_probs(logits if (c := self.temperature) == 1 else logits / c), None
+        if self.kind == "softmax":
+            # A constant temperature c: no division at c = 1 (decoding).
+            if self.temperature != 1:
+                logits = logits / self.temperature
+            return softmax_log_probs(logits), None
         if self.kind == "nmst":
             return nmst_log_probs(logits, t, self.eos_id, self.epsilon), None
         if self.kind == "st":
@@ -311,8 +313,11 @@ class Head(nn.Module):
             return self(h, t)[0].gather(-1, targets.unsqueeze(-1)).squeeze(-1), None
         W, bias = self.proj.weight, self.proj.bias
         if self.kind == "softmax":
-            if (c := self.temperature) != 1.0:
-                h, bias = h / c, (None if bias is None else bias / c)
+            c = self.temperature
+            if c != 1.0:
+                h = h / c
+            if c != 1.0 and bias is not None:
+                bias = bias / c
             return log_softmax_at(h, W, targets, self.vocab_size, None, bias), None
         e = self.eos_id
         z_eos = h @ W[e] + (bias[e] if bias is not None else 0.0)  # (B, T)

@@ -54,7 +54,20 @@ def offset_matrix(order):
 
     rank_j(i) = #{k <= j : order[k] < order[i]} is a cumulative count: with
     less[i, k] = order[k] < order[i], rank_j(i) = cumsum_k(less)[i, j], so
-    offsets[j, i] = C[i, j] - C[j, j] with C = cumsum(less, dim=-1)."""
+    offsets[j, i] = C[i, j] - C[j, j] with C = cumsum(less, dim=-1).
+
+    The canvas BOS a b c EOS built in the order BOS, EOS, b, a, c (order = [0, 4, 2, 1, 3]):
+
+        j  inserts  canvas after step j   offsets[j, i], i = BOS EOS  b   a   c
+        0  BOS      BOS                                       0
+        1  EOS      BOS EOS                                  -1   0
+        2  b        BOS  b  EOS                              -1   1   0
+        3  a        BOS  a   b  EOS                          -1   2   1   0
+        4  c        BOS  a   b   c  EOS                      -3   1  -1  -2   0
+
+    Row j: where each token stood in step j's canvas, counted from the token just inserted (at
+    step 3, BOS sits one left of a, b one right of it, EOS two right); above the diagonal, 0.
+    """
     order = torch.as_tensor(order)
     squeeze = order.dim() == 1
     if squeeze:
@@ -167,10 +180,8 @@ class InsertionModel(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied input / output embeddings
 
     def num_params(self):  # those in use: not the padding rows of the vocabulary
-        return (
-            sum(p.numel() for p in self.parameters())
-            - (padded(V := self.cfg["vocab_size"]) - V) * self.cfg["d_model"]
-        )
+        V = self.cfg["vocab_size"]
+        return sum(p.numel() for p in self.parameters()) - (padded(V) - V) * self.cfg["d_model"]
 
     def max_canvas(self):
         """The most tokens a canvas may hold: None (InsNet's positions are relative offsets)."""
@@ -277,9 +288,10 @@ class InsNet(InsertionModel):
             cj = canvas.gather(1, j.unsqueeze(-1).expand(-1, -1, canvas.size(2)))  # (B, m, n)
             lft = cj.gather(2, g.unsqueeze(-1))[..., 0]
             rgt = cj.gather(2, (g + 1).unsqueeze(-1))[..., 0]
-            pick = lambda idx: h.gather(  # noqa: E731
-                1, idx.unsqueeze(-1).expand(-1, -1, h.size(-1))
-            )
+
+            def pick(idx):
+                return h.gather(1, idx.unsqueeze(-1).expand(-1, -1, h.size(-1)))
+
             return self.slot_proj(torch.cat([pick(lft), pick(rgt), pick(j)], dim=-1))
 
         return gap_logits, end_logits, slot_of
@@ -363,9 +375,10 @@ class InsertionTransformer(InsertionModel):
 
         def slot_of(jj, g):
             Hj = H.gather(1, jj.view(B, -1, 1, 1).expand(-1, -1, n, H.size(-1)))  # (B, m, n, D)
-            pick = lambda idx: Hj.gather(  # noqa: E731
-                2, idx.view(B, -1, 1, 1).expand(-1, -1, 1, H.size(-1))
-            )[:, :, 0]
+
+            def pick(idx):
+                return Hj.gather(2, idx.view(B, -1, 1, 1).expand(-1, -1, 1, H.size(-1)))[:, :, 0]
+
             return self.slot_proj(torch.cat([pick(g), pick(g + 1)], dim=-1))
 
         return gap_logits, end_logits, slot_of
@@ -483,7 +496,8 @@ def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device=
     """A training / scoring batch: seqs, list of 1-D token lists (BOS .. EOS in final order);
     n_given[b]: BOS + the given prefix (title + separator: 1 when there is none); keyword_pos[b]:
     positions given as keywords.  -> dict for InsertionModel.sequence_log_probs."""
-    tokens = torch.zeros(len(seqs), n := max(map(len, seqs)), dtype=torch.long)  # right-padded
+    n = max(map(len, seqs))
+    tokens = torch.zeros(len(seqs), n, dtype=torch.long)  # right-padded
     order = torch.arange(n).repeat(len(seqs), 1)  # padding keeps order values >= the length
     for b, s in enumerate(seqs):
         tokens[b, : len(s)] = torch.as_tensor(s)

@@ -183,10 +183,12 @@ class GPT(nn.Module):
     """GPT-2: token + learned position embeddings, n_layer pre-LN blocks, final LayerNorm.
     Module names follow GPT-2's checkpoints (wte, wpe, h.i.attn.c_attn, ...)."""
 
-    def __init__(
-        self, vocab_size, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1, bias=True
-    ):
+    def __init__(self, cfg):
+        """cfg: a config dict's vocab_size, block_size, n_layer, n_head, d_model (n_embd),
+        dropout, bias."""
         super().__init__()
+        vocab_size, block_size, n_embd = cfg["vocab_size"], cfg["block_size"], cfg["d_model"]
+        n_layer, n_head, dropout, bias = cfg["n_layer"], cfg["n_head"], cfg["dropout"], cfg["bias"]
         self.block_size, self.d_model, self.n_layer = block_size, n_embd, n_layer
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -341,9 +343,7 @@ def build_backbone(cfg):
     """The backbone of a config dict (train.py's model_config writes it, checkpoints keep it)."""
     V, D = cfg["vocab_size"], cfg["d_model"]
     if cfg["model"] == "gpt":
-        return GPT(
-            V, cfg["block_size"], cfg["n_layer"], cfg["n_head"], D, cfg["dropout"], cfg["bias"]
-        )
+        return GPT(cfg)
     if cfg["model"] == "gcnn":
         return GCNN(V, cfg["block_size"], cfg["n_layer"], D, cfg["kernel_size"], cfg["dropout"])
     if cfg["model"] in ("rnn", "lstm"):
@@ -420,7 +420,8 @@ class LanguageModel(nn.Module):
         return self.backbone.reorder_state(bstate, index), hstate
 
     def num_params(self):  # those in use: not the padding rows of the vocabulary (heads.padded)
-        pad = (padded(V := self.cfg["vocab_size"]) - V) * self.cfg["d_model"]
+        V = self.cfg["vocab_size"]
+        pad = (padded(V) - V) * self.cfg["d_model"]
         return sum(p.numel() for p in self.parameters()) - pad * (2 - self.cfg["tie"])
 
     def flops_per_token(self, seq_len):

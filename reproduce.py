@@ -131,13 +131,14 @@ def train_all(plan, args):
     """Train, go on with or reuse every run of the plan [(name, flags)]: in turn, or --jobs at once
     as `python train.py` processes (output: RUNS/NAME.log); --max_minutes caps each."""
     cap = ["--max_minutes", f"{args.max_minutes or 0:g}"]  # (0: none, a capped run's cap lifted)
-    runs = [
-        (
-            out := os.path.join(args.runs, name),
-            [*flags, *cap, "--out_dir", out] + ["--resume"] * os.path.isfile(f"{out}/ckpt_last.pt"),
-        )
-        for name, flags in plan
-    ]
+    runs = []
+    for name, flags in plan:
+        out = os.path.join(args.runs, name)
+        argv = [*flags, *cap, "--out_dir", out]
+        # A run with a checkpoint goes on from it (a finished one stops at once: reused).
+        if os.path.isfile(f"{out}/ckpt_last.pt"):
+            argv.append("--resume")
+        runs.append((out, argv))
     most = (
         f": {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min of training, and each "
         "run's set-up and evaluations"
@@ -268,31 +269,20 @@ EVAL_SEQS = 400  # the validation sequences of a run's own evaluations (tiny and
 def base_flags(cfg, model, head, seed, eps):
     """Four evaluations per run (and as many termination probes: the curves over training);
     tiny: one."""
-    steps = []  # paper scale: the recipe's own steps and evaluations
+    flags = f"--model {model} --head {head}".split()
+    # Only the termination heads read eps (NMST eq. 9, 10).
+    if head in EPSILON_HEADS:
+        flags += ["--epsilon", str(eps)]
+    flags += f"--dataset {cfg['dataset']} --seed {seed}".split() + cfg["models"][model]
+    # The paper scale keeps the recipe's own steps and evaluations.
     if cfg["steps"]:
-        every = cfg["steps"] if cfg["steps"] < 20 else cfg["steps"] // 4
-        steps = [
-            "--max_iters",
-            str(cfg["steps"]),
-            "--eval_interval",
-            str(every),
-            "--eval_seqs",
-            str(EVAL_SEQS),
-        ]
-    eps = ["--epsilon", str(eps)] if head in EPSILON_HEADS else []  # (eq. 9, 10)
-    return [
-        "--model",
-        model,
-        "--head",
-        head,
-        *eps,
-        "--dataset",
-        cfg["dataset"],
-        "--seed",
-        str(seed),
-        *cfg["models"][model],
-        *steps,
-    ]
+        every = cfg["steps"] // 4
+        if cfg["steps"] < 20:
+            every = cfg["steps"]
+        flags += (
+            f"--max_iters {cfg['steps']} --eval_interval {every} --eval_seqs {EVAL_SEQS}".split()
+        )
+    return flags
 
 
 # --- NMST Table 1 + Fig. 2 / 7, NMST Table 4 --------------------------------------------------
@@ -316,21 +306,15 @@ def nmst_runs(table, args):
     runs, ckpts = {}, train_all([p[:2] for p in plan], args)
     for k, (name, train_flags, key, seed) in enumerate(plan):
         print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
-        ckpt, ppl_flags = ckpts[name], ["--split", "valid"] + limit * (args.scale == "tiny")
+        ckpt, ppl_flags = ckpts[name], ["--split", "valid"]
+        # Perplexity on the whole split, but for the smoke test.
+        if args.scale == "tiny":
+            ppl_flags += limit
         ppl = evaluate.evaluate_once(ckpt, ppl_flags, f"{args.out}/{name}-ppl.json")
         r = {k: ppl[k] for k in ("ppl", "ppl_nanogen", "ppl_authors")}
         for dec in cfg["decoders"]:
-            flags = [
-                "--no_ppl",
-                *decoder_flags(dec),
-                "--L",
-                *curve,
-                *limit,
-                "--seed",
-                str(seed),
-                "--traces",
-                "3",
-            ]
+            flags = ["--no_ppl", *decoder_flags(dec), "--L", *curve, *limit]
+            flags += f"--seed {seed} --traces 3".split()
             r[dec] = evaluate.evaluate_once(ckpt, flags, f"{args.out}/{name}-{dec}.json")
         runs.setdefault(key, []).append(r)
     return cfg, runs
@@ -745,17 +729,8 @@ def run_insnet(args):
     plan = [
         (
             f"{model}-s{seed}",
-            [
-                "--model",
-                model,
-                "--dataset",
-                "rocstories",
-                "--task",
-                "storyline",
-                "--seed",
-                str(seed),
-                *cfg["flags"],
-            ],
+            f"--model {model} --dataset rocstories --task storyline --seed {seed}".split()
+            + cfg["flags"],
             model,
         )
         for model in ("insnet", "gpt")
@@ -865,11 +840,9 @@ def main(argv=None):
     todo = RESULTS if args.what == "all" else (args.what,)
     base_out, base_runs = args.out, args.runs
     for name in todo:
-        args.out = (
-            base_out
-            if base_out and len(todo) == 1
-            else os.path.join(base_out or "results", f"{name}-{args.scale}")
-        )
+        args.out = os.path.join(base_out or "results", f"{name}-{args.scale}")
+        if base_out and len(todo) == 1:
+            args.out = base_out
         args.runs = base_runs or os.path.join(args.out, "runs")
         args.partial = []  # (train_all's, shared by the copies of args a result makes)
         check_output(args.out, "--out", folder=True)
@@ -879,13 +852,12 @@ def main(argv=None):
         except OSError as e:
             raise UserError(f"--runs {args.runs} cannot be made: {e.strerror or e}") from None
         t0 = time.time()
-        lines, raw = (
-            run_nmst(int(name[-1]), args)
-            if name.startswith("nmst")
-            else run_ct(args)
-            if name == "ct-table3"
-            else run_insnet(args)
-        )
+        if name.startswith("nmst"):
+            lines, raw = run_nmst(int(name[-1]), args)
+        elif name == "ct-table3":
+            lines, raw = run_ct(args)
+        else:
+            lines, raw = run_insnet(args)
         minutes = (time.time() - t0) / 60
         lines += [
             "",

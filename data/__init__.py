@@ -24,7 +24,8 @@ def sha256_file(path):
 
 
 def check_sha256(path, expected):
-    if (got := sha256_file(path)) != expected:
+    got = sha256_file(path)
+    if got != expected:
         raise UserError(
             f"checksum mismatch for {path}: sha256 {got}, expected {expected} (a "
             f"corrupt or wrong file: delete it, or point --data_dir at a good copy)"

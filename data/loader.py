@@ -56,30 +56,22 @@ def load(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"):
 def load_data(args, verbose=True):
     """A run's data: dict(vocab, vocab_size, eos_id, and per split what its task reads)."""
     if args.task in ("story", "storyline"):
-        d = load_sequences(
-            args.dataset,
-            args.task,
-            args.model,
-            args.data_dir,
-            args.min_count,
-            args.synthetic_count,
-            verbose=verbose,
-        )
+        d = load_sequences(args, verbose)
         return dict(
             d, train=d["train"][: args.train_seqs or None], vocab_size=len(d["vocab"]), eos_id=EOS
         )
     meta, splits, streams = load(args.dataset, args.data_dir, args.vocab, verbose, args.protocol)
-    return dict(
+    data = dict(
         splits,
         vocab=meta["vocab"],
         vocab_size=meta["vocab_size"],
         eos_id=meta["eos_id"],
         tokenizer=tokenizer(meta["vocab"]),
         streams=streams,
-        **(
-            dict(train=batchify(streams["train"], args.batch_size)) if args.task == "stream" else {}
-        ),
     )
+    if args.task == "stream":
+        data["train"] = batchify(streams["train"], args.batch_size)
+    return data
 
 
 def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
@@ -144,7 +136,8 @@ def sequence_targets(lengths, contexts, context_loss=False):
 
 def check_fits(args, data):
     """A run that would silently do nothing is an error: no step, nothing to validate on."""
-    if (n := len(epoch_batches(args, data, 0))) < args.grad_accum:
+    n = len(epoch_batches(args, data, 0))
+    if n < args.grad_accum:
         raise UserError(
             f"an epoch has {n} batch(es), fewer than --grad_accum {args.grad_accum}: "
             f"no step would run (it needs lines of more than 10 tokens)"
@@ -254,8 +247,21 @@ def to_device(x, device):  # a host tensor on `device`: pinned and non-blocking 
 
 
 def batchify(stream, bsz, split="train"):
-    """Continuous LM (CT paper, AWD-LSTM): the stream (N,) cut into bsz columns (bsz, N // bsz)."""
-    if (n := len(stream) // bsz) < 2:  # every column needs an input and a target
+    """Continuous LM (CT paper, AWD-LSTM): the stream (N,) cut into bsz rows (bsz, N // bsz),
+    each a contiguous stretch of the text; the tail that fills no row is dropped.  The alphabet
+    as the stream, bsz = 4 (as pytorch/examples word_language_model draws it):
+
+        a b c d e f g h i j k l m n o p q r s t u v w x y z
+                                 |
+                                 v
+        a b c d e f     row b goes on where row b-1 stopped; the model reads the rows side
+        g h i j k l     by side, one column a step, each row with its own hidden state
+        m n o p q r     (y z: dropped)
+        s t u v w x
+    """
+    n = len(stream) // bsz
+    # Every row needs an input and a target.
+    if n < 2:
         raise UserError(
             f"the {split} split is too short for a stream of {bsz} columns: "
             f"{len(stream)} tokens (a smaller --batch_size, or more text)"
@@ -265,5 +271,16 @@ def batchify(stream, bsz, split="train"):
 
 def bptt_windows(n_cols, bptt):
     """Truncated-BPTT windows over (bsz, n_cols) columns: (start, length) pairs whose targets
-    [start+1, start+length+1) cover the targets 1 .. n_cols-1 exactly once."""
+    [start+1, start+length+1) cover the targets 1 .. n_cols-1 exactly once.  The rows above
+    (n_cols = 6) with bptt = 2 give (0, 2), (2, 2), (4, 1):
+
+        columns   0 1 | 2 3 | 4 5
+        inputs    a b | c d | e       window (0, 2): inputs  a b   targets  b c
+        targets   b c | d e | f                              g h            h i
+                                                             m n            n o
+                                                             s t            t u
+
+    Column 0 is only an input, the last column only a target; the hidden state carries over
+    from one window to the next.
+    """
     return [(i, min(bptt, n_cols - 1 - i)) for i in range(0, n_cols - 1, bptt)]

@@ -255,7 +255,11 @@ class BPE:
 
     def decode(self, ids):
         text = self.enc.decode([i for i in ids if i != self.eos_id])
-        return text + ((" " if text else "") + "<|endoftext|>" if self.eos_id in ids else "")
+        if self.eos_id not in ids:
+            return text
+        if text:
+            return text + " <|endoftext|>"
+        return "<|endoftext|>"
 
 
 def tokenizer(tokens):
@@ -382,6 +386,39 @@ def usable(folder):
 
 def prepare(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"):
     """Make sure the prepared memmaps exist and match their meta.json; -> their folder."""
+    check_prepare_args(dataset, vocab, protocol)
+    name = dataset
+    if vocab != "word":
+        name += f"-{vocab}"
+    if protocol == "authors":
+        name += "-authors"
+    name = os.path.join(cache_dir(), "prepared", name)
+    # Prepared before from the official files: not read again (nor downloaded).
+    official = DATASETS[dataset].get("sha256")
+    if official and not (data_dir or os.environ.get("NANOGEN_DATA")):
+        folder = f"{name}-{official[:12]}"
+        if usable(folder):
+            return folder
+    source = find_source(dataset, data_dir)
+    folder = f"{name}-{source['sha256'][:12]}"
+    if usable(folder):
+        return folder
+    build_folder(dataset, vocab, source, folder, protocol)
+    if verbose and dataset == "text":
+        print(f"note: your text from {source['path']}{source['held_out']}", file=sys.stderr)
+    elif verbose and not source["official"]:
+        print(
+            f"note: {source['path']} is a copy of {dataset} other than the official files (no "
+            f"checksum to match): used as found",
+            file=sys.stderr,
+        )
+    if verbose:
+        print_counts(folder)
+    return folder
+
+
+def check_prepare_args(dataset, vocab, protocol):
+    """The --vocab and --protocol a dataset can be prepared with."""
     if (vocab == "char" and DATASETS[dataset]["tokenizer"] != "word") or (
         vocab == "bpe" and dataset != "text"
     ):
@@ -394,27 +431,18 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"
             f"--protocol authors forms word-level sequences (wikitext2, ptb, text), not "
             f"{dataset} --vocab {vocab}"
         )
-    name = dataset + ("" if vocab == "word" else f"-{vocab}")
-    if protocol == "authors":
-        name += "-authors"
-    name = os.path.join(cache_dir(), "prepared", name)
-    official = DATASETS[dataset].get("sha256")  # prepared before: not read again (nor downloaded)
-    if (
-        official
-        and not (data_dir or os.environ.get("NANOGEN_DATA"))
-        and usable(folder := f"{name}-{official[:12]}")
-    ):
-        return folder
-    source = find_source(dataset, data_dir)
-    if usable(folder := f"{name}-{source['sha256'][:12]}"):
-        return folder
+
+
+def build_folder(dataset, vocab, source, folder, protocol):
+    """build() into a temporary folder, renamed into place once whole."""
     try:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}-", dir=os.path.dirname(folder))
         try:
             build(dataset, vocab, source, tmp, protocol)
             os.rename(tmp, folder)
-        except OSError:  # another process prepared it meanwhile (and may be reading it): kept
+        except OSError:
+            # Another process prepared it meanwhile (and may be reading it): that one is kept.
             if not os.path.isdir(folder):
                 raise
         finally:
@@ -429,17 +457,6 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"
             f"could not read {dataset} from {source['path']}: {str(e)[:160]} (text "
             f"that is not UTF-8, or a damaged archive)"
         ) from None
-    if verbose and dataset == "text":
-        print(f"note: your text from {source['path']}{source['held_out']}", file=sys.stderr)
-    elif verbose and not source["official"]:
-        print(
-            f"note: {source['path']} is a copy of {dataset} other than the official files (no "
-            f"checksum to match): used as found",
-            file=sys.stderr,
-        )
-    if verbose:
-        print_counts(folder)
-    return folder
 
 
 def print_counts(folder):

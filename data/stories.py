@@ -89,10 +89,13 @@ def read_stories(path):
 def load_rocstories(data_dir=None, verbose=True):
     """-> dict(train, valid, test: lists of parsed stories, note: how the splits were made)."""
     folder = rocstories_folder(data_dir)
-    path = lambda split: os.path.join(folder, ROC_FILE.format(split=split))  # noqa: E731
-    dev, test = read_stories(path("dev")), read_stories(path("test"))
-    if os.path.exists(path("train")):
-        out = dict(train=read_stories(path("train")), valid=dev, test=test, note="train/dev/test")
+    path = {
+        split: os.path.join(folder, ROC_FILE.format(split=split))
+        for split in ("train", "dev", "test")
+    }
+    dev, test = read_stories(path["dev"]), read_stories(path["test"])
+    if os.path.exists(path["train"]):
+        out = dict(train=read_stories(path["train"]), valid=dev, test=test, note="train/dev/test")
     else:
         out = dict(
             train=dev[:-HELD_OUT],
@@ -121,15 +124,22 @@ def build_vocab(stories, min_count=2):
 def keyword_positions(story, keywords):
     """Index in `story` of each keyword, matched in order; keywords not found are left out."""
     pos = []
-    for k in keywords:  # (each one searched for after the one before)
-        if k in story[(start := pos[-1] + 1 if pos else 0) :]:
+    # Each keyword is searched for after the one before.
+    for k in keywords:
+        start = 0
+        if pos:
+            start = pos[-1] + 1
+        if k in story[start:]:
             pos.append(story.index(k, start))
     return pos
 
 
 def encode_story(story, stoi, task, model):
     """-> dict(tokens (final order), n_given: BOS + given prefix, keyword_pos, keywords (ids))."""
-    ids = lambda words: [stoi.get(w, UNK) for w in words]  # noqa: E731
+
+    def ids(words):
+        return [stoi.get(w, UNK) for w in words]
+
     title, story_ids, kw = ids(story["title"]), ids(story["story"]), ids(story["keywords"])
     l2r_storyline = task == "storyline" and model == "gpt"  # L2R: the storyline as a prefix
     prefix = [BOS, *title, SEP, *kw, SEP] if l2r_storyline else [BOS, *title, SEP]
@@ -153,11 +163,12 @@ def synthetic(n_per_length, lengths=SYNTHETIC_LENGTHS, vocab_size=SYNTHETIC_VOCA
     ]
 
 
-def load_sequences(
-    dataset, task, model, data_dir=None, min_count=2, synthetic_count=200, verbose=True
-):
-    """-> dict(vocab, train / valid / test (encoded), stories ({split: parsed} or None), note)."""
-    if dataset == "synthetic":
+def load_sequences(args, verbose=True):
+    """The sequences of args.dataset for args.task and args.model (args.data_dir, min_count,
+    synthetic_count).  -> dict(vocab, train / valid / test (encoded), stories ({split: parsed} or
+    None), note)."""
+    synthetic_count = args.synthetic_count
+    if args.dataset == "synthetic":
         n_eval = max(1, synthetic_count // 10)
         return dict(
             vocab=[*SPECIALS, *(f"w{i}" for i in range(SYNTHETIC_VOCAB - len(SPECIALS)))],
@@ -167,15 +178,15 @@ def load_sequences(
             stories=None,
             note=f"synthetic: {synthetic_count} sequences per length {SYNTHETIC_LENGTHS}",
         )
-    stories = load_rocstories(data_dir, verbose)
-    vocab = build_vocab(stories["train"], min_count)
+    stories = load_rocstories(args.data_dir, verbose)
+    vocab = build_vocab(stories["train"], args.min_count)
     stoi = {w: i for i, w in enumerate(vocab)}
     return dict(
         vocab=vocab,
         stories=stories,
         note=stories["note"],
         **{
-            k: [encode_story(s, stoi, task, model) for s in stories[k]]
+            k: [encode_story(s, stoi, args.task, args.model) for s in stories[k]]
             for k in ("train", "valid", "test")
         },
     )

@@ -147,7 +147,12 @@ def test_hidden_state_detached_between_windows():
     # evaluation carries the state across all windows, without autograd (else one graph grows
     # over the whole split)
     grad, read = [], lm.forward
-    lm.forward = lambda *a, **k: grad.append(torch.is_grad_enabled()) or read(*a, **k)
+
+    def forward(*a, **k):
+        grad.append(torch.is_grad_enabled())
+        return read(*a, **k)
+
+    lm.forward = forward
     args = train.argparse.Namespace(task="stream", bptt=5, eval_seqs=0)
     stream = torch.randint(0, 30, (200,))  # 10 columns of 20 tokens: 19 targets each, in 4 windows
     assert (

@@ -463,6 +463,9 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
         next) trains as the eager run: the same training and validation losses, float32."""
         logs = []
         for run in ("eager", "compiled"):
+            compile_flag = []
+            if run == "compiled":
+                compile_flag = ["--compile"]
             train.main(
                 flags
                 + [
@@ -492,7 +495,7 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
                     "--out_dir",
                     str(tmp_path / run),
                 ]
-                + ["--compile"] * (run == "compiled")
+                + compile_flag
             )
             logs.append(
                 [

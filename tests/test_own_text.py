@@ -122,9 +122,13 @@ def test_too_little_text_is_one_line(tmp_path, capsys):
     each (an empty prepared split was numpy's 'cannot mmap an empty file'); so is text that is
     not UTF-8, or that marks its lines' ends with the word <eos> (it would be read as eos)."""
     small, text = tmp_path / "small", tmp_path / "text"
-    small.mkdir(), text.mkdir()
+    small.mkdir()
+    text.mkdir()
     (small / "train.txt").write_text("a b c\n" + " ".join(f"w{i}" for i in range(30)) + "\n")
-    line = lambda i: " ".join(f"w{(i * j) % 30}" for j in range(15)) + "\n"  # noqa: E731
+
+    def line(i):
+        return " ".join(f"w{(i * j) % 30}" for j in range(15)) + "\n"
+
     (text / "train.txt").write_text("".join(map(line, range(40))))
     (text / "valid.txt").write_text("".join(map(line, range(5))))
     (text / "test.txt").write_text("")

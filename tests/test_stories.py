@@ -184,7 +184,7 @@ TINY = [
         ("gpt", "storyline", "random"),
     ],
 )
-def test_train_and_evaluate_stories(model, task, order, tmp_path, capsys, monkeypatch, rocstories):
+def test_train_and_evaluate_stories(model, task, order, tmp_path, monkeypatch, rocstories):
     out = tmp_path / "run"
     args = TINY + [
         "--model",

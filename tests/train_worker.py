@@ -57,7 +57,12 @@ elif mode == "count_build":
     import data.prepare as prepare
 
     build = prepare.build
-    prepare.build = lambda *a, **k: print(f"BUILD rank {rank}", flush=True) or build(*a, **k)
+
+    def counted_build(*a, **k):
+        print(f"BUILD rank {rank}", flush=True)
+        return build(*a, **k)
+
+    prepare.build = counted_build
 elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
     if rank == 1:  # (evaluate.score: one call a step here, and none in an evaluation before step 4)
         evaluate.score = kill_on(int(mode.split("=")[1]), evaluate.score, sig=signal.SIGTERM)
