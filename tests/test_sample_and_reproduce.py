@@ -629,17 +629,18 @@ def test_compare_tells_every_study_apart(tmp_path, ckpts, monkeypatch):
 def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
     """At the cpu scale a table says the paper's claim checked on its numbers, called only beyond
     2 standard errors: NMST Table 1 sets VA+ against the termination heads (ST+ / NMST+) only, at
-    the largest L below t_1/2 (beyond it Theorem 3 decides), and draws no conclusion without both;
+    the largest L below t_1/2 (eps 1e-5: L = 1000; beyond it Theorem 3 decides), and draws no
+    conclusion without both;
     CT Table 3 sets CT-MoS against the constant-temperature MoS rows (not against CT)."""
     import argparse
 
     cfg = reproduce.nmst_settings("cpu", 1)
 
     def verdict(rates, ppl=(100.0, 110.0), line=1):
-        """{head: greedy r_nt(100) per seed} -> the RNN's line (1) or its perplexity line (2)."""
+        """{head: greedy r_nt(1000) per seed} -> the RNN's line (1) or its perplexity line (2)."""
         runs = {
             (m, h): [
-                {"greedy": {"decoding": {"r_nt": {"100": r}}}, "ppl_nanogen": ppl[i % 2] + 50 * k}
+                {"greedy": {"decoding": {"r_nt": {"1000": r}}}, "ppl_nanogen": ppl[i % 2] + 50 * k}
                 for i, r in enumerate(v)
             ]
             for m in cfg["models"]
@@ -649,7 +650,8 @@ def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
         return reproduce.verdict_table1(cfg, runs, args)[line]
 
     assert verdict(dict(softmax=[0.2, 0.3], nmst=[0.0, 0.0])) == (
-        "- RNN, greedy r_nt(100) (learned, L < t_1/2): VA+ 0.250 vs NMST+ 0.000: apart beyond 2 SE."
+        "- RNN, greedy r_nt(1000) (learned, L < t_1/2): "
+        "VA+ 0.250 vs NMST+ 0.000: apart beyond 2 SE."
     )
     assert verdict(dict(softmax=[0.2, 0.0], st=[0.0, 0.0], nmst=[0.0, 0.0])).endswith(
         "VA+ 0.100 vs ST+ 0.000: within 2 SE (not resolved); "
