@@ -110,7 +110,9 @@ class Parser(argparse.ArgumentParser):
 
 def get_device(name, local_rank=None):
     """--device -> 'cpu' or 'cuda:N', this process's, set up for speed."""
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+    device = name
+    if name == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise UserError(f"--device {name}: unknown device (use auto, cpu, cuda or cuda:N)")
     if device.startswith("cuda"):
@@ -121,9 +123,12 @@ def get_device(name, local_rank=None):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         torch.backends.cuda.enable_cudnn_sdp(False)  # it plans anew for every (B, T) it meets
-    elif sys.platform == "linux":  # glibc: keep freed (B*T, V) tensors in the heap, rather than
-        libc = ctypes.CDLL(None)  # unmap them and page-fault them in anew every step (2x faster)
-        libc.mallopt(-4, 0), libc.mallopt(-1, 2**31 - 1)  # M_MMAP_MAX = 0, M_TRIM_THRESHOLD
+    elif sys.platform == "linux":
+        # glibc: keep freed (B*T, V) tensors in the heap, rather than unmap them and page-fault
+        # them in anew every step (2x faster).
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-4, 0)  # M_MMAP_MAX = 0
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD
     return device
 
 
@@ -144,9 +149,11 @@ def world():  # (this process's rank, the number of processes): torchrun's, or (
 
 
 def all_sum(values, device):  # a list of numbers summed over the processes (one collective)
-    if dist.is_initialized():
-        dist.all_reduce(values := torch.tensor(values, dtype=torch.float64, device=device))
-    return values.tolist() if torch.is_tensor(values) else values
+    if not dist.is_initialized():
+        return values
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    return summed.tolist()
 
 
 def save_checkpoint(obj, path):

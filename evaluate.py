@@ -16,7 +16,6 @@ import math
 import os
 import time
 from collections import Counter
-from contextlib import nullcontext
 
 import torch
 from tqdm import tqdm
@@ -137,31 +136,28 @@ def check_flags(a):
     """The flag combinations that would do nothing: one line each; -> the flags given."""
     given = {k for k, v in vars(a).items() if v != parser().get_default(k)}
     study = {k for k in STUDY_FLAGS if k in given}
-    for wrong, message in [
-        (not a.compare and not a.ckpt, "give --ckpt CKPT (or --compare JSON ...)"),
-        (
-            a.compare and given - {"compare", "plot"},
-            "--compare draws studies already written (--out files) and takes only --plot",
-        ),
-        (
-            study and not a.decoder,
-            f"--{' / --'.join(sorted(study))} are options of a --decoder study: give one",
-        ),
-        (
-            a.plot and not (a.decoder or a.tau_report or a.compare),
-            "--plot draws the figures of --decoder, --tau_report or --compare: give one",
-        ),
-        (
-            a.no_ppl and not (a.decoder or a.tau_report),
-            "--no_ppl leaves nothing to do: give a --decoder or --tau_report",
-        ),
-        (
-            a.no_ppl and (a.batch_size or a.max_tokens),
-            "--batch_size / --max_tokens batch the perplexity pass, which --no_ppl skips",
-        ),
-    ]:
-        if wrong:
-            raise UserError(message)
+    # What to evaluate
+    if not a.compare and not a.ckpt:
+        raise UserError("give --ckpt CKPT (or --compare JSON ...)")
+    if a.compare and given - {"compare", "plot"}:
+        raise UserError(
+            "--compare draws studies already written (--out files) and takes only --plot"
+        )
+    # Flags that only a study, a figure or the perplexity pass reads
+    if study and not a.decoder:
+        raise UserError(
+            f"--{' / --'.join(sorted(study))} are options of a --decoder study: give one"
+        )
+    if a.plot and not (a.decoder or a.tau_report or a.compare):
+        raise UserError(
+            "--plot draws the figures of --decoder, --tau_report or --compare: give one"
+        )
+    if a.no_ppl and not (a.decoder or a.tau_report):
+        raise UserError("--no_ppl leaves nothing to do: give a --decoder or --tau_report")
+    if a.no_ppl and (a.batch_size or a.max_tokens):
+        raise UserError(
+            "--batch_size / --max_tokens batch the perplexity pass, which --no_ppl skips"
+        )
     if a.decoder:
         check_decoder_args(
             a.decoder, a.k, a.p, a.beam_size, a.temperature, a.consistent, a.length_penalty
@@ -240,20 +236,9 @@ def main(argv=None):
     if a.decoder and args.task != "completion" and not story:
         raise UserError(f"--decoder continues completion contexts, not a --task {args.task} run")
     if not a.no_ppl:
-        sizes = dict(batch_size=a.batch_size, max_tokens=a.max_tokens) if sizes else None
-        res.update(
-            perplexity(
-                args,
-                model,
-                data,
-                a.split,
-                a.limit,
-                device,
-                autocast(device, args.dtype),
-                f"perplexity ({a.split})",
-                sizes,
-            )
-        )
+        # (--batch_size / --max_tokens: load_run set them on args)
+        with autocast(device, args.dtype):
+            res.update(perplexity(args, model, data, a.split, a.limit, device))
         print(report(args, res, a.split))
     if story and a.decoder:
         res["generation"] = story_generation(model, args, data, a, device)
@@ -375,15 +360,17 @@ def decoding_study(model, data, a, device):
         done, c = bool(result["terminated"][i]), int(split.contexts[i])
         if seen[done] < a.examples:
             seen[done] += 1
-            examples.append(
-                ex := dict(
-                    index=i,
-                    terminated=done,
-                    context=detok(split[i][:c].tolist()),
-                    continuation=detok(toks[:200]) + " ..." * (len(toks) > 200),
-                    ground_truth=detok(split[i][c:].tolist()[:200]),
-                )
+            continuation = detok(toks[:200])
+            if len(toks) > 200:
+                continuation += " ..."
+            ex = dict(
+                index=i,
+                terminated=done,
+                context=detok(split[i][:c].tolist()),
+                continuation=continuation,
+                ground_truth=detok(split[i][c:].tolist()[:200]),
             )
+            examples.append(ex)
             print(
                 f"\n[{'terminated' if done else 'NOT terminated'}] context: {ex['context']}"
                 f"\n  continuation: {ex['continuation'][:400]}"
@@ -433,8 +420,12 @@ def eos_traces(model, split, n):
     window (NMST paper Fig. 3)."""
     out = []
     for i in range(len(split)):
+        if len(out) == n:
+            break
         c, seq = int(split.contexts[i]), split[i].tolist()
-        if len(out) < n and ((L := longest_continuation(model, c)) is None or len(seq) - c <= L):
+        L = longest_continuation(model, c)
+        # (None: no window, every continuation fits)
+        if L is None or len(seq) - c <= L:
             out.append(dict(index=i, p_eos=eos_probs(model, seq[:c], seq[c:])))
     return out
 
@@ -476,12 +467,13 @@ def tau_report(model, args, data, a, device, top=10):
             for w in (tau_next[b, s:e] for b, s, e in spans)
         ]
     )  # (sentences, 15)
-    mean, half, order = (
-        rows.mean(0),
-        1.96 * rows.std(0) / math.sqrt(len(rows)),
-        torch.argsort(tau_sum / n, descending=True),
-    )
-    word = lambda v: (data["tokenizer"].decode([int(v)]), (tau_sum[v] / n).item())  # noqa: E731
+    mean = rows.mean(0)
+    half = 1.96 * rows.std(0) / math.sqrt(len(rows))
+    order = torch.argsort(tau_sum / n, descending=True)
+
+    def word(v):  # (the word, its mean tau)
+        return data["tokenizer"].decode([int(v)]), (tau_sum[v] / n).item()
+
     rep = dict(
         sentences=len(rows),
         position_mean=mean.tolist(),
@@ -582,7 +574,8 @@ def story_generation(model, args, data, a, device):
                 generator=g,
             )
             hyp = [vocab[t] for t in out["tokens"][0] if t not in banned]
-        hyps.append(hyp), refs.append(story["story"])
+        hyps.append(hyp)
+        refs.append(story["story"])
         total += len(story["keywords"])
         included += len(keyword_positions(hyp, story["keywords"]))  # found in order
         if len(shown) < a.examples:
@@ -751,10 +744,6 @@ def plot_study(results, out_dir, files=None):
     print(f"wrote {', '.join(os.path.join(out_dir, n + '.png') for n in figs)}")
 
 
-if __name__ == "__main__":
-    run(main)
-
-
 def score(model, batch, state=None):
     """One call of the model -> (log p of every predicted token or event (B, T), the mask of those
     that count, the stream's state).  Insertion models (InsNet paper): log p(slot) +
@@ -773,48 +762,43 @@ def score(model, batch, state=None):
 
 
 @torch.no_grad()
-def perplexity(
-    args,
-    model,
-    data,
-    split="valid",
-    limit=None,
-    device="cpu",
-    ctx=nullcontext(),
-    desc=None,
-    sizes=None,
-):
+def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
     """A split's figures: dict(nll per predicted token or event, ppl, ...).  Completion (NMST):
     the continuation's tokens (eos included), the mean p(eos) at the true end; stream (CT): every
     token, the state carried on; stories: per story too, a bound on -log p(story).  limit: the
-    first N sequences (stream: tokens a column).  torchrun: each process every world-th batch."""
-    limit, stream, story = (
-        limit or args.eval_seqs or None,
-        args.task == "stream",
-        args.task in ("story", "storyline"),
-    )
+    first N sequences (stream: tokens a column).  torchrun: each process every world-th batch.
+    Autocast, if any, is the caller's (`with ctx: perplexity(...)`); the batches come in the
+    sizes args gives."""
+    limit = limit or args.eval_seqs or None
+    stream = args.task == "stream"
+    story = args.task in ("story", "storyline")
+    # The insertion models' bound on -log p(story) subtracts log n! (n - 1 insertions in a
+    # random order, then termination).
+    orderless = story and args.order == "random" and args.model in INSERTION
     if stream:  # the usual 10 evaluation columns (or the first `limit` tokens of each)
-        data = {
-            **data,
-            split: batchify(data["streams"][split], 10, split)[:, : limit and limit + 1],
-        }
-    (rank, procs), keys = world(), epoch_batches(args, data, 0, split, limit, sizes)
+        columns = batchify(data["streams"][split], 10, split)[:, : limit and limit + 1]
+        data = {**data, split: columns}
+    rank, procs = world()
+    keys = epoch_batches(args, data, 0, split, limit)
+    if not stream:  # (a stream carries its state from window to window: one process reads all)
+        keys = keys[rank::procs]
     # nll, n, p(eos) at the end, sequences, log n!, and nll, n of the rows of > 1 target
-    sums, state = torch.zeros(7, dtype=torch.float64, device=device), None
+    sums = torch.zeros(7, dtype=torch.float64, device=device)
+    state = None
+    # (a progress bar on a terminal, from the first process only)
+    bar = tqdm(keys, f"perplexity ({split})", disable=True if rank else None, leave=False)
     with eval_mode(model):
-        for key in tqdm(
-            keys if stream else keys[rank::procs], desc, disable=None if desc else True, leave=False
-        ):
+        for key in bar:
             b = get_batch(args, data, key, device, split)
-            with ctx:
-                log_p, mask, state = score(model, b, state)
-            n, zero = mask.sum(1).double(), torch.zeros((), device=device)
-            end = zero if stream or story else log_p.gather(1, b["lengths"].unsqueeze(1) - 2).exp()
-            orders = (
-                torch.lgamma(n)
-                if story and args.order == "random" and args.model in INSERTION
-                else zero
-            )  # log n!: n - 1 insertions, then termination
+            log_p, mask, state = score(model, b, state)
+            n = mask.sum(1).double()
+            zero = torch.zeros((), device=device)
+            end = zero
+            if not (stream or story):  # p(eos) at the true end of each line
+                end = log_p.gather(1, b["lengths"].unsqueeze(1) - 2).exp()
+            orders = zero
+            if orderless:
+                orders = torch.lgamma(n)
             nll_rows = -torch.where(mask, log_p.double(), 0.0).sum(1)  # (B,)
             # nanogen's metric leaves out the lines whose continuation is eos alone (<= 10 words)
             long = n > 1
@@ -863,8 +847,13 @@ def probe(args, model, data):
     """The termination probe (NMST paper eq. 11): greedy continuations of the first --probe
     validation contexts up to --probe_L tokens, as `evaluate.py --decoder greedy --limit --L`."""
     split, t0, n = data["valid"], time.time(), min(args.probe, len(data["valid"]))
+    if n == 0:
+        return {}
     cap = longest_continuation(model, int(split.contexts[:n].max(initial=0)))
-    if n == 0 or (L := args.probe_L if cap is None else min(args.probe_L, cap)) < 1:
+    L = args.probe_L
+    if cap is not None:
+        L = min(args.probe_L, cap)
+    if L < 1:
         return {}
     res = decode_in_batches(model, [torch.as_tensor(split.context(i)) for i in range(n)], L)
     tokens, ended, tok = res["tokens"][0], bool(res["terminated"][0]), data["tokenizer"]
@@ -914,3 +903,7 @@ def get_batch(args, data, key, device, split="train"):
     # every evaluation scores the continuation alone.
     context_loss = args.protocol == "authors" and split == "train"
     return collate(data[split], key, device, cap, context_loss)
+
+
+if __name__ == "__main__":
+    run(main)

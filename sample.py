@@ -80,16 +80,15 @@ def main(argv=None):
         return sample_story(args, ckpt, model, g, device)
     if args.prompt_file == "-" and sys.stdin is None:  # (started with standard input closed)
         raise UserError("--prompt_file -: standard input is closed: give --prompt_file FILE")
-    try:  # (a BOM is not text)
-        text = (
-            ""
-            if not args.prompt_file
-            else sys.stdin.read()
-            if args.prompt_file == "-"
-            else open(args.prompt_file, encoding="utf-8").read()
-        )
+    text = ""
+    try:
+        if args.prompt_file == "-":
+            text = sys.stdin.read()
+        elif args.prompt_file:
+            text = open(args.prompt_file, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--prompt_file {args.prompt_file}: {e}") from None
+    # A byte-order mark is not text.
     prompts = args.prompt + [ln for ln in text.lstrip("\ufeff").splitlines() if ln.strip()]
     if not prompts or not all(x.strip() for x in prompts):
         raise UserError("give some text to continue: --prompt TEXT, or --prompt_file FILE")
@@ -190,7 +189,8 @@ def sample_story(args, ckpt, model, g, device):
         )
         story = " ".join(vocab[t] for t in out["tokens"][0] if t not in (PAD, BOS, EOS, SEP))
         ended = "[eos]" if out["terminated"][0] else f"[length cap {args.L}]"
-        return print(f"{args.title or ''} >>> {story} {ended}".strip())
+        print(f"{args.title or ''} >>> {story} {ended}".strip())
+        return
     given, trace = len(prefix) + len(kws) + 1, []
     if model.max_canvas() and given + args.L > model.max_canvas():  # IT-vanilla's positions
         raise UserError(
