@@ -91,16 +91,14 @@ def number(kind, ok, words):
     return parse
 
 
-INT1, INT0 = number(int, lambda v: v >= 1, ">= 1"), number(int, lambda v: v >= 0, ">= 0")
+INT1 = number(int, lambda v: v >= 1, ">= 1")
+INT0 = number(int, lambda v: v >= 0, ">= 0")
 
 
-POS, NONNEG = number(float, lambda v: v > 0, "> 0"), number(float, lambda v: v >= 0, ">= 0")
-
-
-FRACTION, SEED = (
-    number(float, lambda v: 0 <= v < 1, "in [0, 1)"),
-    number(int, lambda v: 0 <= v < 2**63, "in [0, 2^63)"),
-)
+POS = number(float, lambda v: v > 0, "> 0")
+NONNEG = number(float, lambda v: v >= 0, ">= 0")
+FRACTION = number(float, lambda v: 0 <= v < 1, "in [0, 1)")
+SEED = number(int, lambda v: 0 <= v < 2**63, "in [0, 2^63)")
 
 
 class Parser(argparse.ArgumentParser):

@@ -97,7 +97,7 @@ def test_the_probe_says_when_its_example_ended_at_once(tokens, said, monkeypatch
         lengths=torch.tensor([len(tokens)]),
         scores=torch.zeros(1),
     )
-    monkeypatch.setattr(train, "decode_in_batches", lambda *a, **kw: result)
+    monkeypatch.setattr(evaluate, "decode_in_batches", lambda *a, **kw: result)
 
     # One validation sequence, whose context is 1 2 3.
     class Split:
