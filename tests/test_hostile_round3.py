@@ -227,7 +227,7 @@ def test_flags_reaching_code_that_does_not_expect_them(tmp_path, capsys):
         rc, err = run_in_process(
             evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), *flags], capsys
         )
-        assert_one_line_error(rc, err, "not both; stories: --batch_size")
+        assert_one_line_error(rc, err, "a story checkpoint is batched by --batch_size (stories)")
     text = tmp_path / "text"
     train.main(TINY + ["--max_iters", "1", "--out_dir", str(text)])
     sample = [sys.executable, "sample.py", "--ckpt", str(text / "ckpt_last.pt")]

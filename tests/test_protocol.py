@@ -256,8 +256,9 @@ def test_the_lease_command_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, caps
         assert a["epsilon"] == 1e-5 and a["max_epochs"] == 2
     table = (out / "table.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith(("| VA+", "| ST+", "| NMST+"))]
-    # (the first three: Table 1's; the paper's RNN row beside each)
-    assert all(" / " in r and "/ - (" not in r and "(17" in r for r in rows[:3])
+    # (the first three: Table 1's, both metrics; the paper's RNN row beside each)
+    assert all(" / " in r and "/ - (" not in r for r in rows[:3])
+    assert ["(178.6" in rows[0], "(180.4" in rows[1], "(177.4" in rows[2]] == [True] * 3
     assert "n = 1 seed(s)" in table and "t_1/2 = 69,315" in table
 
 

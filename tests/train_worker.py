@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common
-import evaluate
 import train  # noqa: E402
 
 mode, rank = os.environ.get("NANOGEN_TEST_WORKER", ""), int(os.environ.get("RANK", "0"))
@@ -64,8 +63,8 @@ elif mode == "count_build":
 
     prepare.build = counted_build
 elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
-    if rank == 1:  # (evaluate.score: one call a step here, and none in an evaluation before step 4)
-        evaluate.score = kill_on(int(mode.split("=")[1]), evaluate.score, sig=signal.SIGTERM)
+    if rank == 1:  # (score: one call a step here, and none in an evaluation before step 4)
+        train.score = kill_on(int(mode.split("=")[1]), train.score, sig=signal.SIGTERM)
     if mode.startswith("sigterm_at_exit="):
         import torch.distributed
 
