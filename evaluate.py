@@ -401,10 +401,11 @@ def decoding_study(model, data, a, device):
 
 
 def decode_batch_size(model, L, beams, device):
-    """--decode_batch's default.  On a CPU 64 (512 contexts to L = 100: batches of 64 and 512 took
-    alike; 16 was slower).  On a GPU, where a step costs about the same for 64 rows or thousands,
-    as many rows as fit a quarter of the free memory: a step's few (rows, V) float32 tensors, and
-    a window model's key / value cache to L tokens.  Finished rows leave the batch as they end."""
+    """--decode_batch's default.  On a CPU 64 (512 contexts to L = 100: 16 a batch was 3-9x
+    slower, 64 to 512 within 1.5x: RESULTS.md).  On a GPU, where a step of 64 rows costs about
+    what one of thousands does, as many rows as fit a quarter of the free memory: a step's few
+    (rows, V) float32 tensors, and a window model's key / value cache to L tokens.  Finished rows
+    leave the batch as they end."""
     if not device.startswith("cuda"):
         return 64
     cfg = model.cfg

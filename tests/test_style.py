@@ -79,10 +79,16 @@ def golf(path):
                 found.append(f"{where} return print(...)")
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
             found.append(f"{where} a lambda given a name (write a def)")
+    return found + too_many_parameters(tree, path)
+
+
+def too_many_parameters(tree, path):
+    found = []
+    for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             name = f"{path}:{node.name}"
             if parameters(node) > 6 and name not in MANY_PARAMETERS:
-                found.append(f"{where} {node.name} takes {parameters(node)} parameters (<= 6)")
+                found.append(f"{path}:{node.lineno} {node.name} takes {parameters(node)} (<= 6)")
     return found
 
 
