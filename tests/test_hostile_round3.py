@@ -223,11 +223,15 @@ def test_flags_reaching_code_that_does_not_expect_them(tmp_path, capsys):
     story = "--model insnet --dataset synthetic --synthetic_count 4 --n_layer 1 --d_model 16"
     story += " --n_head 2 --block_size 256 --batch_size 4 --max_iters 2 --eval_interval 2"
     train.main(story.split() + ["--warmup", "0", "--out_dir", str(out)])
-    for flags in (["--max_tokens", "100"], ["--max_tokens", "100", "--batch_size", "2"]):
+    cases = (
+        (["--max_tokens", "100"], "a story checkpoint is batched by --batch_size (stories)"),
+        (["--max_tokens", "100", "--batch_size", "2"], "--max_tokens, not both"),
+    )
+    for flags, message in cases:
         rc, err = run_in_process(
             evaluate.main, ["--ckpt", str(out / "ckpt_last.pt"), *flags], capsys
         )
-        assert_one_line_error(rc, err, "a story checkpoint is batched by --batch_size (stories)")
+        assert_one_line_error(rc, err, message)
     text = tmp_path / "text"
     train.main(TINY + ["--max_iters", "1", "--out_dir", str(text)])
     sample = [sys.executable, "sample.py", "--ckpt", str(text / "ckpt_last.pt")]
