@@ -49,6 +49,13 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
+# The tiny run the failure tests train (an LSTM + NMST on 96 PTB lines), before their own flags.
+TINY_LSTM = (
+    "--model lstm --head nmst --epsilon 1e-3 --dataset ptb --d_model 16 --dropout 0.1 "
+    "--batch_size 8 --lr 3e-3 --train_seqs 96 --eval_seqs 16 --seed 2"
+).split()
+
+
 def steps(first, shape):
     """The continuation step t of every position, (..., T) for `shape` (..., T): first, first+1,
     ... along the last dimension (what data/loader.collate and decode.py build)."""

@@ -18,35 +18,12 @@ import common
 import evaluate
 import train
 from common import load_checkpoint, save_checkpoint
-from conftest import ROOT, assert_one_line_error, run_in_process
+from conftest import ROOT, TINY_LSTM, assert_one_line_error, run_in_process
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 
 SHARED = os.environ.get("NANOGEN_DATA") or os.path.join(ROOT, "..", "shared", "data")
-TINY = [
-    "--model",
-    "lstm",
-    "--head",
-    "nmst",
-    "--epsilon",
-    "1e-3",
-    "--dataset",
-    "ptb",
-    "--d_model",
-    "16",
-    "--dropout",
-    "0.1",
-    "--batch_size",
-    "8",
-    "--lr",
-    "3e-3",
-    "--train_seqs",
-    "96",
-    "--eval_seqs",
-    "16",
-    "--seed",
-    "2",
-]
+TINY = list(TINY_LSTM)
 
 
 def tiny_run(out, iters=4, every=2, extra=()):

@@ -17,37 +17,10 @@ import evaluate
 import reproduce
 import sample
 import train
-from conftest import assert_one_line_error, run_in_process
+from conftest import TINY_LSTM, assert_one_line_error, run_in_process
 
 pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
-TINY = [
-    "--model",
-    "lstm",
-    "--head",
-    "nmst",
-    "--epsilon",
-    "1e-3",
-    "--dataset",
-    "ptb",
-    "--d_model",
-    "16",
-    "--dropout",
-    "0.1",
-    "--batch_size",
-    "8",
-    "--lr",
-    "3e-3",
-    "--train_seqs",
-    "96",
-    "--eval_seqs",
-    "16",
-    "--max_iters",
-    "4",
-    "--eval_interval",
-    "2",
-    "--seed",
-    "2",
-]
+TINY = TINY_LSTM + ["--max_iters", "4", "--eval_interval", "2"]
 STORY = [
     "--model",
     "insnet",
