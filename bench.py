@@ -310,11 +310,12 @@ def epoch_time(name, cfg, n, args, device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     bs = args.it_batch if it else args.batch
     g = torch.Generator().manual_seed(0)
+    kind = "tokens" if name == "gpt" else "insertion"
 
     def epoch():
         for i in range(0, len(data), bs):
             batch = insnet.story_batch(data[i : i + bs], name != "gpt", "random", g, device)
-            log_p, mask, _ = evaluate.score(model, batch)
+            log_p, mask, _ = evaluate.score(model, batch, kind)
             opt.zero_grad(set_to_none=True)
             (-torch.where(mask, log_p, 0.0).sum() / batch["n"]).backward()
             opt.step()

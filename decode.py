@@ -61,11 +61,10 @@ def nucleus_mask(log_probs, p):
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
-def filter_log_probs(
-    log_probs, decoder, k=None, p=None, temperature=1.0, eos_id=None, consistent=False
-):
+def filter_log_probs(log_probs, decoder, k=None, p=None, temperature=1.0, always=None):
     """q(y_t = v) of eq. 12 / 14 (and plain sampling): temperature, then the candidate set,
-    renormalised.  consistent=True always adds eos to V_t.  -> log q (N, V), -inf outside V_t."""
+    renormalised.  always: a token id kept in V_t whatever its probability (the consistent
+    decoders keep eos).  -> log q (N, V), -inf outside V_t."""
     if temperature != 1.0:  # shifted first: (lp - max) / T lies in [-inf, 0] for any T > 0, so
         # a temperature too small for float (1e-39) leaves the argmax alone: greedy, no NaN
         lp = (log_probs - log_probs.amax(-1, keepdim=True)) / temperature
@@ -78,8 +77,8 @@ def filter_log_probs(
         mask = nucleus_mask(lp, p)
     else:
         return lp
-    if consistent:
-        mask[..., eos_id] = True
+    if always is not None:
+        mask[..., always] = True
     lp = lp.masked_fill(~mask, float("-inf"))
     return lp - torch.logsumexp(lp, dim=-1, keepdim=True)
 
@@ -133,13 +132,16 @@ def decode(lm, prompts, L, decoder="greedy", generator=None, **options):
             return _beam(
                 stepper, padded, lengths, L, options["beam_size"], options["length_penalty"]
             )
+        # The consistent top-k / nucleus (Welleck et al. 2020) keep eos in every V_t.
+        always = None
+        if options["consistent"]:
+            always = lm.eos_id
         filt = dict(
             decoder=decoder,
             k=options["k"],
             p=options["p"],
             temperature=options["temperature"],
-            eos_id=lm.eos_id,
-            consistent=options["consistent"],
+            always=always,
         )
         return _sample(stepper, padded, lengths, L, filt, generator)
 
@@ -151,12 +153,13 @@ def longest_continuation(lm, prompt_len):
     return lm.cfg["block_size"] - prompt_len + 1 if lm.cfg["model"] in WINDOWED else None
 
 
-def decode_in_batches(lm, prompts, L, decoder="greedy", batch=64, desc=None, **kw):
+def decode_in_batches(lm, prompts, L, batch=64, desc=None, **options):
     """decode() over many prompts, `batch` at a time (a tqdm bar when `desc` is given): what
-    evaluate.py's study and train.py's termination probe both run, batched the same way so that
-    they decode the same.  -> decode()'s dict for all prompts."""
+    evaluate.py's study and its termination probe both run, batched the same way so that they
+    decode the same.  options: decode()'s (decoder, generator, k, ...).
+    -> decode()'s dict for all prompts."""
     parts = [
-        decode(lm, prompts[lo : lo + batch], L, decoder, **kw)
+        decode(lm, prompts[lo : lo + batch], L, **options)
         for lo in tqdm(
             range(0, len(prompts), batch), desc, disable=None if desc else True, leave=False
         )
@@ -188,18 +191,14 @@ DECODER_OPTIONS = dict(
 )
 
 
-def check_decoder_args(
-    decoder,
-    k=None,
-    p=None,
-    beam_size=None,
-    temperature=1.0,
-    consistent=False,
-    length_penalty=0.0,
-    allowed=DECODERS,
-):
+def check_decoder_args(decoder, allowed=DECODERS, **options):
     """Every entry point's decoder flags, for every kind of checkpoint: the decoder's own
-    arguments present and in range, and none it would silently ignore."""
+    arguments (options: DECODER_OPTIONS's keywords) present and in range, and none it would
+    silently ignore."""
+    if set(options) - set(DECODER_OPTIONS):
+        raise TypeError(f"unknown decoder options {sorted(set(options) - set(DECODER_OPTIONS))}")
+    options = dict(DECODER_OPTIONS, **options)
+    k, p, beam_size = options["k"], options["p"], options["beam_size"]
     if decoder not in allowed:
         what = "is not for this checkpoint" if decoder in DECODERS else "is unknown"
         raise UserError(f"--decoder {decoder} {what} (choose from {', '.join(allowed)})")
@@ -209,9 +208,9 @@ def check_decoder_args(
             ("--k", k is not None, ("topk",)),
             ("--p", p is not None, ("nucleus",)),
             ("--beam_size", beam_size is not None, ("beam",)),
-            ("--temperature", temperature != 1.0, SAMPLING),
-            ("--consistent", consistent, ("topk", "nucleus")),
-            ("--length_penalty", bool(length_penalty), ("beam",)),
+            ("--temperature", options["temperature"] != 1.0, SAMPLING),
+            ("--consistent", options["consistent"], ("topk", "nucleus")),
+            ("--length_penalty", bool(options["length_penalty"]), ("beam",)),
         )
         if given and decoder not in users
     ]
@@ -245,7 +244,7 @@ def sampling_generator(device, seed):
 def _sample(stepper, prompts, lengths, L, filt, generator):
     """Greedy (eq. 8) and the sampling decoders (eq. 12-15): one token per active row per step,
     everything kept on the model's device; one read per step (how many rows just ended).
-    filt: filter_log_probs's decoder, k, p, temperature, eos_id, consistent."""
+    filt: filter_log_probs's decoder, k, p, temperature, always."""
     N, dev = len(lengths), prompts.device
     tokens = torch.full((N, L), -1, dtype=torch.long, device=dev)
     scores = torch.zeros(N, dtype=torch.float64, device=dev)
@@ -260,7 +259,7 @@ def _sample(stepper, prompts, lengths, L, filt, generator):
             choice = draw(filter_log_probs(log_probs.float(), **filt), generator)
         tokens[active, t - 1] = choice
         scores[active] += log_probs.gather(1, choice.unsqueeze(1)).squeeze(1).double()
-        ended = choice == filt["eos_id"]
+        ended = choice == stepper.lm.eos_id
         out_len[active] = torch.where(ended, t, out_len[active])
         terminated[active] |= ended
         if t == L:

@@ -54,7 +54,7 @@ from decode import (
     sampling_generator,
 )
 from heads import EPSILON_HEADS, paper_name
-from insnet import INSERTION, generate, story_batch
+from insnet import INSERTION, Decoding, generate, story_batch
 from model import LanguageModel, eval_mode
 
 STUDY_FLAGS = (
@@ -160,7 +160,13 @@ def check_flags(a):
         )
     if a.decoder:
         check_decoder_args(
-            a.decoder, a.k, a.p, a.beam_size, a.temperature, a.consistent, a.length_penalty
+            a.decoder,
+            k=a.k,
+            p=a.p,
+            beam_size=a.beam_size,
+            temperature=a.temperature,
+            consistent=a.consistent,
+            length_penalty=a.length_penalty,
         )
     if a.compare:  # (with --ckpt: checked in load_run, where the run's data folder is known)
         check_output(a.plot, "--plot", a.compare, folder=True)
@@ -341,9 +347,9 @@ def decoding_study(model, data, a, device):
         model,
         contexts,
         max(a.L),
-        a.decoder,
         a.decode_batch or decode_batch_size(model, max(a.L), a.beam_size or 1, device),
         f"decoding ({a.decoder})",
+        decoder=a.decoder,
         k=a.k,
         p=a.p,
         beam_size=a.beam_size,
@@ -538,7 +544,14 @@ def story_generation(model, args, data, a, device):
     BLEU-1..4 and, for --task storyline, the share of storyline keywords found in order (InsNet:
     100 % by construction, the keywords are given canvas tokens).  Each story may have twice its
     reference's words + 10, within the model's window."""
-    check_decoder_args(a.decoder, a.k, a.p, a.beam_size, a.temperature, allowed=STORY_DECODERS)
+    check_decoder_args(
+        a.decoder,
+        STORY_DECODERS,
+        k=a.k,
+        p=a.p,
+        beam_size=a.beam_size,
+        temperature=a.temperature,
+    )
     if not data["stories"]:
         raise UserError("generation is scored against ROCStories: use a rocstories checkpoint")
     vocab, g, banned = data["vocab"], sampling_generator(device, a.seed or 0), (PAD, BOS, EOS, SEP)
@@ -551,11 +564,7 @@ def story_generation(model, args, data, a, device):
                 model,
                 [*prefix, *kw, EOS],
                 min(len(prefix) + cap + 1, model.max_canvas() or math.inf),
-                a.decoder,
-                a.k,
-                a.temperature,
-                len(prefix) - 1,
-                banned,
+                Decoding(a.decoder, a.k, a.temperature, len(prefix) - 1, banned),
                 generator=g,
             )
             words = iter(story["keywords"])  # a given keyword keeps its word, <unk> or not
@@ -745,11 +754,23 @@ def plot_study(results, out_dir, files=None):
     print(f"wrote {', '.join(os.path.join(out_dir, n + '.png') for n in figs)}")
 
 
-def score(model, batch, state=None):
+def scored(args):
+    """What score() computes for a run's batches: "insertion" (an insertion model's events),
+    "stream" (CT's continuous text: every token counts, the state goes on) or "tokens" (the
+    masked targets of a padded batch: completions, left-to-right stories)."""
+    if args.model in INSERTION:
+        return "insertion"
+    if args.task == "stream":
+        return "stream"
+    return "tokens"
+
+
+def score(model, batch, kind, state=None):
     """One call of the model -> (log p of every predicted token or event (B, T), the mask of those
-    that count, the stream's state).  Insertion models (InsNet paper): log p(slot) +
-    log p(token | slot) of every insertion, then log p(terminate) on the finished canvas."""
-    if "order" in batch:
+    that count, the stream's state).  kind: scored(args).  Insertion models (InsNet paper):
+    log p(slot) + log p(token | slot) of every insertion, then log p(terminate) on the finished
+    canvas."""
+    if kind == "insertion":
         s = model(**{k: batch[k] for k in ("tokens", "order", "lengths", "n_given", "slot_start")})
         return (
             torch.cat([s["slot"] + s["token"], s["end"].unsqueeze(1)], 1),
@@ -757,9 +778,10 @@ def score(model, batch, state=None):
             None,
         )
     log_p, state = model(batch["inputs"], batch["t"], state, targets=batch["targets"])
-    if "start" not in batch:  # not a stream: every batch starts afresh
-        return log_p.float(), batch["mask"], None
-    return log_p.float(), torch.ones_like(log_p, dtype=torch.bool), state  # (a stream: all count)
+    if kind == "stream":
+        return log_p.float(), torch.ones_like(log_p, dtype=torch.bool), state
+    # Every other batch starts afresh.
+    return log_p.float(), batch["mask"], None
 
 
 @torch.no_grad()
@@ -791,7 +813,7 @@ def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
     with eval_mode(model):
         for key in bar:
             b = get_batch(args, data, key, device, split)
-            log_p, mask, state = score(model, b, state)
+            log_p, mask, state = score(model, b, scored(args), state)
             n = mask.sum(1).double()
             zero = torch.zeros((), device=device)
             end = zero

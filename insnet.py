@@ -36,6 +36,8 @@ The baseline, IT-vanilla (InsertionTransformer below): a bidirectional encoder w
 positions, re-run over the whole canvas before every insertion; slot = W [h_left ; h_right] + b.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -422,29 +424,29 @@ def start_canvas(model, given):
     return state
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How generate() chooses, and what it may insert.  decoder: greedy (argmax of each), sample
+    (temperature) or topk (sample from the k most probable slots, then tokens).  slot_start: gaps
+    left of it are closed (a conditioning prefix); banned: token ids never inserted (BOS / EOS /
+    SEP / PAD); min_len: terminate only once min_len tokens were inserted."""
+
+    decoder: str = "greedy"
+    k: int | None = None
+    temperature: float = 1.0
+    slot_start: int = 0
+    banned: tuple = ()
+    min_len: int = 0
+
+
 @torch.no_grad()
-def generate(
-    model,
-    given,
-    max_len,
-    decoder="greedy",
-    k=None,
-    temperature=1.0,
-    slot_start=0,
-    banned=(),
-    min_len=0,
-    generator=None,
-    trace=None,
-):
+def generate(model, given, max_len, how=Decoding(), generator=None, trace=None):
     """Insertion decoding (section 3.3): one insertion per step; choose the slot (a gap or
-    terminate) from p(slot), then the token from p(token | slot); stop at the termination slot or
-    when the canvas holds max_len tokens.  decoder: greedy (argmax of each), sample (temperature)
-    or topk (sample from the k most probable slots, then tokens).
+    terminate) from p(slot), then the token from p(token | slot), as `how` says; stop at the
+    termination slot or when the canvas holds max_len tokens.
     given: the initial canvas in final order, BOS first and EOS last (e.g. BOS title SEP EOS, or
     BOS title SEP k_1 .. k_m EOS for storyline-constrained generation: keywords are given canvas
     tokens, so they appear in every output, in order).  Tokens are never deleted.
-    slot_start: gaps left of it are closed (a conditioning prefix); banned: token ids never
-    inserted (BOS / EOS / SEP / PAD); min_len: terminate only once max(...) tokens were inserted.
     trace: a list to which (canvas, p(terminate)) is appended for the given canvas and after
     every insertion (sample.py).
     -> dict(tokens: the final canvas (list), given: whether each canvas token was given,
@@ -454,13 +456,10 @@ def generate(
         raise ValueError("the initial canvas needs at least BOS and EOS")
 
     def choose(log_probs):
-        if decoder == "greedy":
+        if how.decoder == "greedy":
             return int(torch.argmax(log_probs))
         q = filter_log_probs(
-            log_probs.unsqueeze(0),
-            "topk" if decoder == "topk" else "sample",
-            k=k,
-            temperature=temperature,
+            log_probs.unsqueeze(0), how.decoder, k=how.k, temperature=how.temperature
         )
         return int(draw(q, generator))
 
@@ -468,24 +467,24 @@ def generate(
     with eval_mode(model):
         state = start_canvas(model, given)
         while len(canvas) < max_len:
-            slot_lp = model.next_slot_log_probs(state, slot_start)  # (gaps + 1,)
+            slot_lp = model.next_slot_log_probs(state, how.slot_start)  # (gaps + 1,)
             if trace is not None:
                 trace.append((list(canvas), float(slot_lp[-1].exp())))
-            if len(canvas) - len(given) < min_len:
+            if len(canvas) - len(given) < how.min_len:
                 slot_lp[-1] = float("-inf")
             choice = choose(slot_lp)
             if choice == len(slot_lp) - 1:
                 terminated = True
                 break
             token_lp = model.next_token_log_probs(state, choice)
-            if banned:
-                token_lp[list(banned)] = float("-inf")
+            if how.banned:
+                token_lp[list(how.banned)] = float("-inf")
             tok = choose(token_lp)
             model.push(state, tok, choice + 1)  # gap g lies between canvas indices g and g+1
             canvas.insert(choice + 1, tok)
             is_given.insert(choice + 1, False)
         if trace is not None and not terminated:  # cut at max_len: the last canvas too
-            p_end = model.next_slot_log_probs(state, slot_start)[-1].exp()
+            p_end = model.next_slot_log_probs(state, how.slot_start)[-1].exp()
             trace.append((list(canvas), float(p_end)))
     return dict(
         tokens=canvas, given=is_given, inserted=len(canvas) - len(given), terminated=terminated

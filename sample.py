@@ -28,7 +28,7 @@ from decode import (
     sampling_generator,
 )
 from evaluate import add_decoding_flags, model_from_checkpoint
-from insnet import INSERTION, generate
+from insnet import INSERTION, Decoding, generate
 
 
 def main(argv=None):
@@ -52,15 +52,16 @@ def main(argv=None):
     args.decoder, args.keywords = args.decoder or "greedy", " ".join(args.keywords).split()
     ckpt, device = load_checkpoint(args.ckpt), get_device(args.device)
     story = ckpt["args"]["task"] in ("story", "storyline")
+    allowed = STORY_DECODERS if story else DECODERS
     check_decoder_args(
         args.decoder,
-        args.k,
-        args.p,
-        args.beam_size,
-        args.temperature,
-        args.consistent and not story,
-        args.length_penalty,
-        STORY_DECODERS if story else DECODERS,
+        allowed,
+        k=args.k,
+        p=args.p,
+        beam_size=args.beam_size,
+        temperature=args.temperature,
+        consistent=args.consistent and not story,
+        length_penalty=args.length_penalty,
     )
     if story and (args.prompt or args.prompt_file or args.show_eos or args.consistent):
         raise UserError(
@@ -98,9 +99,9 @@ def main(argv=None):
         model,
         [torch.tensor(x, device=device) for x in ids],
         args.L,
-        args.decoder,
         64,
         "sampling" if len(ids) > 64 else None,
+        decoder=args.decoder,
         k=args.k,
         p=args.p,
         beam_size=args.beam_size,
@@ -201,11 +202,7 @@ def sample_story(args, ckpt, model, g, device):
         model,
         [*prefix, *kws, EOS],
         given + args.L,
-        args.decoder,
-        args.k,
-        args.temperature,
-        len(prefix) - 1,
-        (PAD, BOS, EOS, SEP),
+        Decoding(args.decoder, args.k, args.temperature, len(prefix) - 1, (PAD, BOS, EOS, SEP)),
         generator=g,
         trace=trace,
     )

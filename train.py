@@ -49,7 +49,7 @@ from common import (
 from data import gpt2_weights
 from data.loader import check_fits, epoch_batches, load_data, targets_per_batch
 from data.prepare import DATASETS, VOCABS
-from evaluate import get_batch, perplexity, probe, score
+from evaluate import get_batch, perplexity, probe, score, scored
 from heads import HEADS, TERMINATION_HEADS, loss_scale
 from insnet import INSERTION
 from model import MODELS, WINDOWED, LanguageModel, gpt_state_from_hf
@@ -154,126 +154,183 @@ RECIPES = {
 AUTHORS = {"beta2": 0.999, "batch_size": 32, "lr": 1e-3, "max_epochs": 70, "patience": 10}
 
 
-FLAGS = [  # (flag, default (None: a recipe's, or none), type (tuple: choices; bool: switch), help)
-    ("model", "gpt", (*MODELS, *INSERTION), "insnet, insertion_transformer: insnet.py"),
-    (
-        "head",
-        "softmax",
-        HEADS,
-        "softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10), mos, ct, "
-        "ctmos (CT eq. 4, 6, 7: K*V floats a token, size the batch to fit)",
-    ),
-    (
-        "task",
-        None,
-        ("completion", "stream", "story", "storyline"),
-        "completion (NMST), stream "
-        "(CT, rnn / lstm), story / storyline (InsNet); default: by the dataset",
-    ),
-    ("epsilon", 1e-5, number(float, lambda v: 0 < v < 1, "in (0, 1)"), "ST / NMST"),
-    ("dataset", "wikitext103", (*DATASETS, *STORY_DATASETS), "text: your own, in --data_dir"),
-    (
-        "protocol",
-        "paper",
-        ("paper", "authors"),
-        "paper: the NMST paper's text (lines of > 10 words, the continuation's loss); authors: "
-        "the code that made its Table 1 (every line, <bos>, <cpad>, the context's loss too)",
-    ),
-    ("vocab", "word", VOCABS, "wikitext2, ptb, text: word or char; text: bpe (GPT-2's) too"),
-    ("data_dir", None, os.path.abspath, "local data (default $NANOGEN_DATA, else download)"),
-    ("out_dir", None, str, "default out/DATASET-MODEL-HEAD"),
-    ("seed", 0, SEED, ""),
-    ("init_from", "scratch", ("scratch", *GPT2_SIZES), "GPT-2's weights (and shape)"),
-    ("weights", None, str, "--init_from's, a local copy"),
-    ("device", "auto", str, "cpu, cuda:N"),
-    (
-        "dtype",
-        "auto",
-        ("auto", "float32", "bfloat16", "float16"),
-        "autocast on CUDA (auto: bfloat16 where native, else float32)",
-    ),
-    ("compile", False, bool, "torch.compile"),
-    ("peak_flops", None, POS, "for MFU"),
-    ("resume", False, bool, "from out_dir/ckpt_last.pt"),
-    ("n_layer", None, INT1, ""),
-    ("d_model", None, INT1, ""),
-    ("n_head", 12, INT1, ""),
-    ("block_size", 1024, INT1, "GPT / GCNN window, story canvas"),
-    ("dropout", None, FRACTION, ""),
-    ("kernel_size", 4, INT1, "gcnn"),
-    ("no_tie", False, bool, ""),
-    ("no_bias", False, bool, "gpt"),
-    ("n_experts", 4, INT1, "mos / ctmos: K"),
-    ("ct_alpha", 1.0, NONNEG, "CT eq. 6"),
-    ("ct_beta", 0.5, POS, "CT eq. 6"),
-    ("ct_rank", 0, INT0, "ct: rank of W_tau (0: full)"),
-    ("temperature", 1.0, POS, "softmax / mos: a constant one"),
-    ("max_offset", 256, INT1, "insnet"),
-    ("locked_dropout", False, bool, "rnn / lstm: a dropout mask per sequence (AWD-LSTM)"),
-    ("order", "random", ("random", "l2r"), "insertion order"),
-    ("lr", None, POS, ""),
-    ("min_count", 2, INT1, "rocstories: rarer words are <unk>"),
-    ("warmup", None, INT0, ""),
-    ("synthetic_count", 200, INT1, "synthetic: sequences per length"),
-    ("max_epochs", 70, INT1, ""),
-    ("beta1", 0.9, FRACTION, ""),
-    ("beta2", 0.99, FRACTION, ""),
-    ("weight_decay", None, NONNEG, ""),
-    ("grad_clip", 1.0, NONNEG, "0: off"),
-    (
-        "lr_schedule",
-        None,
-        ("plateau", "linear", "constant"),
-        "plateau: x --lr_decay at an evaluation that does not improve; linear: up for --warmup "
-        "steps, down to 0 at --decay_steps",
-    ),
-    ("decay_steps", None, INT1, ""),
-    ("lr_decay", 0.5, number(float, lambda v: 0 < v <= 1, "in (0, 1]"), ""),
-    ("patience", 10, INT1, "evaluations without improvement"),
-    ("batch_size", None, INT1, ""),
-    ("max_tokens", None, INT1, "padded tokens a batch"),
-    ("bptt", 70, INT1, "stream: its window"),
-    ("loss_scaling", False, bool, "CT eq. 8's LS"),
-    ("ar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"),
-    ("tar", 0.0, NONNEG, "rnn / lstm: CT eq. 8"),
-    ("max_iters", None, INT0, "0: none"),
-    ("grad_accum", None, INT1, "batches a step over all processes (default: one a process)"),
-    ("max_minutes", 0.0, NONNEG, "0: none"),
-    ("whole_epochs", False, bool, "--max_minutes stops a run at an epoch's end, not mid-epoch"),
-    ("eval_interval", None, INT0, "0: at epoch ends"),
-    ("log_interval", 10, INT1, "steps between loss reads / stop checks"),
-    ("train_seqs", 0, INT0, "0: all"),
-    ("eval_seqs", 0, INT0, "validate on the first N (0: all)"),
-    ("probe", 64, INT0, "termination probe: greedy-decode N validation contexts (0: off)"),
-    ("probe_L", 200, INT1, "the probe's L"),
-    ("no_curves", False, bool, "no OUT_DIR/curves.png"),
-    ("tensorboard", False, bool, "also OUT_DIR/tensorboard (pip install tensorboard)"),
-]
-DEFAULTS = {flag: default for flag, default, _, _ in FLAGS}
+class Help(argparse.HelpFormatter):
+    """--help: each flag's help ends with its default (DEFAULTS), or says that the --model recipe
+    sets it."""
+
+    def _get_help_string(self, action):
+        default = DEFAULTS.get(action.dest)
+        if default is not None:
+            return f"{action.help} (default: {default})"
+        if any(action.dest in recipe for recipe in RECIPES.values()):
+            return f"{action.help} (default: the --model recipe)"
+        return action.help
 
 
 def parser():
-    p = Parser(description="Train a nanogen model.")
-    # The parser has no defaults: a flag you did not type is None, and get_args puts the recipe
-    # and DEFAULTS under what you typed. The help says which default applies.
-    for flag, default, kind, text in FLAGS:
-        if default is not None:
-            text += f" (default: {default})"
-        elif any(flag in recipe for recipe in RECIPES.values()):
-            text += " (default: the --model recipe)"
-        if kind is bool:
-            p.add_argument(f"--{flag}", action="store_true", default=None, help=text)
-        elif isinstance(kind, tuple):
-            p.add_argument(f"--{flag}", choices=kind, help=text)
-        else:
-            p.add_argument(f"--{flag}", type=kind, help=text)
+    """train.py's flags, one a line (the parser's defaults are DEFAULTS)."""
+    p = Parser(description="Train a nanogen model.", formatter_class=Help)
+    # --- what is trained: the model, its output head, the task
+    p.add_argument(
+        "--model",
+        default="gpt",
+        choices=(*MODELS, *INSERTION),
+        help="insnet, insertion_transformer: insnet.py",
+    )
+    p.add_argument(
+        "--head",
+        default="softmax",
+        choices=HEADS,
+        help="softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10), mos, ct, ctmos (CT eq. 4, 6, 7)",
+    )
+    p.add_argument(
+        "--task",
+        choices=("completion", "stream", "story", "storyline"),
+        help="completion (NMST), stream (CT), story / storyline (InsNet); None: by the dataset",
+    )
+    p.add_argument(
+        "--epsilon",
+        default=1e-5,
+        type=number(float, lambda v: 0 < v < 1, "in (0, 1)"),
+        help="ST / NMST",
+    )
+    # --- the data
+    p.add_argument(
+        "--dataset",
+        default="wikitext103",
+        choices=(*DATASETS, *STORY_DATASETS),
+        help="text: your own, in --data_dir",
+    )
+    p.add_argument(
+        "--protocol",
+        default="paper",
+        choices=("paper", "authors"),
+        help="paper: the NMST paper's text; authors: the code that made its Table 1 (README)",
+    )
+    p.add_argument(
+        "--vocab",
+        default="word",
+        choices=VOCABS,
+        help="wikitext2, ptb, text: word or char; text: bpe (GPT-2's) too",
+    )
+    p.add_argument(
+        "--data_dir", type=os.path.abspath, help="local data (None: $NANOGEN_DATA, else download)"
+    )
+    # --- the run: where it writes, where it starts from, where it runs
+    p.add_argument("--out_dir", help="None: out/DATASET-MODEL-HEAD")
+    p.add_argument("--seed", default=0, type=SEED, help="the random seed")
+    p.add_argument(
+        "--init_from",
+        default="scratch",
+        choices=("scratch", *GPT2_SIZES),
+        help="GPT-2's weights (and shape)",
+    )
+    p.add_argument("--weights", help="--init_from's, a local copy")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="autocast on CUDA (auto: bfloat16 where native)",
+    )
+    p.add_argument("--compile", action="store_true", help="torch.compile")
+    p.add_argument("--peak_flops", type=POS, help="for MFU")
+    p.add_argument("--resume", action="store_true", help="from out_dir/ckpt_last.pt")
+    # --- the model's shape
+    p.add_argument("--n_layer", type=INT1, help="layers")
+    p.add_argument("--d_model", type=INT1, help="the width")
+    p.add_argument("--n_head", default=12, type=INT1, help="gpt: attention heads")
+    p.add_argument("--block_size", default=1024, type=INT1, help="GPT / GCNN window, story canvas")
+    p.add_argument("--dropout", type=FRACTION, help="the dropout rate")
+    p.add_argument("--kernel_size", default=4, type=INT1, help="gcnn")
+    p.add_argument("--no_tie", action="store_true", help="untie the input and output embeddings")
+    p.add_argument("--no_bias", action="store_true", help="gpt")
+    p.add_argument("--n_experts", default=4, type=INT1, help="mos / ctmos: K")
+    p.add_argument("--ct_alpha", default=1.0, type=NONNEG, help="CT eq. 6")
+    p.add_argument("--ct_beta", default=0.5, type=POS, help="CT eq. 6")
+    p.add_argument("--ct_rank", default=0, type=INT0, help="ct: rank of W_tau (0: full)")
+    p.add_argument("--temperature", default=1.0, type=POS, help="softmax / mos: a constant one")
+    p.add_argument("--max_offset", default=256, type=INT1, help="insnet")
+    p.add_argument("--locked_dropout", action="store_true", help="rnn / lstm: a mask per sequence")
+    p.add_argument("--order", default="random", choices=("random", "l2r"), help="insertion order")
+    p.add_argument("--min_count", default=2, type=INT1, help="rocstories: rarer words are <unk>")
+    p.add_argument(
+        "--synthetic_count", default=200, type=INT1, help="synthetic: sequences a length"
+    )
+    # --- optimization
+    p.add_argument("--lr", type=POS, help="the peak learning rate")
+    p.add_argument("--warmup", type=INT0, help="linear: steps up to --lr")
+    p.add_argument("--max_epochs", default=70, type=INT1, help="epochs at most")
+    p.add_argument("--beta1", default=0.9, type=FRACTION, help="AdamW")
+    p.add_argument("--beta2", default=0.99, type=FRACTION, help="AdamW")
+    p.add_argument("--weight_decay", type=NONNEG, help="AdamW")
+    p.add_argument("--grad_clip", default=1.0, type=NONNEG, help="0: off")
+    p.add_argument(
+        "--lr_schedule",
+        choices=("plateau", "linear", "constant"),
+        help="plateau: x --lr_decay if an evaluation does not improve; linear: 0 at --decay_steps",
+    )
+    p.add_argument("--decay_steps", type=INT1, help="linear: the step the rate reaches 0")
+    p.add_argument(
+        "--lr_decay",
+        default=0.5,
+        type=number(float, lambda v: 0 < v <= 1, "in (0, 1]"),
+        help="plateau: the factor",
+    )
+    p.add_argument("--patience", default=10, type=INT1, help="evaluations without improvement")
+    p.add_argument("--batch_size", type=INT1, help="sequences a batch")
+    p.add_argument("--max_tokens", type=INT1, help="padded tokens a batch")
+    p.add_argument("--bptt", default=70, type=INT1, help="stream: its window")
+    p.add_argument("--loss_scaling", action="store_true", help="CT eq. 8's LS")
+    p.add_argument("--ar", default=0.0, type=NONNEG, help="rnn / lstm: CT eq. 8")
+    p.add_argument("--tar", default=0.0, type=NONNEG, help="rnn / lstm: CT eq. 8")
+    p.add_argument(
+        "--grad_accum", type=INT1, help="batches a step over all processes (None: one a process)"
+    )
+    # --- when to stop, evaluate and log
+    p.add_argument("--max_iters", type=INT0, help="0: none")
+    p.add_argument("--max_minutes", default=0.0, type=NONNEG, help="0: none")
+    p.add_argument(
+        "--whole_epochs", action="store_true", help="--max_minutes stops at an epoch's end"
+    )
+    p.add_argument("--eval_interval", type=INT0, help="0: at epoch ends")
+    p.add_argument(
+        "--log_interval", default=10, type=INT1, help="steps between loss reads / stop checks"
+    )
+    p.add_argument("--train_seqs", default=0, type=INT0, help="0: all")
+    p.add_argument("--eval_seqs", default=0, type=INT0, help="validate on the first N (0: all)")
+    p.add_argument(
+        "--probe",
+        default=64,
+        type=INT0,
+        help="termination probe: greedy-decode N validation contexts (0: off)",
+    )
+    p.add_argument("--probe_L", default=200, type=INT1, help="the probe's L")
+    p.add_argument("--no_curves", action="store_true", help="no OUT_DIR/curves.png")
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also OUT_DIR/tensorboard (pip install tensorboard)",
+    )
     return p
+
+
+# The defaults of every flag; a recipe goes over them (get_args).
+DEFAULTS = vars(parser().parse_args([]))
+
+
+def typed_flags(argv):
+    """-> {flag: value} of the flags typed on the command line (the parser's defaults set to None
+    first, so whatever is not None was typed)."""
+    p = parser()
+    p.set_defaults(**dict.fromkeys(DEFAULTS))
+    return {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
 
 
 def get_args(argv=None):
     """-> (args, the checkpoint to resume or None): DEFAULTS, the --model recipe over them, the
     flags you typed over both; --resume: the checkpoint's arguments, the typed flags over them."""
-    typed = {k: v for k, v in vars(parser().parse_args(argv)).items() if v is not None}
+    typed = typed_flags(argv)
     a = {**DEFAULTS, **typed}
     story = a["dataset"] in STORY_DATASETS or a["model"] in INSERTION
     recipe = RECIPES[recipe_name(a, story)]
@@ -740,7 +797,7 @@ def train(run, st, hidden):
                     hidden = None
                 with run.ctx:
                     # One call of the model: log p of the targets, the mask of those that count.
-                    log_p, mask, hidden = score(model, batch, hidden)
+                    log_p, mask, hidden = score(model, batch, scored(args), hidden)
                     # -log p of the batch's predicted tokens, summed
                     nll = -torch.where(mask, log_p, 0.0).sum()
                     # NMST eq. 3, the mean over every target of the data: the sum divided by the

@@ -79,31 +79,25 @@ def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
     (stories: a key seeds its insertion orders).  Not "train": in order, the first `limit` only."""
     if args.task == "stream":
         return bptt_windows(data[split].size(1), args.bptt)
+    # The training split's order is shuffled, a pure function of (seed, epoch); the others' not.
+    rng = None
+    if split == "train":
+        rng = np.random.default_rng([args.seed, epoch])
     if args.task in ("story", "storyline"):
-        index = batches(
-            [len(s["tokens"]) for s in data[split][:limit]],
-            args.batch_size,
-            shuffle=split == "train",
-            seed=args.seed,
-            epoch=epoch,
-        )
+        index = batches([len(s["tokens"]) for s in data[split][:limit]], args.batch_size, rng=rng)
         return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
+    if split == "train":
+        limit = args.train_seqs or None
+    lengths = data[split].lengths[:limit]
     if args.protocol == "authors" and split == "train":
         # The authors' DataLoader(shuffle=True): random batches, each padded to its longest line.
-        lengths = data[split].lengths[: args.train_seqs or None]
-        order = np.random.default_rng([args.seed, epoch]).permutation(len(lengths))
+        order = rng.permutation(len(lengths))
         size = args.batch_size or 32
         return [order[i : i + size] for i in range(0, len(order), size)]
     sizes = sizes or dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
-    return batches(
-        data[split].lengths,
-        **(sizes if any(sizes.values()) else dict(batch_size=32)),
-        shuffle=split == "train",
-        seed=args.seed,
-        epoch=epoch,
-        max_len=args.window,
-        limit=(args.train_seqs or None) if split == "train" else limit,
-    )
+    if not any(sizes.values()):
+        sizes = dict(batch_size=32)
+    return batches(lengths, **sizes, rng=rng, max_len=args.window)
 
 
 def targets_per_batch(args, data):
@@ -157,22 +151,15 @@ def check_fits(args, data):
         raise UserError(f"a story of {longest} tokens exceeds --block_size {args.block_size}")
 
 
-def batches(
-    lengths,
-    batch_size=None,
-    max_tokens=None,
-    shuffle=False,
-    seed=0,
-    epoch=0,
-    limit=None,
-    max_len=None,
-):
+def batches(lengths, batch_size=None, max_tokens=None, rng=None, max_len=None):
     """Batches by input length: index arrays into `lengths` of batch_size sequences, or of
     max_tokens // T sequences of inputs up to T (their bucket; the last few join the next one).
-    limit: the first `limit` sequences only; max_len: leave out longer inputs (a GPT's window)."""
-    lengths = np.asarray(lengths)[:limit]
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
+    rng: a numpy Generator that shuffles (the ties within a length, then the batches' order);
+    None: in order.  max_len: leave out longer inputs (a GPT's window)."""
+    lengths = np.asarray(lengths)
+    order = np.arange(len(lengths))
+    if rng is not None:
+        order = rng.permutation(len(lengths))
     order = order[lengths[order] - 1 <= (max_len or math.inf)]
     order = order[np.argsort(lengths[order] - 1, kind="stable")]  # by input length, ties random
     if batch_size is not None:
@@ -184,7 +171,9 @@ def batches(
             k = len(pool) - len(pool) % B
             out, rest = out + [pool[i : i + B] for i in range(0, k, B)], pool[k:]
         out += [rest] if len(rest) else []
-    return [out[j] for j in rng.permutation(len(out))] if shuffle else out
+    if rng is not None:
+        out = [out[j] for j in rng.permutation(len(out))]
+    return out
 
 
 def bucket(n, cap=math.inf):  # lengths n up to a quarter octave (8, 16, ..., 64, 80, ...) <= cap

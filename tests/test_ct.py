@@ -153,7 +153,7 @@ def test_hidden_state_detached_between_windows():
         return read(*a, **k)
 
     lm.forward = forward
-    args = train.argparse.Namespace(task="stream", bptt=5, eval_seqs=0)
+    args = train.argparse.Namespace(model="lstm", task="stream", bptt=5, eval_seqs=0)
     stream = torch.randint(0, 30, (200,))  # 10 columns of 20 tokens: 19 targets each, in 4 windows
     assert (
         evaluate.perplexity(args, lm, dict(streams=dict(valid=stream)))["tokens"] == 10 * 19

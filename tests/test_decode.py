@@ -23,9 +23,10 @@ from heads import nmst_log_probs, softmax_log_probs
 from model import MODELS, LanguageModel
 
 EOS = 2
+D = 16  # the toy models' width
 
 
-def toy(model, head, V=30, eps=0.05, eos_bias=-4.0, seed=0, d=16):
+def toy(model, head, V=30, eps=0.05, eos_bias=-4.0, seed=0):
     """A random model with an output bias, so p(eos) can be set (random init puts eos on top).
     eos_bias < 0 makes eos unlikely; for ST the eos logit is the *keep* weight sigma(z) of eq. 9,
     so the sign is flipped there."""
@@ -36,7 +37,7 @@ def toy(model, head, V=30, eps=0.05, eos_bias=-4.0, seed=0, d=16):
         vocab_size=V,
         eos_id=EOS,
         n_layer=2,
-        d_model=d,
+        d_model=D,
         dropout=0.0,
         tie=False,
         n_head=2,
@@ -46,7 +47,7 @@ def toy(model, head, V=30, eps=0.05, eos_bias=-4.0, seed=0, d=16):
     )
     torch.manual_seed(seed)
     lm = LanguageModel(cfg).double().eval()
-    lm.head.proj = nn.Linear(d, V, bias=True).double()
+    lm.head.proj = nn.Linear(D, V, bias=True).double()
     with torch.no_grad():
         lm.head.proj.weight.mul_(6.0)
         lm.head.proj.bias.zero_()
@@ -148,10 +149,10 @@ def test_nucleus_p1_keeps_the_whole_support():
 
 def test_consistent_keeps_eos():
     lp = torch.log_softmax(torch.tensor([[5.0, 4.0, -3.0, 1.0]]), -1)
-    assert torch.isinf(filter_log_probs(lp, "topk", k=2, eos_id=2)[0, 2])
-    q = filter_log_probs(lp, "topk", k=2, eos_id=2, consistent=True)
+    assert torch.isinf(filter_log_probs(lp, "topk", k=2)[0, 2])
+    q = filter_log_probs(lp, "topk", k=2, always=2)
     assert torch.isfinite(q[0, 2]) and abs(q.exp().sum() - 1) < 1e-6
-    assert torch.isfinite(filter_log_probs(lp, "nucleus", p=0.3, eos_id=2, consistent=True)[0, 2])
+    assert torch.isfinite(filter_log_probs(lp, "nucleus", p=0.3, always=2)[0, 2])
 
 
 @pytest.mark.parametrize(
@@ -173,7 +174,6 @@ def test_sampling_frequencies_match_filtered_distribution(decoder, kw, allowed):
     q = filter_log_probs(
         torch.log_softmax(logits, -1).unsqueeze(0),
         decoder,
-        eos_id=2,
         **{k: v for k, v in kw.items()},
     )[0].exp()
     if allowed is not None:
@@ -264,7 +264,7 @@ def test_decoding_in_batches_changes_only_the_batching(decoder, kw):
     ]
     whole = decode(lm, prompts, 25, decoder, **kw)
     for batch in (1, 3):
-        part = decode_in_batches(lm, prompts, 25, decoder, batch, **kw)
+        part = decode_in_batches(lm, prompts, 25, batch, decoder=decoder, **kw)
         assert part["tokens"] == whole["tokens"] and torch.equal(
             part["terminated"], whole["terminated"]
         )

@@ -312,7 +312,7 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
     index = [3, 10, 57, 99]
     batch = dict(collate(splits["valid"], index), n=1)
     assert int(batch["lengths"].min()) < int(batch["lengths"].max())  # really padded
-    log_p, mask, _ = evaluate.score(lm, batch)
+    log_p, mask, _ = evaluate.score(lm, batch, "tokens")
     (-log_p[mask].sum()).backward()
     args = train.argparse.Namespace(
         **dict(train.DEFAULTS, task="completion", batch_size=4, eval_seqs=8, window=None)
@@ -320,7 +320,7 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
     evaluate.perplexity(args, lm, dict(splits))
     assert calls and all(calls_ == (True, True) for calls_ in calls)
     for b, i in enumerate(index):
-        alone = evaluate.score(lm, dict(collate(splits["valid"], [i]), n=1))[0]
+        alone = evaluate.score(lm, dict(collate(splits["valid"], [i]), n=1), "tokens")[0]
         n = alone.size(1)
         torch.testing.assert_close(log_p[b, :n], alone[0], rtol=1e-6, atol=1e-5)  # float32 rounding
 
@@ -369,7 +369,7 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     for key in epoch_batches(args, dict(splits), 0)[:16]:
         batch = evaluate.get_batch(args, dict(splits), key, "cpu")
         shapes.add(tuple(batch["inputs"].shape))
-        log_p, mask, _ = evaluate.score(lm, batch)
+        log_p, mask, _ = evaluate.score(lm, batch, "tokens")
         (-log_p[mask].sum() / batch["n"]).backward()
         counts.append(counter.frame_count)
     assert len(shapes) >= 8

@@ -101,7 +101,7 @@ def test_shape_mismatch_is_refused():
 
 
 @pytest.mark.slow
-def test_train_init_from_hf_checkpoint(tmp_path, monkeypatch):
+def test_train_init_from_hf_checkpoint(tmp_path):
     """--init_from gpt2 --weights DIR with a HF-format checkpoint (pytorch_model.bin) saved by
     the test: the run starts from exactly those weights (same loss as HF's at step 0)."""
     import json
@@ -110,15 +110,7 @@ def test_train_init_from_hf_checkpoint(tmp_path, monkeypatch):
     import train
     from train import GPT2_SIZES
 
-    GPT2_SIZES["tiny-test"] = (2, 2, 32)  # (and a choice of --init_from)
-    monkeypatch.setattr(
-        train,
-        "FLAGS",
-        [
-            (f, d, ("scratch", *GPT2_SIZES) if f == "init_from" else k, h)
-            for f, d, k, h in train.FLAGS
-        ],
-    )
+    GPT2_SIZES["tiny-test"] = (2, 2, 32)  # (and a choice of --init_from: parser() reads it)
     try:
         hf = GPT2LMHeadModel(
             GPT2Config(vocab_size=50257, n_positions=1024, n_embd=32, n_layer=2, n_head=2)

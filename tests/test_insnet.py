@@ -79,6 +79,7 @@ import pytest  # noqa: E402
 
 from evaluate import score  # noqa: E402
 from insnet import (  # noqa: E402
+    Decoding,
     InsertionTransformer,
     InsNet,
     canvas_steps,
@@ -92,7 +93,7 @@ from insnet import (  # noqa: E402
 
 def story_nll(m, batch):
     """-log p of each (sequence, order) and its number of events, from evaluate.score."""
-    log_p, mask, _ = score(m, batch)
+    log_p, mask, _ = score(m, batch, "insertion")
     return -(log_p * mask).sum(1), mask.sum(1)
 
 
@@ -215,11 +216,7 @@ def test_constrained_decoding_keeps_every_keyword_in_order(name):
             m,
             [1, *title, 3, *keywords, 2],
             30,
-            decoder=decoder,
-            k=3,
-            slot_start=3,
-            banned=(0, 1, 2, 3),
-            min_len=4,
+            Decoding(decoder, k=3, slot_start=3, banned=(0, 1, 2, 3), min_len=4),
             generator=torch.Generator().manual_seed(seed),
         )
         toks = out["tokens"]
@@ -241,9 +238,7 @@ def test_insnet_encodes_each_token_once_and_it_reencodes():
                 m,
                 [1, 2],
                 12,
-                decoder="sample",
-                min_len=10,
-                banned=(0, 1, 2, 3),
+                Decoding("sample", banned=(0, 1, 2, 3), min_len=10),
                 generator=torch.Generator().manual_seed(0),
             )
         )

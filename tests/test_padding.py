@@ -94,7 +94,7 @@ def test_insnet_never_inserts_a_padding_id():
         logits = m.token_logits(torch.randn(5, 16))
     assert torch.isinf(logits[:, V:]).all() and torch.isfinite(logits[:, :V]).all()
     g = torch.Generator().manual_seed(0)
-    out = insnet.generate(m, [1, 2], 20, "sample", min_len=10, generator=g)
+    out = insnet.generate(m, [1, 2], 20, insnet.Decoding("sample", min_len=10), generator=g)
     assert out["inserted"] > 0 and max(out["tokens"]) < V
 
 

@@ -86,7 +86,7 @@ def gradient_shares(tmp_path, monkeypatch, protocol):
     the steps."""
     seen = []
 
-    def leaf_score(model, batch, state=None):
+    def leaf_score(model, batch, kind, state=None):
         log_p = torch.zeros(batch["targets"].shape, requires_grad=torch.is_grad_enabled())
         if torch.is_grad_enabled():
             seen.append((log_p, batch))

@@ -419,7 +419,7 @@ def test_the_paper_scale_starts_its_first_run(result, dataset, tmp_path, monkeyp
 
     def main(argv):
         main.args = train.get_args(argv)[0]  # (and its checks)
-        main.typed = {k for k, v in vars(train.parser().parse_args(argv)).items() if v is not None}
+        main.typed = set(train.typed_flags(argv))
         raise Started
 
     monkeypatch.setattr(train, "main", main)

@@ -220,7 +220,7 @@ def test_train_and_evaluate_stories(model, task, order, tmp_path, monkeypatch, r
         evaluate,
         "generate",
         lambda m, given, n, *a, **kw: (
-            room.append(n - (a[3] + 1) - 1) or real_generate(m, given, n, *a, **kw)
+            room.append(n - (a[0].slot_start + 1) - 1) or real_generate(m, given, n, *a, **kw)
         ),
     )  # (canvas: prefix, story, EOS)
     evaluate.main(
