@@ -224,6 +224,75 @@ def test_theorem_3s_cells_and_the_two_standard_errors():
     assert not reproduce.differ([1.0], [9.0])
 
 
+def test_table_4_says_first_when_no_cell_differs_from_va():
+    """NMST Table 4 at a scale where nothing loops: its first lines say that the paper's finding is
+    not shown; one ST+ cell apart from VA+ beyond 2 SE removes that line."""
+    import argparse
+
+    import reproduce
+
+    cfg = reproduce.nmst_settings("cpu", 4)
+    args = argparse.Namespace(scale="cpu", heads=["softmax", "st", "nmst"])
+
+    def runs(st_nucleus):
+        out = {}
+        for head in args.heads:
+            seeds = []
+            for seed in range(3):
+                ratio = {d: 0.0 for d in cfg["decoders"]}
+                if head == "st":
+                    ratio["nucleus-0.2"] = st_nucleus[seed]
+                seeds.append({d: {"decoding": {"r_nt": {"1000": ratio[d]}}} for d in ratio})
+            out["gpt", head] = seeds
+        return out
+
+    quiet = reproduce.report_table4(cfg, runs([0.0, 0.01, 0.0]), args)
+    assert any("is NOT shown here" in line for line in quiet[:5])
+    loud = reproduce.report_table4(cfg, runs([0.7, 0.75, 0.8]), args)
+    assert not any("NOT shown" in line for line in loud)
+    assert any("nucleus-0.2: VA+ 0.000 vs ST+ 0.750: apart beyond 2 SE" in line for line in loud)
+
+
+def test_table_1_says_first_where_the_termination_finding_shows():
+    """Table 1's first lines: the (model, head) where VA+'s greedy r_nt lies above beyond 2 SE
+    (the paper's finding), and where not (within 2 SE, or the other way round)."""
+    import argparse
+
+    import reproduce
+
+    cfg = reproduce.nmst_settings("cpu", 1)
+    args = argparse.Namespace(scale="cpu", heads=["softmax", "st", "nmst"])
+    greedy = {
+        ("rnn", "softmax"): [0.0, 0.0, 0.0],
+        ("rnn", "st"): [0.0, 0.0, 0.0],
+        ("rnn", "nmst"): [0.3, 0.4, 0.5],
+        ("lstm", "softmax"): [0.2, 0.1, 0.25],
+        ("lstm", "st"): [0.0, 0.0, 0.0],
+        ("lstm", "nmst"): [0.0, 0.5, 0.2],
+    }
+    runs = {
+        key: [{"greedy": {"decoding": {"r_nt": {"1000": x}}}} for x in seeds]
+        for key, seeds in greedy.items()
+    }
+    (line,) = reproduce.termination_shown(cfg, runs, args)
+    assert "r_nt(1000)" in line
+    assert "shown for LSTM ST+; NOT shown for RNN ST+, RNN NMST+, LSTM NMST+" in line
+
+
+def test_the_insnet_table_says_when_its_models_loop():
+    """InsNet Table 3's first lines: with most stories looping, the paper's comparison is said not
+    to show; with trained generators (few loops) the BLEU call stands alone."""
+    import reproduce
+
+    bleu4 = {"insnet": [1.9, 2.0, 1.8], "gpt": [0.4, 0.5, 0.4]}
+    looping = {"insnet": [99.0, 100.0, 100.0], "gpt": [100.0, 100.0, 100.0]}
+    lines = reproduce.insnet_findings(looping, bleu4)
+    assert "BLEU-4: InsNet 1.90 vs L2R 0.43: apart beyond 2 SE" in lines[1]
+    assert "NOT shown at this scale" in lines[-1]
+    trained = {"insnet": [3.0, 5.0, 4.0], "gpt": [10.0, 12.0, 8.0]}
+    assert not any("NOT shown" in line for line in reproduce.insnet_findings(trained, bleu4))
+
+
 @pytest.mark.slow
 def test_the_lease_command_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, capsys):
     """reproduce.py nmst-table1 --scale lease, its models and decoding shrunk to run on a CPU:
