@@ -42,6 +42,7 @@ from common import (
 from data.loader import batchify, bptt_windows, collate, epoch_batches, load_data, to_device
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
 from decode import (
+    DECODER_OPTIONS,
     DECODERS,
     STORY_DECODERS,
     check_decoder_args,
@@ -132,6 +133,11 @@ def add_decoding_flags(p):
     p.add_argument("--seed", type=SEED, help="sampling seed")
 
 
+def decoder_options(a):
+    """The decoder's own arguments among the parsed decoding flags: {k, p, beam_size, ...}."""
+    return {name: getattr(a, name) for name in DECODER_OPTIONS}
+
+
 def check_flags(a):
     """The flag combinations that would do nothing: one line each; -> the flags given."""
     given = {k for k, v in vars(a).items() if v != parser().get_default(k)}
@@ -159,15 +165,7 @@ def check_flags(a):
             "--batch_size / --max_tokens batch the perplexity pass, which --no_ppl skips"
         )
     if a.decoder:
-        check_decoder_args(
-            a.decoder,
-            k=a.k,
-            p=a.p,
-            beam_size=a.beam_size,
-            temperature=a.temperature,
-            consistent=a.consistent,
-            length_penalty=a.length_penalty,
-        )
+        check_decoder_args(a.decoder, **decoder_options(a))
     if a.compare:  # (with --ckpt: checked in load_run, where the run's data folder is known)
         check_output(a.plot, "--plot", a.compare, folder=True)
     return given
@@ -350,13 +348,8 @@ def decoding_study(model, data, a, device):
         a.decode_batch or decode_batch_size(model, max(a.L), a.beam_size or 1, device),
         f"decoding ({a.decoder})",
         decoder=a.decoder,
-        k=a.k,
-        p=a.p,
-        beam_size=a.beam_size,
-        temperature=a.temperature,
-        consistent=a.consistent,
-        length_penalty=a.length_penalty,
         generator=sampling_generator(device, a.seed or 0),
+        **decoder_options(a),
     )
     stats = decode_stats(result, a.L)
     curve = sorted({int(round(x)) for x in torch.logspace(0, math.log10(max(a.L)), 60).tolist()})
@@ -544,14 +537,7 @@ def story_generation(model, args, data, a, device):
     BLEU-1..4 and, for --task storyline, the share of storyline keywords found in order (InsNet:
     100 % by construction, the keywords are given canvas tokens).  Each story may have twice its
     reference's words + 10, within the model's window."""
-    check_decoder_args(
-        a.decoder,
-        STORY_DECODERS,
-        k=a.k,
-        p=a.p,
-        beam_size=a.beam_size,
-        temperature=a.temperature,
-    )
+    check_decoder_args(a.decoder, STORY_DECODERS, **decoder_options(a))
     if not data["stories"]:
         raise UserError("generation is scored against ROCStories: use a rocstories checkpoint")
     vocab, g, banned = data["vocab"], sampling_generator(device, a.seed or 0), (PAD, BOS, EOS, SEP)

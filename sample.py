@@ -27,7 +27,7 @@ from decode import (
     eos_probs,
     sampling_generator,
 )
-from evaluate import add_decoding_flags, model_from_checkpoint
+from evaluate import add_decoding_flags, decoder_options, model_from_checkpoint
 from insnet import INSERTION, Decoding, generate
 
 
@@ -53,16 +53,9 @@ def main(argv=None):
     ckpt, device = load_checkpoint(args.ckpt), get_device(args.device)
     story = ckpt["args"]["task"] in ("story", "storyline")
     allowed = STORY_DECODERS if story else DECODERS
-    check_decoder_args(
-        args.decoder,
-        allowed,
-        k=args.k,
-        p=args.p,
-        beam_size=args.beam_size,
-        temperature=args.temperature,
-        consistent=args.consistent and not story,
-        length_penalty=args.length_penalty,
-    )
+    # A story checkpoint's --consistent is refused below, in a story's words.
+    options = dict(decoder_options(args), consistent=args.consistent and not story)
+    check_decoder_args(args.decoder, allowed, **options)
     if story and (args.prompt or args.prompt_file or args.show_eos or args.consistent):
         raise UserError(
             "--prompt / --prompt_file / --show_eos / --consistent are for text "
@@ -102,13 +95,8 @@ def main(argv=None):
         64,
         "sampling" if len(ids) > 64 else None,
         decoder=args.decoder,
-        k=args.k,
-        p=args.p,
-        beam_size=args.beam_size,
-        temperature=args.temperature,
-        consistent=args.consistent,
-        length_penalty=args.length_penalty,
         generator=g,
+        **decoder_options(args),
     )
     for text, x, toks, done in zip(prompts, ids, out["tokens"], out["terminated"].tolist()):
         body = tok.decode([t for t in toks if t != model.eos_id]).strip()
