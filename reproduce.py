@@ -58,6 +58,7 @@ def nmst_settings(scale, table):
             seeds=1,
             contexts=6,
             L=40,
+            fig2_L=40,
             eps=1e-3,
             models={"lstm": tiny},
             decoders=["greedy", "topk-2", "beam-2"] if table == 4 else ["greedy"],
@@ -68,6 +69,7 @@ def nmst_settings(scale, table):
             seeds=3,
             contexts=100,
             L=1000,
+            fig2_L=1000,
             eps=1e-5,
             models={"rnn": small, "lstm": small} if table == 1 else {"gpt": gpt},
             decoders=["greedy", "topk-2", "nucleus-0.4", "beam-2"] if table == 1 else list(TABLE4),
@@ -78,6 +80,7 @@ def nmst_settings(scale, table):
             seeds=1,
             contexts=None,
             L=1000,
+            fig2_L=1000,
             eps=1e-5,
             models={"rnn": authors},
             decoders=["greedy"],
@@ -89,6 +92,8 @@ def nmst_settings(scale, table):
             seeds=10,
             contexts=None,
             L=1000,
+            # Fig. 2's greedy curves reach L = 1e5 (GPT-2's window stops Table 4 at 1000).
+            fig2_L=100_000 if table == 1 else 1000,
             eps=1e-5,
             models={"rnn": [], "lstm": []} if table == 1 else {"gpt": ["--init_from", "gpt2"]},
             decoders=["greedy", *TABLE4] if table == 1 else list(TABLE4),
@@ -291,7 +296,6 @@ def nmst_runs(table, args):
     decoder (sampling decoders: the run's seed).  -> {(model, head): [per-seed results]}."""
     cfg = nmst_settings(args.scale, table)
     limit = ["--limit", str(cfg["contexts"])] if cfg["contexts"] else []
-    curve = [str(x) for x in sorted({1, 3, 10, 30, 100, 300, 1000, cfg["L"]}) if x <= cfg["L"]]
     plan = [
         (
             f"{model}-{head}-s{seed}",
@@ -313,11 +317,21 @@ def nmst_runs(table, args):
         ppl = evaluate.evaluate_once(ckpt, ppl_flags, f"{args.out}/{name}-ppl.json")
         r = {k: ppl[k] for k in ("ppl", "ppl_nanogen", "ppl_authors")}
         for dec in cfg["decoders"]:
-            flags = ["--no_ppl", *decoder_flags(dec), "--L", *curve, *limit]
-            flags += f"--seed {seed} --traces 3".split()
+            flags = [*study_flags(cfg, dec), *limit, "--seed", str(seed), "--traces", "3"]
             r[dec] = evaluate.evaluate_once(ckpt, flags, f"{args.out}/{name}-{dec}.json")
         runs.setdefault(key, []).append(r)
     return cfg, runs
+
+
+def study_flags(cfg, dec):
+    """evaluate.py's flags for one decoder's study: one decode to its largest L gives r_nt at
+    every L of the curve (greedy: to fig2_L, Fig. 2's; the others: to L)."""
+    top = cfg["L"]
+    if dec == "greedy":
+        top = cfg["fig2_L"]
+    points = {1, 3, 10, 30, 100, 300, 1000, 3000, 10_000, 30_000, 100_000, cfg["L"], top}
+    curve = [str(x) for x in sorted(points) if x <= top]
+    return ["--no_ppl", *decoder_flags(dec), "--L", *curve]
 
 
 def r_nt(results, dec, L):
@@ -545,6 +559,11 @@ def plot_nmst(cfg, runs, args):
             xlabel="L" if i == len(models) - 1 else None,
             ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None,
         )
+    # Theorem 3: past t_1/2 every ST / NMST greedy, top-k or nucleus continuation has ended.
+    half = t_half(cfg["eps"])
+    for ax in axes.flat:
+        if half <= ax.get_xlim()[1]:
+            ax.axvline(half, color="grey", linewidth=0.8, linestyle=":", label="t_1/2")
     axes[0, 0].legend(fontsize=7)
     curves.save_figure(fig, os.path.join(args.out, "r_nt.png"))
 

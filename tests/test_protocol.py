@@ -279,6 +279,32 @@ def test_table_1_says_first_where_the_termination_finding_shows():
     assert "shown for LSTM ST+; NOT shown for RNN ST+, RNN NMST+, LSTM NMST+" in line
 
 
+def test_fig_2_decodes_greedy_to_1e5_at_paper_scale():
+    """Fig. 2 needs L well past t_1/2 (69,315 at eps = 1e-5): Table 1's paper scale decodes greedy
+    to 1e5 in one decode (every smaller L of the curve from it), the other decoders to 1000."""
+    import reproduce
+
+    paper = reproduce.nmst_settings("paper", 1)
+    greedy = reproduce.study_flags(paper, "greedy")
+    assert greedy[greedy.index("--L") + 1 :] == [
+        "1",
+        "3",
+        "10",
+        "30",
+        "100",
+        "300",
+        "1000",
+        "3000",
+        "10000",
+        "30000",
+        "100000",
+    ]
+    nucleus = reproduce.study_flags(paper, "nucleus-0.2")
+    assert nucleus[-1] == "1000" and "--p" in nucleus
+    cpu = reproduce.nmst_settings("cpu", 1)
+    assert reproduce.study_flags(cpu, "greedy")[-1] == "1000"
+
+
 def test_the_insnet_table_says_when_its_models_loop():
     """InsNet Table 3's first lines: with most stories looping, the paper's comparison is said not
     to show; with trained generators (few loops) the BLEU call stands alone."""
@@ -308,7 +334,7 @@ def test_the_lease_command_end_to_end_at_a_tiny_size(tmp_path, monkeypatch, caps
         cfg = real(scale, table)
         tiny = "--d_model 16 --n_layer 1 --train_seqs 200 --max_epochs 2".split()
         if scale == "lease":
-            cfg.update(contexts=8, L=40, models={"rnn": cfg["models"]["rnn"] + tiny})
+            cfg.update(contexts=8, L=40, fig2_L=40, models={"rnn": cfg["models"]["rnn"] + tiny})
         return cfg
 
     monkeypatch.setattr(reproduce, "nmst_settings", small)
