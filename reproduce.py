@@ -110,17 +110,11 @@ PAPER_TABLE1 = {
     ("lstm", "nmst"): "101.5 ± 0.8",
 }
 TABLE4 = ("topk-2", "topk-4", "nucleus-0.2", "nucleus-0.4", "beam-2", "beam-4")
-PAPER_TABLE4 = {  # r_nt(1000) in the paper's Table 4, in the order of TABLE4
-    "softmax": (
-        "0.0 ± 0.0",
-        "0.0 ± 0.0",
-        "0.25 ± 0.08",
-        "0.14 ± 0.05",
-        "0.05 ± 0.02",
-        "0.03 ± 0.01",
-    ),
-    "st": ("0.0 ± 0.0", "0.0 ± 0.0", "0.73 ± 0.11", "0.55 ± 0.15", "0.29 ± 0.10", "0.15 ± 0.07"),
-    "nmst": ("0.0 ± 0.0", "0.0 ± 0.0", "0.21 ± 0.10", "0.10 ± 0.06", "0.03 ± 0.02", "0.01 ± 0.01"),
+# r_nt(1000) in the paper's Table 4, a row a head, in the order of TABLE4
+PAPER_TABLE4 = {
+    "softmax": "0.0 ± 0.0 | 0.0 ± 0.0 | 0.25 ± 0.08 | 0.14 ± 0.05 | 0.05 ± 0.02 | 0.03 ± 0.01",
+    "st": "0.0 ± 0.0 | 0.0 ± 0.0 | 0.73 ± 0.11 | 0.55 ± 0.15 | 0.29 ± 0.10 | 0.15 ± 0.07",
+    "nmst": "0.0 ± 0.0 | 0.0 ± 0.0 | 0.21 ± 0.10 | 0.10 ± 0.06 | 0.03 ± 0.02 | 0.01 ± 0.01",
 }
 HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
 
@@ -144,31 +138,29 @@ def train_all(plan, args):
         if os.path.isfile(f"{out}/ckpt_last.pt"):
             argv.append("--resume")
         runs.append((out, argv))
-    most = (
-        f": {math.ceil(len(plan) / args.jobs) * args.max_minutes:g} min of training, and each "
-        "run's set-up and evaluations"
-        if args.max_minutes
-        else ""
-    )
+    most = ""
+    if args.max_minutes:
+        minutes = math.ceil(len(plan) / args.jobs) * args.max_minutes
+        most = f": {minutes:g} min of training, and each run's set-up and evaluations"
     print(f"training {len(plan)} runs, {args.jobs} at a time{most}", flush=True)
+    codes, stop = [], None
     if args.jobs == 1:  # in this process, in turn
         for out, argv in runs:
             train.main(argv)
-            if train.STOP:  # a signal stopped the run (its checkpoint is written): the command too
-                raise UserError(
-                    f"stopped by {train.STOP[0]}; the run's checkpoint is in {out}: "
-                    f"the same command goes on from there"
-                )
+            # A signal stopped the run (its checkpoint is written): the command stops too.
+            if train.STOP:
+                stop = train.STOP[0]
+                break
     else:  # `python train.py` processes, --jobs at once
         codes, stop = train_processes(runs, args.jobs)
-        if stop:
-            raise UserError(
-                f"stopped by {stop}; the runs' checkpoints are in {args.runs}: "
-                f"the same command goes on from there"
-            )
-        failed = sum(c != 0 for c in codes)
-        if failed:
-            raise UserError(f"{failed} of {len(plan)} runs failed: see their .log in {args.runs}")
+    if stop:
+        raise UserError(
+            f"stopped by {stop}; the runs' checkpoints are in {args.runs}: "
+            f"the same command goes on from there"
+        )
+    failed = sum(c != 0 for c in codes)
+    if failed:
+        raise UserError(f"{failed} of {len(plan)} runs failed: see their .log in {args.runs}")
     status = {name: run_status(out) for (name, _), (out, _) in zip(plan, runs)}
     short = [f"{name} ({why})" for name, why in status.items() if why not in (None, "partial")]
     if short:
@@ -271,13 +263,13 @@ def compared(name_a, a, name_b, b, digits=3):
 EVAL_SEQS = 400  # the validation sequences of a run's own evaluations (tiny and cpu scales)
 
 
-def base_flags(cfg, model, head, seed, eps):
+def base_flags(cfg, model, head, seed):
     """Four evaluations per run (and as many termination probes: the curves over training);
     tiny: one."""
     flags = f"--model {model} --head {head}".split()
     # Only the termination heads read eps (NMST eq. 9, 10).
     if head in EPSILON_HEADS:
-        flags += ["--epsilon", str(eps)]
+        flags += ["--epsilon", str(cfg["eps"])]
     flags += f"--dataset {cfg['dataset']} --seed {seed}".split() + cfg["models"][model]
     # The paper scale keeps the recipe's own steps and evaluations.
     if cfg["steps"]:
@@ -296,19 +288,11 @@ def nmst_runs(table, args):
     decoder (sampling decoders: the run's seed).  -> {(model, head): [per-seed results]}."""
     cfg = nmst_settings(args.scale, table)
     limit = ["--limit", str(cfg["contexts"])] if cfg["contexts"] else []
-    plan = [
-        (
-            f"{model}-{head}-s{seed}",
-            base_flags(cfg, model, head, seed, cfg["eps"]),
-            (model, head),
-            seed,
-        )
-        for model in cfg["models"]
-        for head in args.heads
-        for seed in range(cfg["seeds"])
-    ]
-    runs, ckpts = {}, train_all([p[:2] for p in plan], args)
-    for k, (name, train_flags, key, seed) in enumerate(plan):
+    grid = list(itertools.product(cfg["models"], args.heads, range(cfg["seeds"])))
+    names = [f"{model}-{head}-s{seed}" for model, head, seed in grid]
+    plan = [(name, base_flags(cfg, *run)) for name, run in zip(names, grid)]
+    runs, ckpts = {}, train_all(plan, args)
+    for k, (name, (model, head, seed)) in enumerate(zip(names, grid)):
         print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
         ckpt, ppl_flags = ckpts[name], ["--split", "valid"]
         # Perplexity on the whole split, but for the smoke test.
@@ -319,7 +303,7 @@ def nmst_runs(table, args):
         for dec in cfg["decoders"]:
             flags = [*study_flags(cfg, dec), *limit, "--seed", str(seed), "--traces", "3"]
             r[dec] = evaluate.evaluate_once(ckpt, flags, f"{args.out}/{name}-{dec}.json")
-        runs.setdefault(key, []).append(r)
+        runs.setdefault((model, head), []).append(r)
     return cfg, runs
 
 
@@ -386,28 +370,33 @@ def report_table1(cfg, runs, args):
 
 
 def termination_shown(cfg, runs, args):
-    """Table 1's first-lines verdict on the paper's termination finding (greedy: VA+ loops, ST+ /
-    NMST+ end): for which (model, head) VA+'s r_nt lies above beyond 2 SE, at the largest learned
-    L (below t_1/2), and for which not."""
+    """Table 1's first lines on the paper's termination finding (greedy: VA+ loops, ST+ / NMST+
+    end), where training decides it: VA+'s r_nt against each ST+ / NMST+'s at the largest L
+    below t_1/2, called beyond 2 SE; the finding shows where VA+'s lies above."""
     others = [h for h in args.heads if h in EPSILON_HEADS]
-    if args.scale == "tiny" or "softmax" not in args.heads or not others:
+    if args.scale == "tiny":
         return []
+    if "softmax" not in args.heads or not others:
+        return ["- No conclusion on termination: the paper compares VA+ with ST+ / NMST+."]
     L = max(x for x in (10, 100, 1000, cfg["L"]) if x <= cfg["L"] and x < t_half(cfg["eps"]))
-    shown, not_shown = [], []
+    calls, shown, not_shown = [], [], []
     for m in cfg["models"]:
         va = r_nt(runs[m, "softmax"], "greedy", L)
+        pairs = []
         for h in others:
             ours = r_nt(runs[m, h], "greedy", L)
-            name = f"{m.upper()} {paper_name(h)}"
+            pairs.append(compared("VA+", va, paper_name(h), ours))
             if differ(va, ours) and statistics.mean(va) > statistics.mean(ours):
-                shown.append(name)
+                shown.append(f"{m.upper()} {paper_name(h)}")
             else:
-                not_shown.append(name)
-    return [
-        f"- The paper's termination finding (greedy: VA+ loops, ST+ / NMST+ end) at r_nt({L}), "
-        f"VA+ above beyond 2 SE: shown for {', '.join(shown) or 'none'}; NOT shown for "
-        f"{', '.join(not_shown) or 'none'} (the calls below the second table)."
-    ]
+                not_shown.append(f"{m.upper()} {paper_name(h)}")
+        calls.append(f"  {m.upper()}, greedy r_nt({L}): " + "; ".join(pairs) + ".")
+    summary = (
+        f"- The paper's termination finding (greedy: VA+ loops, ST+ / NMST+ end) at r_nt({L}) "
+        f"(learned, L < t_1/2), VA+ above beyond 2 SE: shown for {', '.join(shown) or 'none'}; "
+        f"NOT shown for {', '.join(not_shown) or 'none'}."
+    )
+    return [summary, *calls]
 
 
 def rnt_rows(cfg, runs, args):
@@ -435,36 +424,18 @@ def rnt_rows(cfg, runs, args):
 
 
 def verdict_table1(cfg, runs, args):
-    """The paper's claims checked on these numbers, only where training decides them: VA+'s
-    greedy r_nt against ST+ / NMST+'s at the largest L below t_1/2, and the perplexities; at the
-    tiny scale (a smoke test: a few steps, one seed) no conclusion is drawn."""
+    """The perplexities, head against head (nanogen's metric); at the tiny scale (a smoke test: a
+    few steps, one seed) no conclusion is drawn."""
     if args.scale == "tiny":
         return SMOKE
-    learned = [L for L in (10, 100, 1000, cfg["L"]) if L <= cfg["L"] and L < t_half(cfg["eps"])]
     out = [""]
-    others = [h for h in args.heads if h in EPSILON_HEADS]  # the heads the claim is about
     for m in cfg["models"]:
-        va = "softmax" in args.heads
-        if not (va and others):
-            out.append(
-                f"- {m.upper()}: no conclusion on termination (the paper's claim compares VA+ "
-                f"with ST+ / NMST+: --heads softmax and st or nmst)."
-            )
-        else:
-            L = max(learned)
-            base = r_nt(runs[m, "softmax"], "greedy", L)
-            pairs = [
-                compared("VA+", base, paper_name(h), r_nt(runs[m, h], "greedy", L)) for h in others
-            ]
-            out.append(
-                f"- {m.upper()}, greedy r_nt({L}) (learned, L < t_1/2): " + "; ".join(pairs) + "."
-            )
         ppl = {h: [r["ppl_nanogen"] for r in runs[m, h]] for h in args.heads}
         pairs = [
             compared(paper_name(a), ppl[a], paper_name(b), ppl[b], 1)
             for a, b in itertools.combinations(args.heads, 2)
         ]
-        out.append("  Perplexity (nanogen's metric): " + "; ".join(pairs) + ".")
+        out.append(f"- {m.upper()}, perplexity (nanogen's metric): " + "; ".join(pairs) + ".")
     return out
 
 
@@ -476,19 +447,13 @@ def report_table4(cfg, runs, args):
         f"- {cfg['contexts'] or 'all'} validation contexts, {model} (beam: the seeds' models); "
         f"in () the paper's (GPT-2 finetuned on WikiText-103, eps = 1e-5).",
     ]
-    if L >= t_half(cfg["eps"]):
-        lines.append(
-            f"- At this eps the paper's central result (ST+ fails under nucleus sampling, 0.73) "
-            f"cannot appear: Theorem 3 ends every ST+ / NMST+ sample by t_1/2 = "
-            f"{t_half(cfg['eps']):,} < L."
-        )
     table = [
         "",
         "| head | " + " | ".join(decs) + " |",
         "|---" * (1 + len(decs)) + "|",
     ]
     for h in args.heads:
-        paper = dict(zip(TABLE4, PAPER_TABLE4.get(h, ())))
+        paper = dict(zip(TABLE4, PAPER_TABLE4.get(h, "").split(" | ")))
         cells = []
         for d in decs:
             mark = " *" if forced(cfg, h, d, L) else ""

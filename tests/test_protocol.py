@@ -274,9 +274,10 @@ def test_table_1_says_first_where_the_termination_finding_shows():
         key: [{"greedy": {"decoding": {"r_nt": {"1000": x}}}} for x in seeds]
         for key, seeds in greedy.items()
     }
-    (line,) = reproduce.termination_shown(cfg, runs, args)
+    line, rnn, lstm = reproduce.termination_shown(cfg, runs, args)
     assert "r_nt(1000)" in line
     assert "shown for LSTM ST+; NOT shown for RNN ST+, RNN NMST+, LSTM NMST+" in line
+    assert "LSTM, greedy r_nt(1000): VA+ 0.183 vs ST+ 0.000: apart beyond 2 SE" in lstm
 
 
 def test_fig_2_decodes_greedy_to_1e5_at_paper_scale():

@@ -506,7 +506,7 @@ def test_a_signal_that_stops_a_run_stops_reproduce(signal_name, tmp_path, monkey
     out = ["nmst-table1", "--scale", "tiny", "--out", str(tmp_path / "r")]
     rc, err = run_in_process(reproduce.main, out, capsys)
     assert len(calls) == 1 and not (tmp_path / "r" / "lstm-softmax-s0-ppl.json").exists()
-    assert_one_line_error(rc, err, f"stopped by {signal_name}; the run's checkpoint is in ")
+    assert_one_line_error(rc, err, f"stopped by {signal_name}; the runs' checkpoints are in ")
     assert err.rstrip().endswith("the same command goes on from there")
     train.STOP.clear()
 
@@ -637,7 +637,8 @@ def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
     cfg = reproduce.nmst_settings("cpu", 1)
 
     def verdict(rates, ppl=(100.0, 110.0), line=1):
-        """{head: greedy r_nt(1000) per seed} -> the RNN's line (1) or its perplexity line (2)."""
+        """{head: greedy r_nt(1000) per seed} -> the RNN's termination line (1; 0: the first),
+        or its perplexity line (2)."""
         runs = {
             (m, h): [
                 {"greedy": {"decoding": {"r_nt": {"1000": r}}}, "ppl_nanogen": ppl[i % 2] + 50 * k}
@@ -647,12 +648,14 @@ def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
             for k, (h, v) in enumerate(rates.items())
         }
         args = argparse.Namespace(scale="cpu", heads=list(rates))
-        return reproduce.verdict_table1(cfg, runs, args)[line]
+        if line == 2:
+            return reproduce.verdict_table1(cfg, runs, args)[1]
+        return reproduce.termination_shown(cfg, runs, args)[line]
 
     assert verdict(dict(softmax=[0.2, 0.3], nmst=[0.0, 0.0])) == (
-        "- RNN, greedy r_nt(1000) (learned, L < t_1/2): "
-        "VA+ 0.250 vs NMST+ 0.000: apart beyond 2 SE."
+        "  RNN, greedy r_nt(1000): VA+ 0.250 vs NMST+ 0.000: apart beyond 2 SE."
     )
+    assert "r_nt(1000) (learned, L < t_1/2)" in verdict(dict(softmax=[0.2], nmst=[0.0]), line=0)
     assert verdict(dict(softmax=[0.2, 0.0], st=[0.0, 0.0], nmst=[0.0, 0.0])).endswith(
         "VA+ 0.100 vs ST+ 0.000: within 2 SE (not resolved); "
         "VA+ 0.100 vs NMST+ 0.000: within 2 SE (not resolved)."
@@ -662,15 +665,14 @@ def test_the_verdicts_weigh_what_the_claims_name(tmp_path, monkeypatch):
     assert "MoS" not in verdict(dict(softmax=[0.2, 0.3], nmst=[0.0, 0.0], mos=[0.3, 0.3]))
     # the perplexities: heads 50 apart, the seeds 10 apart (apart) or 60 (not resolved)
     assert verdict(dict(softmax=[0.2, 0.0], nmst=[0.0, 0.0]), line=2) == (
-        "  Perplexity (nanogen's metric): VA+ 105.0 vs NMST+ 155.0: apart beyond 2 SE."
+        "- RNN, perplexity (nanogen's metric): VA+ 105.0 vs NMST+ 155.0: apart beyond 2 SE."
     )
     assert verdict(dict(softmax=[0.2, 0.0], nmst=[0.0, 0.0]), (60.0, 120.0), line=2).endswith(
         "VA+ 90.0 vs NMST+ 140.0: within 2 SE (not resolved)."
     )
     for rates in (dict(softmax=[0.2]), dict(softmax=[0.2], mos=[0.0]), dict(nmst=[0.0])):
-        assert verdict(rates) == (
-            "- RNN: no conclusion on termination (the paper's claim compares VA+ with ST+ / "
-            "NMST+: --heads softmax and st or nmst)."
+        assert verdict(rates, line=0) == (
+            "- No conclusion on termination: the paper compares VA+ with ST+ / NMST+."
         )
     ppl = {"softmax": 70, "mos0.5": 65, "mos": 64, "mos4": 63, "ct": 55, "ctmos": 60}
     noise = {"spread": 0.0}
