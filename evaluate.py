@@ -793,13 +793,13 @@ def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
         keys = keys[rank::procs]
     # nll, n, p(eos) at the end, sequences, log n!, and nll, n of the rows of > 1 target
     sums = torch.zeros(7, dtype=torch.float64, device=device)
-    state = None
+    state, kind = None, scored(args)
     # (a progress bar on a terminal, from the first process only)
     bar = tqdm(keys, f"perplexity ({split})", disable=True if rank else None, leave=False)
     with eval_mode(model):
         for key in bar:
             b = get_batch(args, data, key, device, split)
-            log_p, mask, state = score(model, b, scored(args), state)
+            log_p, mask, state = score(model, b, kind, state)
             n = mask.sum(1).double()
             zero = torch.zeros((), device=device)
             end = zero

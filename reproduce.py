@@ -467,8 +467,11 @@ def report_table4(cfg, runs, args):
             break
         free = [h for h in args.heads if h != "softmax" and not forced(cfg, h, d, L)]
         base = r_nt(runs[model, "softmax"], d, L)
-        pairs = [compared("VA+", base, paper_name(h), r_nt(runs[model, h], d, L)) for h in free]
-        apart += sum(differ(base, r_nt(runs[model, h], d, L)) for h in free)
+        pairs = []
+        for h in free:
+            ours = r_nt(runs[model, h], d, L)
+            pairs.append(compared("VA+", base, paper_name(h), ours))
+            apart += differ(base, ours)
         if pairs:
             out.append(f"- {d}: " + "; ".join(pairs) + ".")
         else:

@@ -765,6 +765,8 @@ def train(run, st, hidden):
     hidden = to(hidden, device)
     why = None
     stop = None
+    # What score() computes for this run's batches (insertion events, stream tokens, targets).
+    kind = scored(args)
     while not (why or stop):
         keys = epoch_batches(args, data, st.epoch)
         # (the last len(keys) % grad_accum batches of an epoch are skipped)
@@ -797,7 +799,7 @@ def train(run, st, hidden):
                     hidden = None
                 with run.ctx:
                     # One call of the model: log p of the targets, the mask of those that count.
-                    log_p, mask, hidden = score(model, batch, scored(args), hidden)
+                    log_p, mask, hidden = score(model, batch, kind, hidden)
                     # -log p of the batch's predicted tokens, summed
                     nll = -torch.where(mask, log_p, 0.0).sum()
                     # NMST eq. 3, the mean over every target of the data: the sum divided by the
