@@ -39,7 +39,7 @@ from common import (
     run,
     world,
 )
-from data.loader import batchify, bptt_windows, collate, epoch_batches, load_data, to_device
+from data.loader import batchify, bptt_windows, collate, eval_batches, load_data, to_device
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
 from decode import (
     DECODER_OPTIONS,
@@ -284,9 +284,17 @@ def report(args, res, split):
         f"{'p(eos@end)':>10s}",
         f"{split:6s} {res['sequences']:9d} {res['tokens']:9d} {res['nll']:7.4f} "
         f"{res['ppl']:9.2f} {res['eos_prob_at_end']:10.4f}",
-        f"perplexity, nanogen's metric (the continuations of lines of > 10 tokens): "
-        f"{res['ppl_nanogen']:.2f} over {res['tokens_nanogen']:,} tokens",
     ]
+    if res["ppl_nanogen"] is None:
+        lines.append(
+            "perplexity, nanogen's metric (the continuations of lines of > 10 tokens): - (no "
+            "such line here)"
+        )
+    else:
+        lines.append(
+            f"perplexity, nanogen's metric (the continuations of lines of > 10 tokens): "
+            f"{res['ppl_nanogen']:.2f} over {res['tokens_nanogen']:,} tokens"
+        )
     if res["ppl_authors"] is None:
         lines.append(
             "perplexity, the authors' metric (one eos target more for each shorter line): "
@@ -788,7 +796,7 @@ def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
         columns = batchify(data["streams"][split], 10, split)[:, : limit and limit + 1]
         data = {**data, split: columns}
     rank, procs = world()
-    keys = epoch_batches(args, data, 0, split, limit)
+    keys = eval_batches(args, data, split, limit)
     if not stream:  # (a stream carries its state from window to window: one process reads all)
         keys = keys[rank::procs]
     # nll, n, p(eos) at the end, sequences, log n!, and nll, n of the rows of > 1 target
@@ -823,6 +831,9 @@ def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
                 ]
             )
     nll, n, end, seqs, log_orders, nll_long, n_long = all_sum(sums.tolist(), device)
+    # A perplexity over no token is no number (it would print 1.00).
+    if n == 0:
+        raise UserError(f"the {split} split holds no token this model predicts: no perplexity")
     res = dict(
         nll=nll / max(n, 1),
         ppl=math.exp(min(nll / max(n, 1), 700)),
@@ -840,12 +851,10 @@ def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
     # Both perplexities of NMST Table 1, each over its own tokens: nanogen's (the continuations of
     # the lines of more than 10 words) and the authors' (their code's: one eos target more for
     # every shorter line, which only the authors' protocol keeps)
-    res.update(
-        ppl_nanogen=math.exp(min(nll_long / max(n_long, 1), 700)),
-        tokens_nanogen=int(n_long),
-        ppl_authors=None,
-        tokens_authors=None,
-    )
+    res.update(ppl_nanogen=None, tokens_nanogen=int(n_long), ppl_authors=None, tokens_authors=None)
+    # (no line longer than its context here: nanogen's metric has no token, so no number)
+    if n_long:
+        res["ppl_nanogen"] = math.exp(min(nll_long / n_long, 700))
     if args.protocol == "authors":
         res.update(ppl_authors=res["ppl"], tokens_authors=int(n))
     total = len(data[split]) if limit is None else min(limit, len(data[split]))
@@ -885,9 +894,10 @@ def probe(args, model, data):
     return dict(rec, probe_seconds=time.time() - t0)
 
 
-def get_batch(args, data, key, device, split="train"):
+def get_batch(args, data, key, device, split="train", training=False):
     """One batch: inputs, targets, t and the loss mask (completion), a window of the stream's
-    columns, or stories; n (the predicted tokens or events) and n_inputs: host ints."""
+    columns, or stories; n (the predicted tokens or events) and n_inputs: host ints.  training:
+    a batch of the training loss (the authors' protocol counts its context targets too)."""
     if args.task == "stream":
         (i, L), cols = key, data[split]
         return dict(
@@ -909,8 +919,8 @@ def get_batch(args, data, key, device, split="train"):
         )
     cap = args.max_tokens and (args.window or math.inf)
     # The authors' protocol trains on the context's targets too (their loss has no context mask);
-    # every evaluation scores the continuation alone.
-    context_loss = args.protocol == "authors" and split == "train"
+    # every evaluation, of any split, scores the continuation alone.
+    context_loss = args.protocol == "authors" and training
     return collate(data[split], key, device, cap, context_loss)
 
 

@@ -305,7 +305,12 @@ def parser():
         type=INT0,
         help="termination probe: greedy-decode N validation contexts (0: off)",
     )
-    p.add_argument("--probe_L", default=200, type=INT1, help="the probe's L")
+    p.add_argument(
+        "--probe_L",
+        default=200,
+        type=number(int, lambda v: 1 <= v <= 10**6, "in [1, 10^6]"),
+        help="the probe's L",
+    )
     p.add_argument("--no_curves", action="store_true", help="no OUT_DIR/curves.png")
     p.add_argument(
         "--tensorboard",
@@ -564,6 +569,12 @@ def model_config(args, data):
 
 # ----- the run: set-up (data, model, DDP, resume), then the loop ------------------------------
 STOP = []  # the signals that asked this process to stop (on_signal appends, at any moment)
+# True while the termination probe decodes: a signal then gives the probe up at once.
+PROBING = []
+
+
+class ProbeStopped(Exception):
+    """A signal during the probe, which may decode --probe_L tokens a context of a looping model."""
 
 
 @dataclasses.dataclass
@@ -607,6 +618,8 @@ def on_signal(signum, frame):
     else:
         STOP.append(signal.Signals(signum).name)
     print(f"\n{STOP[-1]}: finishing this step and writing a checkpoint", file=sys.stderr)
+    if PROBING:
+        raise ProbeStopped
 
 
 def main(argv=None):
@@ -788,7 +801,8 @@ def train(run, st, hidden):
             # Forward and backward this process's micro-batches; their gradients add up.
             step_loss = 0.0
             for j in range(accum):
-                batch = get_batch(args, data, keys[s * args.grad_accum + rank * accum + j], device)
+                key = keys[s * args.grad_accum + rank * accum + j]
+                batch = get_batch(args, data, key, device, training=True)
                 if procs > 1:
                     # In DDP training only the last micro-batch's backward needs to all-reduce
                     # the gradients. The official way is the model.no_sync() context manager;
@@ -866,6 +880,9 @@ def after_step(run, st, hidden, pending, since):
         why = limit_reached(args, st)
     if (args.eval_interval and st.step % args.eval_interval == 0) or why:
         why = validate(run, st, hidden, pending, since) or why
+        # A signal during the evaluation (the probe, say) stops the run before another step.
+        if STOP and world()[1] == 1:
+            stop = STOP[0]
     return stop, why
 
 
@@ -875,9 +892,10 @@ def after_epoch(run, st, hidden, pending, since):
     if not run.args.eval_interval:
         return validate(run, st, hidden, pending, since)
     why = limit_reached(run.args, st)
-    if why:
+    # A step just evaluated is not evaluated again: the repeat would count as a plateau.
+    if why and st.step % run.args.eval_interval:
         return validate(run, st, hidden, pending, since) or why
-    return None
+    return why
 
 
 def say_how_it_ended(args, st, stop, why):
@@ -937,13 +955,25 @@ def validate(run, st, hidden, pending, since):
     if world()[0] == 0:
         print(evaluation_line(rec, improved), flush=True)
         if args.probe and args.task == "completion":
-            rec.update(probe(args, raw, data))
+            rec.update(probe_unless_stopped(args, raw, data))
         curves.log_evaluation(args.out_dir, rec, args.tensorboard, not args.no_curves)
     save(run, st, hidden, best=improved)
     # (tok/s: counted after the writing)
     since.update(nll=0.0, n=0, tokens=0, t0=time.time())
     # (an early stop, say)
     return limit_reached(args, st) or late
+
+
+def probe_unless_stopped(args, model, data):
+    """The termination probe's record, or {} when a signal gave it up."""
+    PROBING.append(True)
+    try:
+        return probe(args, model, data)
+    except ProbeStopped:
+        print("        probe: given up (stopping)", flush=True)
+        return {}
+    finally:
+        PROBING.clear()
 
 
 def evaluation_line(rec, improved):

@@ -74,27 +74,36 @@ def load_data(args, verbose=True):
     return data
 
 
-def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
-    """The keys of an epoch's batches, a pure function of (seed, epoch): a resumed run replays them
-    (stories: a key seeds its insertion orders).  Not "train": in order, the first `limit` only."""
+def epoch_batches(args, data, epoch):
+    """The keys of a training epoch's batches, a pure function of (seed, epoch): a resumed run
+    replays them (stories: a key seeds its insertion orders).  --train_seqs: the first N."""
+    rng = np.random.default_rng([args.seed, epoch])
+    limit = args.train_seqs or None
+    if args.protocol == "authors" and args.task == "completion":
+        # The authors' DataLoader(shuffle=True): random batches, each padded to its longest line.
+        order = rng.permutation(len(data["train"].lengths[:limit]))
+        size = args.batch_size or 32
+        return [order[i : i + size] for i in range(0, len(order), size)]
+    return split_batches(args, data, "train", limit, (rng, epoch))
+
+
+def eval_batches(args, data, split, limit=None):
+    """The keys of an evaluation's batches of a split: in order, the first `limit` sequences
+    (stream: every window of the columns)."""
+    return split_batches(args, data, split, limit, (None, 0))
+
+
+def split_batches(args, data, split, limit, shuffle):
+    """The batches of a split's first `limit` sequences; shuffle = (a numpy Generator or None:
+    in order, the epoch that seeds the stories' insertion orders)."""
+    rng, epoch = shuffle
     if args.task == "stream":
         return bptt_windows(data[split].size(1), args.bptt)
-    # The training split's order is shuffled, a pure function of (seed, epoch); the others' not.
-    rng = None
-    if split == "train":
-        rng = np.random.default_rng([args.seed, epoch])
     if args.task in ("story", "storyline"):
         index = batches([len(s["tokens"]) for s in data[split][:limit]], args.batch_size, rng=rng)
         return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
-    if split == "train":
-        limit = args.train_seqs or None
     lengths = data[split].lengths[:limit]
-    if args.protocol == "authors" and split == "train":
-        # The authors' DataLoader(shuffle=True): random batches, each padded to its longest line.
-        order = rng.permutation(len(lengths))
-        size = args.batch_size or 32
-        return [order[i : i + size] for i in range(0, len(order), size)]
-    sizes = sizes or dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
+    sizes = dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
     if not any(sizes.values()):
         sizes = dict(batch_size=32)
     return batches(lengths, **sizes, rng=rng, max_len=args.window)
@@ -138,9 +147,7 @@ def check_fits(args, data):
         )
     if args.task == "stream":
         batchify(data["streams"]["valid"], 10, "valid")  # (an error when too short)
-    if args.task == "completion" and not epoch_batches(
-        args, data, 0, "valid", args.eval_seqs or None
-    ):
+    if args.task == "completion" and not eval_batches(args, data, "valid", args.eval_seqs or None):
         raise UserError(
             f"no validation sequence fits the --block_size {args.block_size} window "
             f"(or the split holds none): raise --block_size"

@@ -70,9 +70,11 @@ def test_the_authors_loss_counts_the_context_targets_and_evaluation_does_not(aut
 
     args, data = authors
     key = epoch_batches(args, data, 0)[0]
-    train_batch = get_batch(args, data, key, "cpu", "train")
-    # (the same lines, read as an evaluation reads them)
+    train_batch = get_batch(args, data, key, "cpu", "train", training=True)
+    # (the same lines, read as an evaluation of any split reads them)
     eval_batch = get_batch(args, dict(data, valid=data["train"]), key, "cpu", "valid")
+    eval_train = get_batch(args, data, key, "cpu", "train")
+    assert torch.equal(eval_train["mask"], eval_batch["mask"])
     lengths = data["train"].lengths[key]
     assert train_batch["n"] == int((lengths - 1).sum()) == int(train_batch["mask"].sum())
     continuation = lengths - data["train"].contexts[key]
