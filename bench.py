@@ -24,7 +24,7 @@ import evaluate
 import insnet
 import train
 from common import check_output
-from data.loader import batches, bucket, load
+from data.loader import batches, bucket, load, story_batch
 from data.prepare import DATASETS
 from data.stories import synthetic
 from decode import decode
@@ -83,7 +83,7 @@ def train_step(model, x, y, t=None, ctx=None, loss=None):
 
     def step():
         with ctx or contextlib.nullcontext():
-            value = loss() if loss else -model(x, t, targets=y)[0].mean()
+            value = loss() if loss else -model(dict(inputs=x, t=t, targets=y, mask=None))[0].mean()
         opt.zero_grad(set_to_none=True)
         value.backward()
         opt.step()
@@ -310,12 +310,11 @@ def epoch_time(name, cfg, n, args, device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     bs = args.it_batch if it else args.batch
     g = torch.Generator().manual_seed(0)
-    kind = "tokens" if name == "gpt" else "insertion"
 
     def epoch():
         for i in range(0, len(data), bs):
-            batch = insnet.story_batch(data[i : i + bs], name != "gpt", "random", g, device)
-            log_p, mask, _ = evaluate.score(model, batch, kind)
+            batch = story_batch(data[i : i + bs], name != "gpt", "random", g, device)
+            log_p, mask, _ = model(batch)
             opt.zero_grad(set_to_none=True)
             (-torch.where(mask, log_p, 0.0).sum() / batch["n"]).backward()
             opt.step()

@@ -3,14 +3,17 @@ point, output-path checks, argparse types, the device and autocast, torchrun's r
 and checkpoints (atomic writes, safe loads)."""
 
 import argparse
+import contextlib
 import ctypes
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -224,3 +227,99 @@ PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e1
 def peak_flops(device, dtype):  # a known GPU's dense peak FLOP/s (PEAK_FLOPS; float32: half), or 0
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else ""
     return next((v for k, v in PEAK_FLOPS.items() if k in name), 0) / (1 + (dtype == "float32"))
+
+
+def unwrapped(model):
+    """The model itself, under DDP's and torch.compile's wrappers."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def restore_rng(args, rng, step):
+    """This process's RNG state from the checkpoint; one saved by another number of processes: a
+    fresh generator, from seed, rank and step."""
+    rank, procs = world()
+    if len(rng) != procs:
+        torch.manual_seed(((args.seed * 1_000_003 + rank) * 1_000_003 + step) % 2**63)
+        return
+    torch.set_rng_state(rng[rank]["cpu"])
+    if rng[rank]["cuda"] is not None:
+        torch.cuda.set_rng_state(rng[rank]["cuda"])
+
+
+def state_to(state, device, detach=False):
+    """A recurrent state (a tensor, a tuple of them, or None) on device.  detach: a detached copy
+    (a CUDA graph's next replay reuses its outputs)."""
+    if isinstance(state, tuple):
+        return tuple(state_to(s, device, detach) for s in state)
+    if state is None:
+        return None
+    if detach:
+        state = state.detach().clone()
+    return state.to(device)
+
+
+def mfu_per_token(args, model, data, device):
+    """MFU of one token/s: FLOPs a token at the mean length trained on / all processes' peak."""
+    peak = args.peak_flops or peak_flops(device, args.dtype)
+    if args.task == "completion":
+        inputs = data["train"].lengths[: args.train_seqs or None] - 1
+        length = float(np.mean(inputs[inputs <= (args.window or math.inf)]))
+    elif args.task == "stream":
+        length = args.bptt
+    else:
+        length = 0  # (stories: no MFU)
+    if not (peak and length):
+        return 0.0
+    return model.flops_per_token(length) / (peak * world()[1])
+
+
+# ----- stopping on a signal: a long loop ends cleanly on Ctrl-C or SIGTERM ---------------------
+# The signals that asked this process to stop (on_signal appends, at any moment): train.py's loop
+# reads it after each step, reproduce.py after each run.
+STOP = []
+# True while a block runs that cannot wait for its step's end (the termination probe).
+AT_ONCE = []
+
+
+class Stopped(Exception):
+    """A signal inside an at_once() block: the block is given up."""
+
+
+def on_signal(signum, frame):
+    """Ctrl-C, SIGTERM: the loop finishes its step, writes its checkpoint and exits 0."""
+    if STOP and signum == signal.SIGINT and not dist.is_initialized():
+        # Ctrl-C twice: abort now.
+        raise KeyboardInterrupt
+    if signum == signal.SIGINT:
+        STOP.append("Ctrl-C")
+    else:
+        STOP.append(signal.Signals(signum).name)
+    print(f"\n{STOP[-1]}: finishing this step and writing a checkpoint", file=sys.stderr)
+    if AT_ONCE:
+        raise Stopped
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Ctrl-C and SIGTERM append to STOP while the block runs (on_signal)."""
+    STOP.clear()
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        # The handlers are put back, but for a stopped run, or under torchrun: there a second
+        # signal as the process leaves is no kill.
+        if not (STOP or dist.is_initialized()):
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def at_once():
+    """A signal inside the block raises Stopped at once."""
+    AT_ONCE.append(True)
+    try:
+        yield
+    finally:
+        AT_ONCE.clear()

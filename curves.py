@@ -17,8 +17,9 @@ import sys
 
 import numpy as np
 
-from common import UserError, check_output, run
+from common import UserError, check_output, run, world
 from heads import EPSILON_HEADS, paper_name
+from model import MODELS
 
 NOT_LABELS = (
     "out_dir",
@@ -96,6 +97,52 @@ def log_evaluation(out_dir, record, tensorboard=False, draw=True):
                     w.add_scalar(k, v, record["step"])
     if draw:
         draw_run(out_dir)
+
+
+# ----- what a run prints: its first line, each evaluation, how it ended --------------------
+def run_line(args, model, data, device, ctx, resumed_at):
+    """The run's first line: what trains on what, its size, where (resumed_at: a step, or None)."""
+    what = args.head if args.model in MODELS else args.task
+    line = (
+        f"{args.model} + {what} on {args.dataset}: {model.num_params():,} parameters, "
+        f"V={data['vocab_size']:,}, {device}"
+    )
+    if hasattr(ctx, "fast_dtype"):
+        line += f", {str(ctx.fast_dtype)[6:]} autocast"
+    if resumed_at is not None:
+        line += f", resuming at step {resumed_at}"
+    if data.get("note"):
+        line += f"; {data['note']}"
+    return line
+
+
+def say_how_it_ended(args, st, stop, why):
+    if world()[0] != 0:
+        return
+    if stop:
+        print(
+            f"stopped by {stop} after step {st.step}; {args.out_dir}/ckpt_last.pt written: "
+            f"the same command with --resume goes on"
+        )
+        return
+    ppl = math.exp(min(st.best_val, 700))
+    print(
+        f"done ({why}) after {st.step} steps; best validation loss {st.best_val:.4f} (ppl "
+        f"{ppl:.2f}); checkpoints in {args.out_dir}"
+    )
+
+
+def evaluation_line(rec, improved):
+    line = (
+        f"step {rec['step']:7d} | epoch {rec['epoch']:3d} | train loss {rec['train_loss']:.4f} "
+        f"| val loss {rec['val_loss']:.4f} | val ppl {rec['val_ppl']:9.2f} | lr {rec['lr']:.2e} | "
+        f"{rec['tokens_per_s']:8.0f} tok/s"
+    )
+    if rec["mfu"]:
+        line += f" | mfu {100 * rec['mfu']:.1f}%"
+    if improved:
+        line += " | best"
+    return line
 
 
 def pyplot():  # matplotlib.pyplot without a display, imported when a figure is drawn

@@ -29,7 +29,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from common import UserError
+from common import INT1, POS, SEED, UserError, number
 from model import WINDOWED, eval_mode
 
 DECODERS = ("greedy", "sample", "topk", "nucleus", "beam")
@@ -98,7 +98,7 @@ class CachedStepper:
     def advance(self, tokens, t):
         """tokens (N,) just chosen at step t-1 -> log p(y_t | ...) (N, V)."""
         steps = torch.full((len(tokens), 1), t, dtype=torch.long, device=tokens.device)
-        lp, self.state = self.lm(tokens.unsqueeze(1), steps, state=self.state)
+        lp, self.state = self.lm.log_probs(tokens.unsqueeze(1), steps, state=self.state)
         return lp[:, 0]
 
     def reorder(self, index):
@@ -222,6 +222,28 @@ def check_decoder_args(decoder, allowed=DECODERS, **options):
         raise UserError(f"nucleus needs --p in (0, 1], got {p}")
     if decoder == "beam" and (beam_size is None or int(beam_size) < 1):
         raise UserError(f"beam search needs --beam_size >= 1, got {beam_size}")
+
+
+def add_decoding_flags(p):
+    """The decoders' flags, as evaluate.py and sample.py take them."""
+    p.add_argument("--decoder", choices=DECODERS, help="decode every context (the study)")
+    p.add_argument("--k", type=INT1, help="top-k")
+    p.add_argument("--p", type=number(float, lambda v: 0 < v <= 1, "in (0, 1]"), help="nucleus mu")
+    p.add_argument("--beam_size", type=number(int, lambda v: 1 <= v <= 1000, "in [1, 1000]"))
+    p.add_argument("--temperature", type=POS, default=1.0, help="sampling temperature")
+    p.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
+    p.add_argument(
+        "--length_penalty",
+        type=number(float, lambda v: v >= 0, ">= 0"),
+        default=0.0,
+        help="beam: s / |y|^a",
+    )
+    p.add_argument("--seed", type=SEED, help="sampling seed")
+
+
+def decoder_options(a):
+    """The decoder's own arguments among the parsed decoding flags: {k, p, beam_size, ...}."""
+    return {name: getattr(a, name) for name in DECODER_OPTIONS}
 
 
 def draw(log_q, generator=None):
@@ -387,5 +409,5 @@ def eos_probs(lm, context, continuation):
     seq = torch.tensor([*context, *continuation[:-1]], device=device).unsqueeze(0)  # (1, n)
     t = (torch.arange(seq.size(1), device=device) - len(context) + 2).unsqueeze(0)  # (1, n)
     with eval_mode(lm):
-        log_p, _ = lm(seq, t)  # (1, n, V)
+        log_p, _ = lm.log_probs(seq, t)  # (1, n, V)
     return log_p[0, len(context) - 1 :, lm.eos_id].exp().tolist()

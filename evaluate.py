@@ -24,9 +24,7 @@ import curves
 from common import (
     INT0,
     INT1,
-    POS,
     RUN_FILES,
-    SEED,
     Parser,
     UserError,
     all_sum,
@@ -39,23 +37,23 @@ from common import (
     run,
     world,
 )
-from data.loader import batchify, bptt_windows, collate, eval_batches, load_data, to_device
+from data.loader import batchify, bptt_windows, eval_batches, get_batch, load_data
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
 from decode import (
-    DECODER_OPTIONS,
-    DECODERS,
     STORY_DECODERS,
+    add_decoding_flags,
     check_decoder_args,
     decode,
     decode_in_batches,
     decode_stats,
+    decoder_options,
     eos_probs,
     longest_continuation,
     non_termination_ratio,
     sampling_generator,
 )
 from heads import EPSILON_HEADS, paper_name
-from insnet import INSERTION, Decoding, generate, story_batch
+from insnet import INSERTION, Decoding, generate
 from model import LanguageModel, eval_mode
 
 STUDY_FLAGS = (
@@ -114,28 +112,6 @@ def parser():
         "these --out files side by side (and overlaid with --plot)",
     )
     return p
-
-
-def add_decoding_flags(p):
-    """The decoders' flags, as evaluate.py and sample.py take them."""
-    p.add_argument("--decoder", choices=DECODERS, help="decode every context (the study)")
-    p.add_argument("--k", type=INT1, help="top-k")
-    p.add_argument("--p", type=number(float, lambda v: 0 < v <= 1, "in (0, 1]"), help="nucleus mu")
-    p.add_argument("--beam_size", type=number(int, lambda v: 1 <= v <= 1000, "in [1, 1000]"))
-    p.add_argument("--temperature", type=POS, default=1.0, help="sampling temperature")
-    p.add_argument("--consistent", action="store_true", help="top-k / nucleus: always keep eos")
-    p.add_argument(
-        "--length_penalty",
-        type=number(float, lambda v: v >= 0, ">= 0"),
-        default=0.0,
-        help="beam: s / |y|^a",
-    )
-    p.add_argument("--seed", type=SEED, help="sampling seed")
-
-
-def decoder_options(a):
-    """The decoder's own arguments among the parsed decoding flags: {k, p, beam_size, ...}."""
-    return {name: getattr(a, name) for name in DECODER_OPTIONS}
 
 
 def check_flags(a):
@@ -748,36 +724,6 @@ def plot_study(results, out_dir, files=None):
     print(f"wrote {', '.join(os.path.join(out_dir, n + '.png') for n in figs)}")
 
 
-def scored(args):
-    """What score() computes for a run's batches: "insertion" (an insertion model's events),
-    "stream" (CT's continuous text: every token counts, the state goes on) or "tokens" (the
-    masked targets of a padded batch: completions, left-to-right stories)."""
-    if args.model in INSERTION:
-        return "insertion"
-    if args.task == "stream":
-        return "stream"
-    return "tokens"
-
-
-def score(model, batch, kind, state=None):
-    """One call of the model -> (log p of every predicted token or event (B, T), the mask of those
-    that count, the stream's state).  kind: scored(args).  Insertion models (InsNet paper):
-    log p(slot) + log p(token | slot) of every insertion, then log p(terminate) on the finished
-    canvas."""
-    if kind == "insertion":
-        s = model(**{k: batch[k] for k in ("tokens", "order", "lengths", "n_given", "slot_start")})
-        return (
-            torch.cat([s["slot"] + s["token"], s["end"].unsqueeze(1)], 1),
-            torch.cat([s["loss_mask"], torch.ones_like(s["loss_mask"][:, :1])], 1),
-            None,
-        )
-    log_p, state = model(batch["inputs"], batch["t"], state, targets=batch["targets"])
-    if kind == "stream":
-        return log_p.float(), torch.ones_like(log_p, dtype=torch.bool), state
-    # Every other batch starts afresh.
-    return log_p.float(), batch["mask"], None
-
-
 @torch.no_grad()
 def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
     """A split's figures: dict(nll per predicted token or event, ppl, ...).  Completion (NMST):
@@ -787,78 +733,87 @@ def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
     Autocast, if any, is the caller's (`with ctx: perplexity(...)`); the batches come in the
     sizes args gives."""
     limit = limit or args.eval_seqs or None
-    stream = args.task == "stream"
-    story = args.task in ("story", "storyline")
-    # The insertion models' bound on -log p(story) subtracts log n! (n - 1 insertions in a
-    # random order, then termination).
-    orderless = story and args.order == "random" and args.model in INSERTION
-    if stream:  # the usual 10 evaluation columns (or the first `limit` tokens of each)
+    if args.task == "stream":
+        # The usual 10 evaluation columns (or the first `limit` tokens of each).
         columns = batchify(data["streams"][split], 10, split)[:, : limit and limit + 1]
         data = {**data, split: columns}
     rank, procs = world()
     keys = eval_batches(args, data, split, limit)
-    if not stream:  # (a stream carries its state from window to window: one process reads all)
+    # Each process scores every procs-th batch; a stream carries its state from window to
+    # window, so one process reads it all.
+    if args.task != "stream":
         keys = keys[rank::procs]
-    # nll, n, p(eos) at the end, sequences, log n!, and nll, n of the rows of > 1 target
-    sums = torch.zeros(7, dtype=torch.float64, device=device)
-    state, kind = None, scored(args)
+    # The sums of SUMS, on the device (one read at the end).
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
+    state = None
     # (a progress bar on a terminal, from the first process only)
     bar = tqdm(keys, f"perplexity ({split})", disable=True if rank else None, leave=False)
     with eval_mode(model):
         for key in bar:
-            b = get_batch(args, data, key, device, split)
-            log_p, mask, state = score(model, b, kind, state)
-            n = mask.sum(1).double()
-            zero = torch.zeros((), device=device)
-            end = zero
-            if not (stream or story):  # p(eos) at the true end of each line
-                end = log_p.gather(1, b["lengths"].unsqueeze(1) - 2).exp()
-            orders = zero
-            if orderless:
-                orders = torch.lgamma(n)
-            nll_rows = -torch.where(mask, log_p.double(), 0.0).sum(1)  # (B,)
-            # nanogen's metric leaves out the lines whose continuation is eos alone (<= 10 words)
-            long = n > 1
-            sums += torch.stack(
-                [
-                    nll_rows.sum(),
-                    n.sum(),
-                    end.sum().double(),
-                    zero.double() + (0 if stream else len(n)),
-                    orders.sum().double(),
-                    nll_rows[long].sum(),
-                    n[long].sum(),
-                ]
-            )
-    nll, n, end, seqs, log_orders, nll_long, n_long = all_sum(sums.tolist(), device)
+            batch = get_batch(args, data, key, device, split)
+            # The same call as a training step's: log p of the targets, the mask of those that
+            # count, the state (a stream's goes on).
+            log_p, mask, state = model(batch, state)
+            sums += batch_sums(args, batch, log_p, mask)
+    totals = dict(zip(SUMS, all_sum(sums.tolist(), device)))
     # A perplexity over no token is no number (it would print 1.00).
-    if n == 0:
+    if totals["n"] == 0:
         raise UserError(f"the {split} split holds no token this model predicts: no perplexity")
-    res = dict(
-        nll=nll / max(n, 1),
-        ppl=math.exp(min(nll / max(n, 1), 700)),
-        tokens=int(n),
-        sequences=int(seqs),
-    )
-    if story:  # by Jensen's inequality, -log p(x) <= E_pi[-log p(x, pi)] - log n!
-        return dict(
-            res,
-            nll_per_story=nll / max(seqs, 1),
-            nll_bound_per_story=(nll - log_orders) / max(seqs, 1),
-        )
-    if stream:
+    total = len(data[split]) if limit is None else min(limit, len(data[split]))
+    return figures(args, totals, total)
+
+
+# What perplexity sums over the batches: -log p and the count of the targets, p(eos) at the true
+# end, the sequences, log n! of the insertion orders, and -log p and the count of the targets of
+# the lines whose continuation is longer than eos alone.
+SUMS = ("nll", "n", "end", "sequences", "log_orders", "nll_long", "n_long")
+
+
+def batch_sums(args, batch, log_p, mask):
+    """A batch's SUMS, a float64 vector on the device."""
+    n = mask.sum(1).double()
+    zero = torch.zeros((), device=log_p.device)
+    end = zero
+    # p(eos) at the true end of each line
+    if args.task == "completion":
+        end = log_p.gather(1, batch["lengths"].unsqueeze(1) - 2).exp()
+    orders = zero
+    # An insertion model's random orders: n - 1 insertions, then termination.
+    if args.model in INSERTION and args.order == "random":
+        orders = torch.lgamma(n)
+    nll_rows = -torch.where(mask, log_p.double(), 0.0).sum(1)  # (B,)
+    # nanogen's metric leaves out the lines whose continuation is eos alone (<= 10 words).
+    long = n > 1
+    sequences = len(n)
+    if args.task == "stream":
+        sequences = 0
+    values = [nll_rows.sum(), n.sum(), end.sum(), zero + sequences, orders.sum()]
+    values += [nll_rows[long].sum(), n[long].sum()]
+    return torch.stack([v.double() for v in values])
+
+
+def figures(args, totals, total):
+    """The split's figures from its totals (SUMS); total: the sequences asked for."""
+    nll, n, seqs = totals["nll"], totals["n"], totals["sequences"]
+    res = dict(nll=nll / n, ppl=math.exp(min(nll / n, 700)), tokens=int(n), sequences=int(seqs))
+    if args.task in ("story", "storyline"):
+        # By Jensen's inequality, -log p(x) <= E_pi[-log p(x, pi)] - log n!.
+        bound = (nll - totals["log_orders"]) / max(seqs, 1)
+        return dict(res, nll_per_story=nll / max(seqs, 1), nll_bound_per_story=bound)
+    if args.task == "stream":
         return res
     # Both perplexities of NMST Table 1, each over its own tokens: nanogen's (the continuations of
     # the lines of more than 10 words) and the authors' (their code's: one eos target more for
-    # every shorter line, which only the authors' protocol keeps)
-    res.update(ppl_nanogen=None, tokens_nanogen=int(n_long), ppl_authors=None, tokens_authors=None)
+    # every shorter line, which only the authors' protocol keeps).
+    res.update(ppl_nanogen=None, tokens_nanogen=int(totals["n_long"]))
+    res.update(ppl_authors=None, tokens_authors=None)
     # (no line longer than its context here: nanogen's metric has no token, so no number)
-    if n_long:
-        res["ppl_nanogen"] = math.exp(min(nll_long / n_long, 700))
+    if totals["n_long"]:
+        res["ppl_nanogen"] = math.exp(min(totals["nll_long"] / totals["n_long"], 700))
     if args.protocol == "authors":
         res.update(ppl_authors=res["ppl"], tokens_authors=int(n))
-    total = len(data[split]) if limit is None else min(limit, len(data[split]))
-    return dict(res, eos_prob_at_end=end / max(seqs, 1), skipped=total - int(seqs))
+    end = totals["end"] / max(seqs, 1)
+    return dict(res, eos_prob_at_end=end, skipped=total - int(seqs))
 
 
 def probe(args, model, data):
@@ -892,36 +847,6 @@ def probe(args, model, data):
         flush=True,
     )
     return dict(rec, probe_seconds=time.time() - t0)
-
-
-def get_batch(args, data, key, device, split="train", training=False):
-    """One batch: inputs, targets, t and the loss mask (completion), a window of the stream's
-    columns, or stories; n (the predicted tokens or events) and n_inputs: host ints.  training:
-    a batch of the training loss (the authors' protocol counts its context targets too)."""
-    if args.task == "stream":
-        (i, L), cols = key, data[split]
-        return dict(
-            inputs=to_device(cols[:, i : i + L], device),
-            t=None,
-            mask=None,
-            start=i,
-            targets=to_device(cols[:, i + 1 : i + 1 + L], device),
-            n=cols[:, :L].numel(),
-            n_inputs=cols[:, :L].numel(),
-        )
-    if args.task in ("story", "storyline"):
-        return story_batch(
-            [data[split][i] for i in key[0]],
-            args.model != "gpt",
-            args.order,
-            torch.Generator().manual_seed(key[1]),
-            device,
-        )
-    cap = args.max_tokens and (args.window or math.inf)
-    # The authors' protocol trains on the context's targets too (their loss has no context mask);
-    # every evaluation, of any split, scores the continuation alone.
-    context_loss = args.protocol == "authors" and training
-    return collate(data[split], key, device, cap, context_loss)
 
 
 if __name__ == "__main__":

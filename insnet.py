@@ -38,14 +38,11 @@ positions, re-run over the whole canvas before every insertion; slot = W [h_left
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from common import UserError
-from data.loader import pad_batch
-from data.stories import story_targets
 from decode import draw, filter_log_probs
 from heads import padded
 from model import GPT, Block, eval_mode
@@ -114,21 +111,6 @@ def canvas_steps(order, offsets=None):
     steps = torch.arange(n, device=order.device).expand(B, n, n)
     canvas = torch.zeros(B, n, n + 1, dtype=torch.long, device=order.device)
     return canvas.scatter_(2, ranks, steps)[:, :, :n]
-
-
-def insertion_order(length, n_given, keyword_pos=(), mode="random", generator=None):
-    """One insertion order (length,) for a sequence BOS x_1 .. x_{length-2} EOS.
-    BOS (position 0) and EOS (position length-1) come first, then the given prefix positions
-    1 .. n_given-1 left to right (a conditioning title + separator: n_given counts BOS), then the
-    keyword positions (storyline constraints, left to right), then the rest: uniformly random
-    (mode 'random', the paper's training orders) or left to right (mode 'l2r', InsNet-l2r)."""
-    given = [0, length - 1, *range(1, n_given), *sorted(keyword_pos)]
-    rest = sorted(set(range(length)) - set(given))
-    if mode == "random":
-        rest = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
-    elif mode != "l2r":
-        raise ValueError(f"unknown insertion order '{mode}' (random or l2r)")
-    return torch.tensor(given + rest, dtype=torch.long)
 
 
 def slot_log_probs(gap_logits, end_logit, n_canvas, slot_start):
@@ -201,10 +183,16 @@ class InsertionModel(nn.Module):
         logits[..., self.cfg["vocab_size"] :] = float("-inf")  # (linear's backward: not read)
         return logits
 
-    def forward(self, **batch):
-        """The training call: sequence_log_probs of a collate_insertions batch (through forward,
-        so that a DistributedDataParallel wrapper runs its forward and syncs the gradients)."""
-        return self.sequence_log_probs(**batch)
+    def forward(self, batch, state=None):
+        """The training and scoring call (through forward, so that a DistributedDataParallel
+        wrapper syncs the gradients): a story batch -> (log p of every insertion, log p(slot) +
+        log p(token | slot), then log p(terminate) on the finished canvas (B, n + 1); the mask
+        of the events that count; no state)."""
+        keys = ("tokens", "order", "lengths", "n_given", "slot_start")
+        s = self.sequence_log_probs(**{k: batch[k] for k in keys})
+        log_p = torch.cat([s["slot"] + s["token"], s["end"].unsqueeze(1)], 1)
+        mask = torch.cat([s["loss_mask"], torch.ones_like(s["loss_mask"][:, :1])], 1)
+        return log_p, mask, None
 
     def sequence_log_probs(self, tokens, order, lengths, n_given, slot_start):
         """Teacher-forced scores of one insertion trajectory per sequence.
@@ -488,42 +476,6 @@ def generate(model, given, max_len, how=Decoding(), generator=None, trace=None):
             trace.append((list(canvas), float(p_end)))
     return dict(
         tokens=canvas, given=is_given, inserted=len(canvas) - len(given), terminated=terminated
-    )
-
-
-def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device="cpu"):
-    """A training / scoring batch: seqs, list of 1-D token lists (BOS .. EOS in final order);
-    n_given[b]: BOS + the given prefix (title + separator: 1 when there is none); keyword_pos[b]:
-    positions given as keywords.  -> dict for InsertionModel.sequence_log_probs."""
-    n = max(map(len, seqs))
-    tokens = torch.zeros(len(seqs), n, dtype=torch.long)  # right-padded
-    order = torch.arange(n).repeat(len(seqs), 1)  # padding keeps order values >= the length
-    for b, s in enumerate(seqs):
-        tokens[b, : len(s)] = torch.as_tensor(s)
-        order[b, : len(s)] = insertion_order(len(s), n_given[b], keyword_pos[b], mode, generator)
-    batch = dict(
-        tokens=tokens,
-        order=order,
-        lengths=torch.tensor([len(s) for s in seqs]),
-        n_given=torch.tensor([1 + g + len(k) for g, k in zip(n_given, keyword_pos)]),
-        slot_start=torch.tensor([g - 1 for g in n_given]),
-    )  # the gap after the prefix
-    return {k: v.to(device) for k, v in batch.items()}  # (n_given: BOS, EOS, prefix, keywords)
-
-
-def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
-    """A batch of encoded stories.  An insertion model's: one insertion order per sequence
-    (collate_insertions); the L2R baseline's: a batch as pad_batch's, the given prefix its context
-    (its loss on the tokens after the prefix, EOS included).  n: the predicted events (tokens;
-    insertions and the termination), n_inputs: the tokens read, both host ints."""
-    toks, n_given = [s["tokens"] for s in seqs], [s["n_given"] for s in seqs]
-    if not insertion:
-        return pad_batch(toks, np.array(n_given), device)
-    kws = [s["keyword_pos"] for s in seqs]
-    return dict(
-        collate_insertions(toks, n_given, kws, order, generator, device),
-        n=sum(story_targets(s, insertion) for s in seqs),
-        n_inputs=sum(map(len, toks)),
     )
 
 

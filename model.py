@@ -388,16 +388,26 @@ class LanguageModel(nn.Module):
             self.head.proj.weight = self.backbone.wte.weight
         self.eos_id = self.head.eos_id
 
-    def forward(self, idx, t=None, state=None, lengths=None, targets=None):
-        """idx (B, T), t (B, T); state = (backbone_state, head_state) or None.
-        -> log_probs (B, T, V), new state.
-        With targets (B, T): -> log p(targets) (B, T) and the new backbone state, without the
-        full (B, T, V) log-probabilities: the training and perplexity path.  A right-padded batch
-        needs no lengths there (see the module docstring; the padded positions' values are
-        garbage); state: the backbone state to go on from (--task stream), or None."""
-        if targets is not None:
-            h, state = self.backbone(idx, state)
-            return self.head.target_log_probs(h, targets, t)[0], state
+    def forward(self, batch, state=None):
+        """The training and perplexity call, as nanoGPT's model(X, Y) returns its loss: a batch
+        of data/loader.get_batch -> (log p of every target (B, T), the mask of the targets that
+        count (B, T), the state to go on from).  The head gives log p of the targets alone,
+        never the (B, T, V) log-probabilities.  A right-padded batch needs no lengths: the
+        padded positions' values are garbage, and masked.  state: the backbone's, or None."""
+        h, state = self.backbone(batch["inputs"], state)
+        log_p = self.head.target_log_probs(h, batch["targets"], batch["t"])[0]  # (B, T)
+        # The loss is summed in float32 at least, whatever autocast computed the head in.
+        if log_p.dtype in (torch.float16, torch.bfloat16):
+            log_p = log_p.float()
+        if batch["mask"] is None:
+            # A stream (CT's continuous text): every token counts, and the state goes on.
+            return log_p, torch.ones_like(log_p, dtype=torch.bool), state
+        # A batch of lines: each line starts afresh.
+        return log_p, batch["mask"], None
+
+    def log_probs(self, idx, t=None, state=None, lengths=None):
+        """The decoders' call: every position's distribution.  idx (B, T), t (B, T); state =
+        (backbone_state, head_state) or None -> log_probs (B, T, V), new state."""
         bstate, hstate = (None, None) if state is None else state
         h, bstate = self.backbone(idx, bstate, lengths)
         log_probs, hstate = self.head(h, t, hstate)

@@ -21,13 +21,15 @@ from decode import (
     DECODERS,
     SAMPLING,
     STORY_DECODERS,
+    add_decoding_flags,
     check_decoder_args,
     decode,
     decode_in_batches,
+    decoder_options,
     eos_probs,
     sampling_generator,
 )
-from evaluate import add_decoding_flags, decoder_options, model_from_checkpoint
+from evaluate import model_from_checkpoint
 from insnet import INSERTION, Decoding, generate
 
 

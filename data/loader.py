@@ -188,6 +188,36 @@ def bucket(n, cap=math.inf):  # lengths n up to a quarter octave (8, 16, ..., 64
     return np.minimum(-(-np.asarray(n) // step) * step, cap).astype(np.int64)
 
 
+def get_batch(args, data, key, device, split="train", training=False):
+    """One batch: inputs, targets, t and the loss mask (completion), a window of the stream's
+    columns, or stories; n (the predicted tokens or events) and n_inputs: host ints.  training:
+    a batch of the training loss (the authors' protocol counts its context targets too)."""
+    if args.task == "stream":
+        (i, L), cols = key, data[split]
+        return dict(
+            inputs=to_device(cols[:, i : i + L], device),
+            t=None,
+            mask=None,
+            start=i,
+            targets=to_device(cols[:, i + 1 : i + 1 + L], device),
+            n=cols[:, :L].numel(),
+            n_inputs=cols[:, :L].numel(),
+        )
+    if args.task in ("story", "storyline"):
+        return story_batch(
+            [data[split][i] for i in key[0]],
+            args.model != "gpt",
+            args.order,
+            torch.Generator().manual_seed(key[1]),
+            device,
+        )
+    cap = args.max_tokens and (args.window or math.inf)
+    # The authors' protocol trains on the context's targets too (their loss has no context mask);
+    # every evaluation, of any split, scores the continuation alone.
+    context_loss = args.protocol == "authors" and training
+    return collate(data[split], key, device, cap, context_loss)
+
+
 def collate(split, index, device="cpu", cap=None, context_loss=False):
     """The batch of sequences `index` of a split (cap: T padded to its bucket, --max_tokens)."""
     width = cap and int(bucket(split.lengths[index].max() - 1, cap)) + 1
@@ -280,3 +310,55 @@ def bptt_windows(n_cols, bptt):
     from one window to the next.
     """
     return [(i, min(bptt, n_cols - 1 - i)) for i in range(0, n_cols - 1, bptt)]
+
+
+# ----- stories: an insertion order per story (InsNet), or a left-to-right batch ----------------
+def insertion_order(length, n_given, keyword_pos=(), mode="random", generator=None):
+    """One insertion order (length,) for a sequence BOS x_1 .. x_{length-2} EOS.
+    BOS (position 0) and EOS (position length-1) come first, then the given prefix positions
+    1 .. n_given-1 left to right (a conditioning title + separator: n_given counts BOS), then the
+    keyword positions (storyline constraints, left to right), then the rest: uniformly random
+    (mode 'random', the paper's training orders) or left to right (mode 'l2r', InsNet-l2r)."""
+    given = [0, length - 1, *range(1, n_given), *sorted(keyword_pos)]
+    rest = sorted(set(range(length)) - set(given))
+    if mode == "random":
+        rest = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
+    elif mode != "l2r":
+        raise ValueError(f"unknown insertion order '{mode}' (random or l2r)")
+    return torch.tensor(given + rest, dtype=torch.long)
+
+
+def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device="cpu"):
+    """A training / scoring batch: seqs, list of 1-D token lists (BOS .. EOS in final order);
+    n_given[b]: BOS + the given prefix (title + separator: 1 when there is none); keyword_pos[b]:
+    positions given as keywords.  -> dict for InsertionModel.sequence_log_probs."""
+    n = max(map(len, seqs))
+    tokens = torch.zeros(len(seqs), n, dtype=torch.long)  # right-padded
+    order = torch.arange(n).repeat(len(seqs), 1)  # padding keeps order values >= the length
+    for b, s in enumerate(seqs):
+        tokens[b, : len(s)] = torch.as_tensor(s)
+        order[b, : len(s)] = insertion_order(len(s), n_given[b], keyword_pos[b], mode, generator)
+    batch = dict(
+        tokens=tokens,
+        order=order,
+        lengths=torch.tensor([len(s) for s in seqs]),
+        n_given=torch.tensor([1 + g + len(k) for g, k in zip(n_given, keyword_pos)]),
+        slot_start=torch.tensor([g - 1 for g in n_given]),
+    )  # the gap after the prefix
+    return {k: v.to(device) for k, v in batch.items()}  # (n_given: BOS, EOS, prefix, keywords)
+
+
+def story_batch(seqs, insertion, order="random", generator=None, device="cpu"):
+    """A batch of encoded stories.  An insertion model's: one insertion order per sequence
+    (collate_insertions); the L2R baseline's: a batch as pad_batch's, the given prefix its context
+    (its loss on the tokens after the prefix, EOS included).  n: the predicted events (tokens;
+    insertions and the termination), n_inputs: the tokens read, both host ints."""
+    toks, n_given = [s["tokens"] for s in seqs], [s["n_given"] for s in seqs]
+    if not insertion:
+        return pad_batch(toks, np.array(n_given), device)
+    kws = [s["keyword_pos"] for s in seqs]
+    return dict(
+        collate_insertions(toks, n_given, kws, order, generator, device),
+        n=sum(story_targets(s, insertion) for s in seqs),
+        n_inputs=sum(map(len, toks)),
+    )

@@ -176,7 +176,7 @@ def check_logt_learns():
     cfg = dict(model="lstm", head="logt", epsilon=None, vocab_size=12, eos_id=3, n_layer=1)
     lm = model.LanguageModel(dict(cfg, d_model=8, dropout=0.0, tie=False))
     idx = torch.randint(0, 12, (2, 6))
-    log_p, _ = lm(idx, torch.arange(-2, 4).expand(2, 6), targets=idx)
+    log_p = lm(dict(inputs=idx, t=torch.arange(-2, 4).expand(2, 6), targets=idx, mask=None))[0]
     log_p.mean().backward()
     grad = lm.head.w.grad
     assert grad is not None and float(grad) != 0.0, "LanguageModel's loss gives w no gradient"
@@ -293,7 +293,7 @@ def check_dilated_names():
     cfg.update(d_model=8, dropout=0.0, tie=True, block_size=64, kernel_size=3, n_head=2)
     lm = model.LanguageModel(cfg)
     idx = torch.randint(0, 30, (2, 20))
-    log_p, _ = lm(idx, torch.arange(-5, 15).expand(2, 20), targets=idx)
+    log_p = lm(dict(inputs=idx, t=torch.arange(-5, 15).expand(2, 20), targets=idx, mask=None))[0]
     assert torch.isfinite(log_p).all(), "the loss path gives a non-finite log p"
 
 

@@ -93,7 +93,7 @@ class RecomputeStepper:
         out = []
         for row, n in zip(self.rows, self.n_prompt.tolist()):
             steps = torch.arange(len(row), device=row.device).unsqueeze(0) - n + 2  # (1, L)
-            lp, _ = self.lm(row.unsqueeze(0), steps)
+            lp, _ = self.lm.log_probs(row.unsqueeze(0), steps)
             out.append(lp[0, -1])
         return torch.stack(out)
 
@@ -106,9 +106,16 @@ class RecomputeStepper:
         self.n_prompt = self.n_prompt[index]
 
 
+def target_log_p(lm, inputs, t, targets, state=None):
+    """log p of the targets (B, T) and the state after them, by the model's training call (a
+    stream's batch: no mask)."""
+    log_p, _, state = lm(dict(inputs=inputs, t=t, targets=targets, mask=None), state)
+    return log_p, state
+
+
 def run_cli(main, argv=None):
     """A command's exit status as the shell sees it (common.run), without a new interpreter."""
-    from train import run
+    from common import run
 
     try:
         run(lambda: main(argv))
@@ -120,7 +127,7 @@ def run_cli(main, argv=None):
 def run_in_process(main, argv, capsys):
     """A command's error path without a new interpreter: -> (exit status, stderr).  Any exception
     other than the commands' one-line errors propagates and fails the test."""
-    from train import run
+    from common import run
 
     try:
         run(lambda: main(argv))

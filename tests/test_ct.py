@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import evaluate
 import train
-from conftest import assert_one_line_error, run_in_process
+from conftest import assert_one_line_error, run_in_process, target_log_p
 from data.loader import batchify, bptt_windows
 from heads import (
     Head,
@@ -136,12 +137,13 @@ def test_hidden_state_detached_between_windows():
     )
     lm = LanguageModel(cfg)
     data = torch.randint(0, 30, (3, 21))
-    lp1, state = lm(data[:, :10], targets=data[:, 1:11])
+    lp1, state = target_log_p(lm, data[:, :10], None, data[:, 1:11])
     lp1.sum().backward()
-    lp2, _ = lm(data[:, 10:20], state=train.to(state, "cpu", detach=True), targets=data[:, 11:21])
+    detached = common.state_to(state, "cpu", detach=True)
+    lp2, _ = target_log_p(lm, data[:, 10:20], None, data[:, 11:21], detached)
     lp2.sum().backward()  # fine: no path into the first window's (freed) graph
-    assert all(s.grad_fn is None for s in train.to(state, "cpu", detach=True))
-    lp3, _ = lm(data[:, 10:20], state=state, targets=data[:, 11:21])
+    assert all(s.grad_fn is None for s in common.state_to(state, "cpu", detach=True))
+    lp3, _ = target_log_p(lm, data[:, 10:20], None, data[:, 11:21], state)
     with pytest.raises(RuntimeError):
         lp3.sum().backward()  # without detaching, backward runs into the first window
     # evaluation carries the state across all windows, without autograd (else one graph grows
@@ -342,7 +344,7 @@ def test_activation_regularisation_and_locked_dropout():
         locked_dropout=True,
     )
     lm = LanguageModel(cfg).train()
-    lm(torch.randint(0, 30, (3, 9)), None)
+    lm.log_probs(torch.randint(0, 30, (3, 9)), None)
     raw, dropped = lm.backbone.last_output
     ar = (dropped**2).mean()
     tar = sum(((raw[:, t] - raw[:, t - 1]) ** 2).sum() for t in range(1, 9)) / (3 * 8 * 16)

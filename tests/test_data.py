@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-import evaluate
+import config
 import sample
 import train
 from common import UserError
 from data import prepare as P
-from data.loader import batches, bucket, collate, epoch_batches, eval_batches, load
-from evaluate import get_batch
+from data.loader import batches, bucket, collate, epoch_batches, eval_batches, get_batch, load
 from model import LanguageModel
 
 # the counts documented in README.md (section "Data"), produced by data/prepare.py
@@ -206,7 +205,7 @@ def test_max_tokens_batches_come_in_few_shapes_with_little_padding():
     padding is <= 10 % of the batches' tokens (before buckets: 349 shapes in this epoch)."""
     args = train.argparse.Namespace(
         **dict(
-            train.DEFAULTS,
+            config.DEFAULTS,
             task="completion",
             max_tokens=1024,
             window=1024,
@@ -266,8 +265,8 @@ def test_a_bucket_s_padding_changes_no_number(wikitext2):
     tight, wide = collate(splits["valid"], index), collate(splits["valid"], index, cap=512)
     assert wide["inputs"].shape[1] == bucket(tight["inputs"].shape[1]) > tight["inputs"].shape[1]
     assert (wide["n"], wide["n_inputs"]) == (tight["n"], tight["n_inputs"])
-    a, ma, _ = evaluate.score(lm, tight, "tokens")
-    b, mb, _ = evaluate.score(lm, wide, "tokens")
+    a, ma, _ = lm(tight)
+    b, mb, _ = lm(wide)
     torch.testing.assert_close(a[ma], b[mb], rtol=0, atol=1e-12)
 
 

@@ -90,7 +90,7 @@ def test_greedy_is_argmax_of_full_forward():
     out = decode(lm, PROMPTS, 25, "greedy")
     for x, y in zip(PROMPTS, out["tokens"]):
         seq = torch.cat([x, torch.tensor(y)])
-        lp, _ = lm(seq.unsqueeze(0), steps(2 - len(x), (1, len(seq))))
+        lp, _ = lm.log_probs(seq.unsqueeze(0), steps(2 - len(x), (1, len(seq))))
         pred = lp[0, len(x) - 1 : len(seq) - 1].argmax(-1)
         assert pred.tolist() == y
 
@@ -197,7 +197,7 @@ def exact_map(lm, prompt, max_len=60):
         if len(seq) >= max_len:
             continue
         full = torch.cat([prompt, torch.tensor(seq, dtype=torch.long)])
-        lp, _ = lm(full.unsqueeze(0), steps(2 - len(prompt), (1, len(full))))
+        lp, _ = lm.log_probs(full.unsqueeze(0), steps(2 - len(prompt), (1, len(full))))
         for v, log_p in enumerate(lp[0, -1].tolist()):
             heapq.heappush(heap, (neg - log_p, seq + (v,)))
     raise AssertionError("no finished sequence")
@@ -212,7 +212,7 @@ class BigramLM(nn.Module):
         self.table = nn.Parameter(torch.as_tensor(table, dtype=torch.float64))
         self.cfg, self.eos_id, self.kind, self.eps = dict(model="bigram"), EOS, head, eps
 
-    def forward(self, idx, t, state=None, lengths=None):
+    def log_probs(self, idx, t, state=None, lengths=None):
         logits = self.table[idx]  # (B, T, V)
         lp = (
             softmax_log_probs(logits)
@@ -222,7 +222,7 @@ class BigramLM(nn.Module):
         return lp, (None, None)
 
     def prompt(self, idx, lengths):
-        lp, state = self(idx, steps(2 - lengths, idx.shape))
+        lp, state = self.log_probs(idx, steps(2 - lengths, idx.shape))
         return lp[torch.arange(len(lengths)), lengths - 1], state
 
     def reorder_state(self, state, index):
@@ -405,10 +405,12 @@ def test_eos_probs_equal_the_incremental_steps(model, head):
     lm = toy(model, head)
     x, y = [5, 7, 9, 4], [11, 6, 13, EOS]
     with torch.no_grad():
-        log_p, state = lm(torch.tensor([x]), steps(2 - len(x), (1, len(x))))
+        log_p, state = lm.log_probs(torch.tensor([x]), steps(2 - len(x), (1, len(x))))
         expected = [log_p[0, -1, EOS].exp().item()]
         for j, token in enumerate(y[:-1]):
-            log_p, state = lm(torch.tensor([[token]]), torch.tensor([[j + 2]]), state=state)
+            log_p, state = lm.log_probs(
+                torch.tensor([[token]]), torch.tensor([[j + 2]]), state=state
+            )
             expected.append(log_p[0, -1, EOS].exp().item())
     assert eos_probs(lm, x, y) == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert lm.training is False

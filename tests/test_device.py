@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
+import config
 import decode
 import evaluate
 import train
-from conftest import DEVICES, run_cli, steps
-from data.loader import collate, epoch_batches
+from conftest import DEVICES, run_cli, steps, target_log_p
+from data.loader import collate, epoch_batches, get_batch
 from heads import nmst_log_probs
 from model import MODELS, LanguageModel
 
@@ -312,15 +313,15 @@ def test_training_and_perplexity_attention_is_unmasked(monkeypatch, wikitext2):
     index = [3, 10, 57, 99]
     batch = dict(collate(splits["valid"], index), n=1)
     assert int(batch["lengths"].min()) < int(batch["lengths"].max())  # really padded
-    log_p, mask, _ = evaluate.score(lm, batch, "tokens")
+    log_p, mask, _ = lm(batch)
     (-log_p[mask].sum()).backward()
     args = train.argparse.Namespace(
-        **dict(train.DEFAULTS, task="completion", batch_size=4, eval_seqs=8, window=None)
+        **dict(config.DEFAULTS, task="completion", batch_size=4, eval_seqs=8, window=None)
     )
     evaluate.perplexity(args, lm, dict(splits))
     assert calls and all(calls_ == (True, True) for calls_ in calls)
     for b, i in enumerate(index):
-        alone = evaluate.score(lm, dict(collate(splits["valid"], [i]), n=1), "tokens")[0]
+        alone = lm(dict(collate(splits["valid"], [i]), n=1))[0]
         n = alone.size(1)
         torch.testing.assert_close(log_p[b, :n], alone[0], rtol=1e-6, atol=1e-5)  # float32 rounding
 
@@ -357,7 +358,7 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     lm = common.compile_model(LanguageModel(cfg).train(), backend=counter)
     args = train.argparse.Namespace(
         **dict(
-            train.DEFAULTS,
+            config.DEFAULTS,
             task="completion",
             max_tokens=600,
             train_seqs=400,
@@ -367,9 +368,9 @@ def test_compiled_models_stop_recompiling(model, wikitext2):
     )
     shapes, counts = set(), []
     for key in epoch_batches(args, dict(splits), 0)[:16]:
-        batch = evaluate.get_batch(args, dict(splits), key, "cpu")
+        batch = get_batch(args, dict(splits), key, "cpu")
         shapes.add(tuple(batch["inputs"].shape))
-        log_p, mask, _ = evaluate.score(lm, batch, "tokens")
+        log_p, mask, _ = lm(batch)
         (-log_p[mask].sum() / batch["n"]).backward()
         counts.append(counter.frame_count)
     assert len(shapes) >= 8
@@ -448,7 +449,7 @@ if torch.cuda.is_available():  # (only where it can run, as DEVICES' cuda cases:
         for B, T in ((6, 158), (3, 345), (5, 187)):
             x = torch.randint(0, 50256, (B, T), device="cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                log_p = lm(x, steps(-8, (B, T)).cuda(), targets=x)[0]
+                log_p = target_log_p(lm, x, steps(-8, (B, T)).cuda(), x)[0]
             lm.zero_grad(set_to_none=True)  # as train.py: the last replay's gradients are not kept
             log_p.float().sum().backward()
             frames.append(counters["frames"]["ok"])
@@ -570,8 +571,8 @@ def test_a_resumed_stream_state_moves_to_the_device():
     """A checkpoint's hidden state is loaded on the CPU; the loop moves it to the model's device
     (here 'meta', standing in for a GPU) and detaches it after each window."""
     state = (torch.zeros(1, 2, 4, requires_grad=True) * 2, torch.zeros(1, 2, 4))
-    moved = train.to(state, "meta", detach=True)
-    assert [(s.device.type, s.grad_fn) for s in moved] == [("meta", None)] * 2 and train.to(
+    moved = common.state_to(state, "meta", detach=True)
+    assert [(s.device.type, s.grad_fn) for s in moved] == [("meta", None)] * 2 and common.state_to(
         None, "meta"
     ) is None
 
@@ -604,15 +605,15 @@ def test_peak_flops_of_a_few_gpus(monkeypatch):
         ("NVIDIA L4", 0),
     ):
         monkeypatch.name = name
-        assert train.mfu_per_token(args, lm, {}, "cuda:0") == (1e12 / peak if peak else 0.0)
+        assert common.mfu_per_token(args, lm, {}, "cuda:0") == (1e12 / peak if peak else 0.0)
     monkeypatch.name = "NVIDIA A100-SXM4-80GB"
     assert (
-        train.mfu_per_token(
+        common.mfu_per_token(
             types.SimpleNamespace(**dict(vars(args), dtype="float32")), lm, {}, "cuda:0"
         )
         == 1e12 / 156e12
     )  # TF32: half
-    assert train.mfu_per_token(args, lm, {}, "cpu") == 0.0  # (no peak known: no MFU column)
+    assert common.mfu_per_token(args, lm, {}, "cpu") == 0.0  # (no peak known: no MFU column)
 
 
 def test_mos_flops_count_every_expert():
@@ -674,10 +675,10 @@ def test_cached_steps_equal_one_full_forward_in_float32(device):
             idx = torch.randint(0, 63, (3, 20), device=device)
             t = steps(-4, (3, 20)).to(device)
             with torch.no_grad():
-                full, _ = lm(idx, t)
+                full, _ = lm.log_probs(idx, t)
                 state, rows = None, []
                 for i in range(20):
-                    lp, state = lm(idx[:, i : i + 1], t[:, i : i + 1], state)
+                    lp, state = lm.log_probs(idx[:, i : i + 1], t[:, i : i + 1], state)
                     rows.append(lp)
             torch.testing.assert_close(torch.cat(rows, 1), full, atol=1e-4, rtol=0)
 
@@ -760,8 +761,8 @@ def test_mfu_counts_the_sequences_trained_on(wikitext2):
     args = types.SimpleNamespace(
         peak_flops=1e12, dtype="auto", task="completion", train_seqs=10, model="lstm", window=None
     )
-    assert train.mfu_per_token(args, lm, dict(splits), "cpu") == pytest.approx(1e-3)
+    assert common.mfu_per_token(args, lm, dict(splits), "cpu") == pytest.approx(1e-3)
     args.train_seqs, args.window = 0, 40
-    train.mfu_per_token(args, lm, dict(splits), "cpu")
+    common.mfu_per_token(args, lm, dict(splits), "cpu")
     inputs = splits["train"].lengths - 1
     assert seen == pytest.approx([float(inputs[:10].mean()), float(inputs[inputs <= 40].mean())])

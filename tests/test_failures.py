@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+import config
 import evaluate
 import train
 from common import load_checkpoint, save_checkpoint
@@ -362,7 +363,7 @@ def test_no_tracebacks(tmp_path, capsys, monkeypatch):
 def wrapper_cases(tmp_path, capsys):
     """Checkpoints with the wrong contents; --compare of a non-study."""
     cfg = dict(
-        train.DEFAULTS,
+        config.DEFAULTS,
         model="lstm",
         head="softmax",
         vocab_size=10,

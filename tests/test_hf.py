@@ -55,7 +55,7 @@ def test_logits_match_hf():
     idx = torch.randint(0, 100, (3, 40))
     with torch.no_grad():
         ref = torch.log_softmax(hf(idx).logits, -1)
-        ours, _ = lm(idx, None)
+        ours, _ = lm.log_probs(idx, None)
     assert (ours - ref).abs().max().item() < 1e-4
 
 
@@ -108,7 +108,7 @@ def test_train_init_from_hf_checkpoint(tmp_path):
     import os
 
     import train
-    from train import GPT2_SIZES
+    from config import GPT2_SIZES
 
     GPT2_SIZES["tiny-test"] = (2, 2, 32)  # (and a choice of --init_from: parser() reads it)
     try:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import config
 import evaluate
 import train
 from conftest import TINY_LSTM, assert_one_line_error, run_in_process
@@ -21,13 +22,13 @@ TINY = TINY_LSTM + ["--probe", "0", "--no_curves"]
 
 
 def tiny_lm(vocab_size, eos_id):
-    cfg = dict(train.DEFAULTS, model="lstm", n_layer=1, d_model=8, dropout=0.0)
+    cfg = dict(config.DEFAULTS, model="lstm", n_layer=1, d_model=8, dropout=0.0)
     cfg = dict(cfg, tie=True, bias=True, vocab_size=vocab_size, eos_id=eos_id)
     return LanguageModel(cfg)
 
 
 def completion_args(**over):
-    a = dict(train.DEFAULTS, model="lstm", task="completion", dataset="ptb", window=None)
+    a = dict(config.DEFAULTS, model="lstm", task="completion", dataset="ptb", window=None)
     a.update(batch_size=8, max_tokens=None, train_seqs=0, eval_seqs=0, **over)
     return argparse.Namespace(**a)
 

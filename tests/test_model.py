@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import common
-from conftest import DEVICES, steps
+from conftest import DEVICES, steps, target_log_p
 from model import MODELS, LanguageModel
 
 V, EOS = 40, 3
@@ -40,18 +40,18 @@ def test_incremental_equals_full(model, head):
     lm = make(model, head)
     idx = torch.randint(0, V, (3, 30))
     with torch.no_grad():
-        full, _ = lm(idx, steps(-8, (3, 30)))
+        full, _ = lm.log_probs(idx, steps(-8, (3, 30)))
         h_full, _ = lm.backbone(idx)
         state, outs, hs = None, [], []
         for i in range(30):
             h, bstate = lm.backbone(idx[:, i : i + 1], None if state is None else state[0])
             hs.append(h)
-            lp, state = lm(idx[:, i : i + 1], steps(-8 + i, (3, 1)), state=state)
+            lp, state = lm.log_probs(idx[:, i : i + 1], steps(-8 + i, (3, 1)), state=state)
             outs.append(lp)
         # uneven chunks through the same state
         state, chunks = None, []
         for lo, hi in [(0, 11), (11, 12), (12, 20), (20, 30)]:
-            lp, state = lm(idx[:, lo:hi], steps(-8 + lo, (3, hi - lo)), state=state)
+            lp, state = lm.log_probs(idx[:, lo:hi], steps(-8 + lo, (3, hi - lo)), state=state)
             chunks.append(lp)
     torch.testing.assert_close(torch.cat(hs, 1), h_full, atol=1e-6, rtol=0)
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=0)
@@ -67,13 +67,13 @@ def test_right_padding_lengths_and_state(model):
     nxt = torch.randint(0, V, (3, 1))
     t = torch.where(torch.arange(14) < lengths.unsqueeze(1), steps(-8, (3, 14)), 0)  # 0: padding
     with torch.no_grad():
-        lp, state = lm(idx, t, lengths=lengths)
-        lp_next, _ = lm(nxt, (-8 + lengths).unsqueeze(1), state=state)
+        lp, state = lm.log_probs(idx, t, lengths=lengths)
+        lp_next, _ = lm.log_probs(nxt, (-8 + lengths).unsqueeze(1), state=state)
         for b in range(3):
             L = int(lengths[b])
-            alone, st = lm(idx[b : b + 1, :L], steps(-8, (1, L)))
+            alone, st = lm.log_probs(idx[b : b + 1, :L], steps(-8, (1, L)))
             torch.testing.assert_close(lp[b, :L], alone[0], atol=1e-9, rtol=0)
-            nxt_alone, _ = lm(nxt[b : b + 1], steps(-8 + L, (1, 1)), state=st)
+            nxt_alone, _ = lm.log_probs(nxt[b : b + 1], steps(-8 + L, (1, 1)), state=st)
             torch.testing.assert_close(lp_next[b], nxt_alone[0], atol=1e-9, rtol=0)
 
 
@@ -84,10 +84,10 @@ def test_reorder_state(model):
     nxt = torch.randint(0, V, (4, 1))
     order = torch.tensor([2, 0, 0, 1])
     with torch.no_grad():
-        _, state = lm(idx, steps(-2, (3, 6)))
-        a, _ = lm(nxt, steps(5, (4, 1)), state=lm.reorder_state(state, order))
-        _, state2 = lm(idx[order], steps(-2, (4, 6)))
-        b, _ = lm(nxt, steps(5, (4, 1)), state=state2)
+        _, state = lm.log_probs(idx, steps(-2, (3, 6)))
+        a, _ = lm.log_probs(nxt, steps(5, (4, 1)), state=lm.reorder_state(state, order))
+        _, state2 = lm.log_probs(idx[order], steps(-2, (4, 6)))
+        b, _ = lm.log_probs(nxt, steps(5, (4, 1)), state=state2)
     torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
 
 
@@ -98,9 +98,10 @@ def test_target_log_probs_and_normalisation(model, head):
     idx, y = torch.randint(0, V, (2, 15)), torch.randint(0, V, (2, 15))
     y[:, 12] = EOS
     with torch.no_grad():
-        lp, _ = lm(idx, steps(-8, (2, 15)))
+        lp, _ = lm.log_probs(idx, steps(-8, (2, 15)))
         torch.testing.assert_close(
-            lm(idx, steps(-8, (2, 15)), targets=y)[0], lp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+            target_log_p(lm, idx, steps(-8, (2, 15)), y)[0],
+            lp.gather(-1, y.unsqueeze(-1)).squeeze(-1),
         )
     torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(2, 15, dtype=torch.float64))
 
@@ -112,7 +113,7 @@ def test_weight_tying_and_gpt_window():
         make("lstm", tie=False).head.proj.weight is not make("lstm", tie=False).backbone.wte.weight
     )
     with pytest.raises(ValueError, match="context window"):
-        lm(torch.zeros(1, 49, dtype=torch.long), steps(1, (1, 49)))
+        lm.log_probs(torch.zeros(1, 49, dtype=torch.long), steps(1, (1, 49)))
 
 
 def test_unknown_model_rejected():
@@ -154,9 +155,8 @@ def test_compiled_model_matches_eager(device):
     x = torch.randint(0, 50, (2, 12), device=device)
     grads = []
     for lm in (eager, compiled):
-        log_p = lm(x[:, :-1], steps(1, (2, 11)).to(device), targets=x[:, 1:])[
-            0
-        ]  # the training path
+        # the training path
+        log_p = target_log_p(lm, x[:, :-1], steps(1, (2, 11)).to(device), x[:, 1:])[0]
         log_p.sum().backward()
         grads.append((log_p.detach(), [p.grad.clone() for p in lm.parameters()]))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import common
 import heads
 import insnet
 import model
-from conftest import steps
+from conftest import steps, target_log_p
 from heads import HEADS
 from model import LanguageModel
 
@@ -59,12 +59,15 @@ def test_padded_equals_unpadded_with_the_same_weights(arch, head, tie, monkeypat
     ref.load_state_dict({k: v[tuple(map(slice, own[k].shape))] for k, v in lm.state_dict().items()})
     idx, t = torch.randint(0, V, (3, 12)), steps(-4, (3, 12))
     with torch.no_grad():
-        lp, _ = lm(idx, t)
+        lp, _ = lm.log_probs(idx, t)
         torch.testing.assert_close(
-            lp, ref(idx, t)[0], rtol=0, atol=1e-12
+            lp, ref.log_probs(idx, t)[0], rtol=0, atol=1e-12
         )  # (B, T, V): the real rows only
         torch.testing.assert_close(
-            lm(idx, t, targets=idx)[0], ref(idx, t, targets=idx)[0], rtol=0, atol=1e-12
+            target_log_p(lm, idx, t, idx)[0],
+            target_log_p(ref, idx, t, idx)[0],
+            rtol=0,
+            atol=1e-12,
         )
     torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3, 12, dtype=torch.float64))
     counts = lm.num_params(), lm.flops_per_token(12)
@@ -124,7 +127,7 @@ def test_the_loss_path_s_masking_is_not_recorded_by_autograd(head):
     against the full forward in test_heads.py.)"""
     lm = make("gpt", head)
     idx = torch.randint(0, V, (2, 12))
-    log_p = lm(idx, steps(-4, (2, 12)), targets=idx)[0]
+    log_p = target_log_p(lm, idx, steps(-4, (2, 12)), idx)[0]
     seen, todo = set(), [log_p.grad_fn]
     while todo:
         fn = todo.pop()

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import common
+import config
 import train
 from data.loader import epoch_batches, load_data, sequence_targets, targets_per_batch
 from data.prepare import CONTEXT_LEN
 
 
 def run_args(protocol="paper", **over):
-    a = dict(train.DEFAULTS, model="lstm", task="completion", dataset="wikitext2", window=None)
+    a = dict(config.DEFAULTS, model="lstm", task="completion", dataset="wikitext2", window=None)
     a.update(protocol=protocol, batch_size=32, max_tokens=None, train_seqs=0, **over)
     return argparse.Namespace(**a)
 
@@ -66,7 +67,7 @@ def test_the_authors_batches_are_random_not_sorted(authors):
 
 
 def test_the_authors_loss_counts_the_context_targets_and_evaluation_does_not(authors):
-    from evaluate import get_batch
+    from data.loader import get_batch
 
     args, data = authors
     key = epoch_batches(args, data, 0)[0]
@@ -174,19 +175,19 @@ def test_evaluate_reports_both_perplexities(tmp_path, capsys):
 def test_the_authors_model_and_optimizer(tmp_path):
     """--protocol authors: N(0, 1) embeddings, no dropout between the LSTM layers, AdamW betas
     (0.9, 0.999) with weight decay on every parameter (biases too)."""
-    args, _ = train.get_args(
-        "--model lstm --dataset wikitext2 --protocol authors --d_model 64".split()
-        + ["--out_dir", str(tmp_path / "a")]
+    argv = "--model lstm --dataset wikitext2 --protocol authors --d_model 64".split()
+    args, _ = config.get_args(
+        argv + ["--out_dir", str(tmp_path / "a")], train.RECIPES, train.AUTHORS
     )
     assert (args.beta2, args.batch_size, args.lr, args.max_epochs) == (0.999, 32, 1e-3, 70)
     data = dict(vocab_size=5000, eos_id=0, vocab=None)
     from model import LanguageModel
 
-    lm = LanguageModel(train.model_config(args, data))
+    lm = LanguageModel(config.model_config(args, data))
     assert lm.backbone.rnn.dropout == 0.0 and lm.backbone.drop.p == 0.5
     assert 0.9 < float(lm.backbone.wte.weight.detach().std()) < 1.1
     paper = LanguageModel(
-        train.model_config(argparse.Namespace(**dict(vars(args), protocol="paper")), data)
+        config.model_config(argparse.Namespace(**dict(vars(args), protocol="paper")), data)
     )
     assert (
         paper.backbone.rnn.dropout == 0.5

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+import config
 import evaluate
 import reproduce
 import sample
@@ -418,8 +419,8 @@ def test_the_paper_scale_starts_its_first_run(result, dataset, tmp_path, monkeyp
         pass
 
     def main(argv):
-        main.args = train.get_args(argv)[0]  # (and its checks)
-        main.typed = set(train.typed_flags(argv))
+        main.args = config.get_args(argv, train.RECIPES, train.AUTHORS)[0]  # (and its checks)
+        main.typed = set(config.typed_flags(argv))
         raise Started
 
     monkeypatch.setattr(train, "main", main)

@@ -64,7 +64,7 @@ elif mode == "count_build":
     prepare.build = counted_build
 elif mode.split("=")[0] in ("sigterm", "sigterm_at_exit"):
     if rank == 1:  # (score: one call a step here, and none in an evaluation before step 4)
-        train.score = kill_on(int(mode.split("=")[1]), train.score, sig=signal.SIGTERM)
+        train.get_batch = kill_on(int(mode.split("=")[1]), train.get_batch, sig=signal.SIGTERM)
     if mode.startswith("sigterm_at_exit="):
         import torch.distributed
 

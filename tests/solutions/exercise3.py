@@ -53,9 +53,7 @@ class LanguageModel(nn.Module):""",
     ),
     (
         "train.py",
-        '    "gcnn": {\n',
-        '    "dgcnn": {"n_layer": 6, "d_model": 512, "dropout": 0.1, "lr": 1e-3, "lr_schedule": "plateau", '
-        '"batch_size": 32, "max_iters": 0, "eval_interval": 0, "weight_decay": 0.01, "decay_steps": 500_000, '
-        '"warmup": 0},\n    "gcnn": {\n',
+        '    "gcnn": {**PLATEAU',
+        '    "dgcnn": {**PLATEAU, "n_layer": 6, "d_model": 512, "dropout": 0.1},\n    "gcnn": {**PLATEAU',
     ),
 ]
