@@ -309,6 +309,43 @@ def authors_sequence(ids, tok):
     return [tok.stoi["<bos>"], *pad, *words], CONTEXT_LEN + 1
 
 
+def encode_prompt(tok, text, protocol="paper", allow_unk=False):
+    """A prompt -> its ids as training formed a context of the same words (sample.py's prompts):
+    char level, its characters and the space after its last word; the authors' protocol, <bos>
+    and the <cpad> padding of authors_sequence.  A control token or an unknown word is one line
+    (allow_unk: unknown words read as <unk>)."""
+    if tok.kind == "gpt2":
+        return tok.enc.encode_ordinary(text.strip())
+    pieces = tok.split(text)
+    # A character model's contexts end with the space after their last word (Vocabulary.encode).
+    if tok.kind == "char":
+        pieces.append(" ")
+    # Only the data's preparation places these tokens: typed in a prompt they would pose as text.
+    control = sorted({"<eos>", "<unk>", "<bos>", "<cpad>"} & set(pieces))
+    if tok.kind == "word" and control:
+        raise UserError(
+            f"{' / '.join(control)}: <bos>, <cpad>, <eos> and <unk> are control tokens, not "
+            f"text: leave them out of the prompt"
+        )
+    check_known(pieces, tok.stoi, allow_unk and tok.unk is not None)
+    ids = [tok.stoi.get(w, tok.unk) for w in pieces]
+    # An authors' model has only seen contexts that open with <bos>, short ones padded by <cpad>.
+    if protocol == "authors":
+        return authors_sequence(ids, tok)[0]
+    return ids
+
+
+def check_known(words, stoi, allow_unk):
+    """Unknown words are an error naming them (and the data's lower case), unless read as <unk>."""
+    unknown = sorted({w for w in words if w not in stoi})
+    if unknown and not allow_unk:
+        lower = "; the data is lower-cased" if any(w.lower() in stoi for w in unknown) else ""
+        raise UserError(
+            f"not in the model's vocabulary: {', '.join(map(repr, unknown[:12]))}"
+            f"{lower} (--allow_unk reads them as <unk>)"
+        )
+
+
 def build(dataset, vocab, source, folder, protocol="paper"):
     """Tokenize every split into `folder`; -> meta."""
     if DATASETS[dataset]["tokenizer"] == "gpt2" or vocab == "bpe":

@@ -306,7 +306,7 @@ def test_a_prompt_of_ten_words_is_encoded_as_a_training_context(kind):
     line = "the cat sat on the mat and then it ran far away"  # 12 words: 10 context + 2
     tok = P.Vocabulary.build(kind, [line])
     ids, ctx = next(tok.encode([line]))
-    assert sample.encode(tok, " ".join(line.split()[:10]), False) == ids[:ctx]
+    assert sample.encode_prompt(tok, " ".join(line.split()[:10])) == ids[:ctx]
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def test_numbers_at_the_edge_of_floating_point(lstm_run, capsys):
     line each, in every entry point."""
     ckpt = str(lstm_run / "ckpt_best.pt")
     common = ["--ckpt", ckpt, "--prompt", "the company said it", "--L", "12", "--seed", "1"]
-    sample.main(common + ["--decoder", "greedy"])
+    sample.main(common[:-2] + ["--decoder", "greedy"])
     greedy = capsys.readouterr().out
     for decoder in (["sample"], ["topk", "--k", "5"], ["nucleus", "--p", "0.9"]):
         sample.main(common + ["--decoder", *decoder, "--temperature", "1e-39"])
