@@ -66,6 +66,8 @@ def parser():
 
 def what_is_trained_flags(p):
     """What is trained: the model, its output head, the task."""
+    # The backbones of model.py and the insertion models of insnet.py; a --model brings its
+    # recipe (train.py's RECIPES).
     p.add_argument(
         "--model",
         default="gpt",
@@ -78,11 +80,14 @@ def what_is_trained_flags(p):
         choices=HEADS,
         help="softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10), mos, ct, ctmos (CT eq. 4, 6, 7)",
     )
+    # The task follows from the data unless you name it: completions for text, stories for
+    # the story data; a stream (CT's continuous text) must be asked for.
     p.add_argument(
         "--task",
         choices=("completion", "stream", "story", "storyline"),
         help="completion (NMST), stream (CT), story / storyline (InsNet); None: by the dataset",
     )
+    # The NMST paper's epsilon: p(eos) reaches 1/2 by t = ln 2 / epsilon (Theorem 3).
     p.add_argument(
         "--epsilon",
         default=1e-5,
@@ -93,12 +98,15 @@ def what_is_trained_flags(p):
 
 def data_flags(p):
     """The data."""
+    # data/prepare.py's data sets, your own text, and the story data of data/stories.py.
     p.add_argument(
         "--dataset",
         default="wikitext103",
         choices=(*DATASETS, *STORY_DATASETS),
         help="text: your own, in --data_dir",
     )
+    # The paper's text and the authors' code differ in their sequences, batches and loss
+    # (docs/protocol.md): the protocol is part of the prepared data and of the checkpoint.
     p.add_argument(
         "--protocol",
         default="paper",
@@ -111,6 +119,7 @@ def data_flags(p):
         choices=VOCABS,
         help="wikitext2, ptb, text: word or char; text: bpe (GPT-2's) too",
     )
+    # (an absolute path: a resumed run, or reproduce.py, may start elsewhere)
     p.add_argument(
         "--data_dir", type=os.path.abspath, help="local data (None: $NANOGEN_DATA, else download)"
     )
@@ -118,6 +127,7 @@ def data_flags(p):
 
 def run_flags(p):
     """The run: where it writes, where it starts from, where it runs."""
+    # A run owns its folder: its checkpoints, logs, args.json and curves.png.
     p.add_argument("--out_dir", help="None: out/DATASET-MODEL-HEAD")
     p.add_argument("--seed", default=0, type=SEED, help="the random seed")
     p.add_argument(
@@ -126,8 +136,10 @@ def run_flags(p):
         choices=("scratch", *GPT2_SIZES),
         help="GPT-2's weights (and shape)",
     )
+    # (a machine without internet access loads GPT-2's weights from a file)
     p.add_argument("--weights", help="--init_from's, a local copy")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N")
+    # On a CPU every run is float32; autocast is for CUDA, where bfloat16 is native.
     p.add_argument(
         "--dtype",
         default="auto",
@@ -141,6 +153,7 @@ def run_flags(p):
 
 def shape_flags(p):
     """The model's shape."""
+    # The recipe sets the size; each flag here overrides one dimension of it.
     p.add_argument("--n_layer", type=INT1, help="layers")
     p.add_argument("--d_model", type=INT1, help="the width")
     p.add_argument("--n_head", default=12, type=INT1, help="gpt: attention heads")
@@ -149,14 +162,17 @@ def shape_flags(p):
     p.add_argument("--kernel_size", default=4, type=INT1, help="gcnn")
     p.add_argument("--no_tie", action="store_true", help="untie the input and output embeddings")
     p.add_argument("--no_bias", action="store_true", help="gpt")
+    # The CT paper's heads: K experts (MoS) and the temperature's alpha and beta (eq. 6).
     p.add_argument("--n_experts", default=4, type=INT1, help="mos / ctmos: K")
     p.add_argument("--ct_alpha", default=1.0, type=NONNEG, help="CT eq. 6")
     p.add_argument("--ct_beta", default=0.5, type=POS, help="CT eq. 6")
     p.add_argument("--ct_rank", default=0, type=INT0, help="ct: rank of W_tau (0: full)")
     p.add_argument("--temperature", default=1.0, type=POS, help="softmax / mos: a constant one")
+    # InsNet: offsets beyond K share one learned bias; the insertion order of training.
     p.add_argument("--max_offset", default=256, type=INT1, help="insnet")
     p.add_argument("--locked_dropout", action="store_true", help="rnn / lstm: a mask per sequence")
     p.add_argument("--order", default="random", choices=("random", "l2r"), help="insertion order")
+    # The story data's vocabulary and the synthetic data's size.
     p.add_argument("--min_count", default=2, type=INT1, help="rocstories: rarer words are <unk>")
     p.add_argument(
         "--synthetic_count", default=200, type=INT1, help="synthetic: sequences a length"
@@ -165,6 +181,8 @@ def shape_flags(p):
 
 def optimization_flags(p):
     """Optimization."""
+    # AdamW with the recipe's rate and schedule; the NMST paper's recurrent models halve the
+    # rate when an evaluation does not improve (plateau).
     p.add_argument("--lr", type=POS, help="the peak learning rate")
     p.add_argument("--warmup", type=INT0, help="linear: steps up to --lr")
     p.add_argument("--max_epochs", default=70, type=INT1, help="epochs at most")
@@ -185,12 +203,16 @@ def optimization_flags(p):
         help="plateau: the factor",
     )
     p.add_argument("--patience", default=10, type=INT1, help="evaluations without improvement")
+    # A batch is a number of lines (the NMST paper's recurrent models: 32) or a number of
+    # tokens (GPT: 1024), never both.
     p.add_argument("--batch_size", type=INT1, help="sequences a batch")
     p.add_argument("--max_tokens", type=INT1, help="padded tokens a batch")
     p.add_argument("--bptt", default=70, type=INT1, help="stream: its window")
+    # The CT paper's regularisers of eq. 8.
     p.add_argument("--loss_scaling", action="store_true", help="CT eq. 8's LS")
     p.add_argument("--ar", default=0.0, type=NONNEG, help="rnn / lstm: CT eq. 8")
     p.add_argument("--tar", default=0.0, type=NONNEG, help="rnn / lstm: CT eq. 8")
+    # Under torchrun each process reads its share of a step's batches.
     p.add_argument(
         "--grad_accum", type=INT1, help="batches a step over all processes (None: one a process)"
     )
@@ -198,6 +220,8 @@ def optimization_flags(p):
 
 def stopping_flags(p):
     """When to stop, evaluate and log."""
+    # The run stops at the first limit reached, or at an early stop after --patience
+    # evaluations without improvement.
     p.add_argument("--max_iters", type=INT0, help="0: none")
     p.add_argument("--max_minutes", default=0.0, type=NONNEG, help="0: none")
     p.add_argument(
@@ -207,8 +231,11 @@ def stopping_flags(p):
     p.add_argument(
         "--log_interval", default=10, type=INT1, help="steps between loss reads / stop checks"
     )
+    # (fewer training and validation lines: a quick run, or a test)
     p.add_argument("--train_seqs", default=0, type=INT0, help="0: all")
     p.add_argument("--eval_seqs", default=0, type=INT0, help="validate on the first N (0: all)")
+    # The termination probe runs at every evaluation; its L is capped, as evaluate.py's --L is, so
+    # that a model that never ends cannot keep the run decoding for ever.
     p.add_argument(
         "--probe",
         default=64,

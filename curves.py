@@ -298,6 +298,146 @@ def overlay(folders, path):
     return rows
 
 
+# ----- the decoding studies of evaluate.py: their table and figures ---------------------------
+def decoder_name(d):
+    """A study's decoder in a few characters: greedy, topk-10, nucleus-0.9+c, beam-4/lp1, ..."""
+    name = d["decoder"]
+    extra = dict(topk=f"-{d.get('k')}", nucleus=f"-{d.get('p')}", beam=f"-{d.get('beam_size')}")
+    name += extra.get(d["decoder"], "")
+    if d.get("consistent"):
+        name += "+c"
+    if d.get("length_penalty"):
+        name += f"/lp{d['length_penalty']:g}"
+    t = d.get("temperature") or 1
+    if t != 1:
+        name += f"/T{t:g}"
+    return name
+
+
+def print_study_table(results):
+    """A row a study: r_nt(L) for every L, the mean length, unique non-terminated (eps only for
+    the heads that read it)."""
+    Ls = sorted({int(L) for r in results for L in r["decoding"]["r_nt"]})
+    r_nt_columns = " ".join(f"{'r_nt(%d)' % L:>11s}" for L in Ls)
+    print(
+        f"{'model':5s} {'head':8s} {'eps':>7s} {'decoder':12s} {r_nt_columns} "
+        f"{'mean len':>9s} {'uniq non-term':>13s} {'n':>6s}"
+    )
+    for r in results:
+        d, eps = r["decoding"], "-"
+        if r["head"] in EPSILON_HEADS:
+            eps = f"{r['epsilon']:.0e}"
+        r_nt = {int(L): v for L, v in d["r_nt"].items()}
+        values = " ".join(f"{r_nt.get(L, math.nan):11.4f}" for L in Ls)
+        print(
+            f"{r['model']:5s} {r['head']:8s} {eps:>7s} {decoder_name(d):12s} {values} "
+            f"{d['mean_length']:9.1f} {d['unique_non_terminated'] or math.nan:13.3f} {d['n']:6d}"
+        )
+
+
+def plot_study(results, out_dir, files=None):
+    """r_nt(L) (log-log, Fig. 2 / 7), the length histograms (Fig. 8) and p(eos) traces (Fig. 3)
+    into out_dir, the runs labelled by what differs between them."""
+    names, title = study_labels(results, files)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "r_nt.png"), os.path.join(out_dir, "lengths.png")]
+    save_figure(r_nt_figure(results, names, title), paths[0])
+    save_figure(lengths_figure(results, names), paths[1])
+    fig = eos_figure(results, names)
+    if fig:
+        paths.append(os.path.join(out_dir, "p_eos.png"))
+        save_figure(fig, paths[-1])
+    print(f"wrote {', '.join(paths)}")
+
+
+def study_labels(results, files):
+    """-> (each study's label: what differs between them (head, eps, model, decoder, dataset),
+    the title: what they share)."""
+    parts = []
+    for r in results:
+        eps = ""
+        if r["head"] in EPSILON_HEADS:
+            eps = f"eps={r['epsilon']:g}"
+        decoder = decoder_name(r["decoding"])
+        part = dict(head=paper_name(r["head"]), eps=eps, model=r["model"], decoder=decoder)
+        parts.append(dict(part, dataset=r["dataset"]))
+    varying = [k for k in parts[0] if len({p[k] for p in parts}) > 1] or ["head"]
+    names = [" ".join(p[k] for k in varying if p[k]) for p in parts]
+    # Two files of one run: told apart by their file names.
+    if len(set(names)) < len(names) and files:
+        names = [f"{x} ({os.path.basename(f)})" for x, f in zip(names, files)]
+    title = ", ".join(parts[0][k] for k in ("decoder", "dataset", "model") if k not in varying)
+    return names, title
+
+
+def study_style(i):
+    return dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
+
+
+def r_nt_figure(results, names, title):
+    """r_nt(L) against L, log-log (NMST Fig. 2, 7); 0 is drawn at 1e-4."""
+    fig, ax = pyplot().subplots(figsize=(5.5, 4))
+    for i, (r, name) in enumerate(zip(results, names)):
+        curve = r["decoding"]["r_nt_curve"]
+        xs, ys = [int(x) for x in curve], [max(y, 1e-4) for y in curve.values()]
+        ax.plot(xs, ys, label=name, **study_style(i))
+    if title:
+        title = f" ({title})"
+    ax.set(xscale="log", yscale="log", xlabel="L", ylabel="r_nt(L)  (0 drawn at 1e-4)")
+    ax.set(title="non-termination ratio" + title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def lengths_figure(results, names):
+    """The continuations' lengths against the true ones (NMST Fig. 8); a non-terminated one is
+    drawn at its study's L."""
+    fig, ax = pyplot().subplots(figsize=(5.5, 4))
+    cut = [max(int(L) for L in r["decoding"]["r_nt"]) for r in results]
+    bins = np.linspace(0, max(cut) + 1, 41).tolist()
+    truth = [min(m, max(cut)) for m in results[0]["decoding"]["ground_truth_lengths"]]
+    ax.hist(truth, bins=bins, alpha=0.4, color="gray", label="ground truth")
+    for i, (r, name, L) in enumerate(zip(results, names, cut)):
+        lengths = r["decoding"]["generated_lengths"]
+        n_cut = sum(m is None for m in lengths)
+        if n_cut:
+            name = f"{name} ({n_cut} non-terminated, drawn at L={L})"
+        drawn = [L if m is None else m for m in lengths]
+        ax.hist(drawn, bins=bins, histtype="step", color=study_style(i)["color"], label=name)
+    ax.set(xlabel="continuation length", ylabel="count", yscale="log")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def eos_figure(results, names):
+    """p(eos) along the first three traced true continuations (NMST Fig. 3), or None."""
+    traced = [{t["index"]: t["p_eos"] for t in r.get("eos_traces") or []} for r in results]
+    shown = next((list(t)[:3] for t in traced if t), [])
+    if not shown:
+        return None
+    fig, ax = pyplot().subplots(len(shown), 1, figsize=(7, 6), squeeze=False)
+    for i, name in enumerate(names):
+        for axis, index in zip(ax[:, 0], shown):
+            if index in traced[i]:
+                p_eos = traced[i][index]
+                axis.plot(range(1, len(p_eos) + 1), p_eos, label=name, **study_style(i))
+                axis.set(yscale="log", ylabel="p(eos)", title=f"sequence {index}")
+    ax[0, 0].legend(fontsize=8)
+    return fig
+
+
+def tau_figure(rep, path):
+    """The contextual temperature of the next word by position in the sentence (CT Fig. 1)."""
+    fig, ax = pyplot().subplots(figsize=(7, 3.5))
+    ax.errorbar(range(15), rep["position_mean"], yerr=rep["position_ci95"], fmt="o-", capsize=3)
+    ax.set_xticks(range(15), rep["positions"], rotation=60, fontsize=7)
+    ax.set(
+        ylabel="tau of the next word",
+        title=f"contextual temperature by position ({rep['sentences']} sentences)",
+    )
+    save_figure(fig, path)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Runs side by side, labelled by the flags that differ.")
     p.add_argument("runs", nargs="+", help="run folders of train.py (--out_dir)")

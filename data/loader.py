@@ -25,7 +25,8 @@ class CompletionSplit:
     def __init__(self, folder, split, meta):
         self.tokens = memmap(os.path.join(folder, f"{split}.bin"), meta["dtype"])
         self.offsets = np.fromfile(os.path.join(folder, f"{split}.idx"), dtype=np.int64)
-        self.lengths = np.diff(self.offsets)  # (N,) tokens, eos included
+        # (N,) tokens, eos included
+        self.lengths = np.diff(self.offsets)
         self.contexts = np.fromfile(os.path.join(folder, f"{split}.ctx"), np.int32).astype(np.int64)
 
     def __len__(self):
@@ -34,11 +35,13 @@ class CompletionSplit:
     def __getitem__(self, i):
         return np.asarray(self.tokens[self.offsets[i] : self.offsets[i + 1]], dtype=np.int64)
 
-    def context(self, i):  # the context x of sequence i: what a decoder is prompted with
+    def context(self, i):
+        """The context x of sequence i: what a decoder is prompted with."""
         return self[i][: self.contexts[i]]
 
 
-def memmap(path, dtype):  # read-only (an empty file: a split of your own text that kept no line)
+def memmap(path, dtype):
+    """A read-only memmap (an empty file: a split of your own text that kept no line)."""
     return np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
 
 
@@ -55,6 +58,7 @@ def load(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"):
 
 def load_data(args, verbose=True):
     """A run's data: dict(vocab, vocab_size, eos_id, and per split what its task reads)."""
+    # Stories are few and small: they are read whole (data/stories.py).
     if args.task in ("story", "storyline"):
         d = load_sequences(args, verbose)
         return dict(
@@ -69,6 +73,7 @@ def load_data(args, verbose=True):
         tokenizer=tokenizer(meta["vocab"]),
         streams=streams,
     )
+    # A stream trains on --batch_size columns of the continuous text (CT paper).
     if args.task == "stream":
         data["train"] = batchify(streams["train"], args.batch_size)
     return data
@@ -77,6 +82,7 @@ def load_data(args, verbose=True):
 def epoch_batches(args, data, epoch):
     """The keys of a training epoch's batches, a pure function of (seed, epoch): a resumed run
     replays them (stories: a key seeds its insertion orders).  --train_seqs: the first N."""
+    # The order is a pure function of (seed, epoch): a resumed run replays it.
     rng = np.random.default_rng([args.seed, epoch])
     limit = args.train_seqs or None
     if args.protocol == "authors" and args.task == "completion":
@@ -97,13 +103,16 @@ def split_batches(args, data, split, limit, shuffle):
     """The batches of a split's first `limit` sequences; shuffle = (a numpy Generator or None:
     in order, the epoch that seeds the stories' insertion orders)."""
     rng, epoch = shuffle
+    # A stream is cut in truncated-BPTT windows, in order (the state goes on from one to the next).
     if args.task == "stream":
         return bptt_windows(data[split].size(1), args.bptt)
     if args.task in ("story", "storyline"):
         index = batches([len(s["tokens"]) for s in data[split][:limit]], args.batch_size, rng=rng)
+        # Each story batch carries a seed of its own for its insertion orders.
         return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
     lengths = data[split].lengths[:limit]
     sizes = dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
+    # (an evaluation of a checkpoint without either: batches of 32 lines)
     if not any(sizes.values()):
         sizes = dict(batch_size=32)
     return batches(lengths, **sizes, rng=rng, max_len=args.window)
@@ -117,6 +126,8 @@ def targets_per_batch(args, data):
     NLL by its own batch's count would weigh each of those tokens several times more (the eos
     targets 3.7x their share on WikiText-2).  Every step divides by this one number instead."""
     keys = epoch_batches(args, data, 0)
+    # The count of each batch: a stream window's every token, a story's events, a line's
+    # continuation (the authors' protocol: its context's targets too).
     if args.task == "stream":
         counts = [data["train"].size(0) * length for _, length in keys]
     elif args.task in ("story", "storyline"):
@@ -134,6 +145,7 @@ def sequence_targets(lengths, contexts, context_loss=False):
     with context_loss (the authors' protocol) every token after the first."""
     if context_loss:
         return lengths - 1
+    # The continuation starts after the context; a context of 0 still predicts from position 0.
     return np.maximum(lengths - np.maximum(contexts, 1), 0)
 
 
@@ -145,8 +157,9 @@ def check_fits(args, data):
             f"an epoch has {n} batch(es), fewer than --grad_accum {args.grad_accum}: "
             f"no step would run (it needs lines of more than 10 tokens)"
         )
+    # (a validation stream too short for 10 columns is an error)
     if args.task == "stream":
-        batchify(data["streams"]["valid"], 10, "valid")  # (an error when too short)
+        batchify(data["streams"]["valid"], 10, "valid")
     if args.task == "completion" and not eval_batches(args, data, "valid", args.eval_seqs or None):
         raise UserError(
             f"no validation sequence fits the --block_size {args.block_size} window "
@@ -154,7 +167,8 @@ def check_fits(args, data):
         )
     stories = args.task in ("story", "storyline")
     longest = max(len(s["tokens"]) for k in ("train", "valid") for s in data[k]) if stories else 0
-    if longest - (args.model == "gpt") > args.block_size:  # (L2R: reads all tokens but the last)
+    # (the left-to-right baseline reads every token but the last)
+    if longest - (args.model == "gpt") > args.block_size:
         raise UserError(f"a story of {longest} tokens exceeds --block_size {args.block_size}")
 
 
@@ -167,11 +181,14 @@ def batches(lengths, batch_size=None, max_tokens=None, rng=None, max_len=None):
     order = np.arange(len(lengths))
     if rng is not None:
         order = rng.permutation(len(lengths))
+    # A window model cannot read a longer input: those sequences are left out (and counted).
     order = order[lengths[order] - 1 <= (max_len or math.inf)]
-    order = order[np.argsort(lengths[order] - 1, kind="stable")]  # by input length, ties random
+    # By input length, ties in the random order: batches of similar lengths pad little.
+    order = order[np.argsort(lengths[order] - 1, kind="stable")]
     if batch_size is not None:
         out = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    else:  # (B, T) from a few shapes, which a compiled step keeps
+    else:
+        # (B, T) from a few shapes, which a compiled step keeps: T its bucket, B = max_tokens // T
         T, out, rest = bucket(lengths[order] - 1, max_len or math.inf), [], order[:0]
         for b in np.unique(T):
             pool, B = np.concatenate([rest, order[T == b]]), max(1, max_tokens // int(b))
@@ -183,7 +200,8 @@ def batches(lengths, batch_size=None, max_tokens=None, rng=None, max_len=None):
     return out
 
 
-def bucket(n, cap=math.inf):  # lengths n up to a quarter octave (8, 16, ..., 64, 80, ...) <= cap
+def bucket(n, cap=math.inf):
+    """Lengths n rounded up to a quarter octave (8, 16, ..., 64, 80, ...), at most cap."""
     step = 2 ** np.maximum(3, np.ceil(np.log2(np.maximum(n, 1))) - 3).astype(np.int64)
     return np.minimum(-(-np.asarray(n) // step) * step, cap).astype(np.int64)
 
@@ -192,6 +210,7 @@ def get_batch(args, data, key, device, split="train", training=False):
     """One batch: inputs, targets, t and the loss mask (completion), a window of the stream's
     columns, or stories; n (the predicted tokens or events) and n_inputs: host ints.  training:
     a batch of the training loss (the authors' protocol counts its context targets too)."""
+    # A stream's window: every token counts (mask None), the state goes on unless it starts.
     if args.task == "stream":
         (i, L), cols = key, data[split]
         return dict(
@@ -203,6 +222,7 @@ def get_batch(args, data, key, device, split="train", training=False):
             n=cols[:, :L].numel(),
             n_inputs=cols[:, :L].numel(),
         )
+    # Stories: the key's seed draws this batch's insertion orders, the same on a resume.
     if args.task in ("story", "storyline"):
         return story_batch(
             [data[split][i] for i in key[0]],
@@ -211,6 +231,7 @@ def get_batch(args, data, key, device, split="train", training=False):
             torch.Generator().manual_seed(key[1]),
             device,
         )
+    # --max_tokens batches pad T to its bucket (few shapes), within the model's window.
     cap = args.max_tokens and (args.window or math.inf)
     # The authors' protocol trains on the context's targets too (their loss has no context mask);
     # every evaluation, of any split, scores the continuation alone.
@@ -241,11 +262,14 @@ def pad_batch(seqs, ctx, device="cpu", width=None, context_loss=False):
     for b, s in enumerate(seqs):
         tokens[b, : len(s)] = s
     n = np.array([len(s) for s in seqs])
+    # t and the mask are made on the host from the lengths, then copied with the tokens.
     t, mask = continuation_steps(torch.from_numpy(ctx), torch.from_numpy(n), tokens.shape[1] - 1)
+    # The authors' loss has no context mask: every real target counts.
     if context_loss:
         mask = torch.arange(tokens.shape[1] - 1) < torch.from_numpy(n - 1).unsqueeze(1)
     host = dict(tokens=torch.from_numpy(tokens), lengths=torch.from_numpy(n), t=t, mask=mask)
     batch = {k: to_device(v, device) for k, v in host.items()}
+    # The counts are host ints: the loss and the logs read nothing back from the device.
     return dict(
         batch,
         inputs=batch["tokens"][:, :-1],
@@ -264,7 +288,8 @@ def continuation_steps(contexts, lengths, T):
     return t, real & (t >= 1)
 
 
-def to_device(x, device):  # a host tensor on `device`: pinned and non-blocking on a GPU
+def to_device(x, device):
+    """A host tensor on `device`: pinned and non-blocking on a GPU, so the step does not wait."""
     return (
         x.pin_memory().to(device, non_blocking=True)
         if torch.device(device).type == "cuda"
@@ -333,8 +358,9 @@ def collate_insertions(seqs, n_given, keyword_pos, mode, generator=None, device=
     n_given[b]: BOS + the given prefix (title + separator: 1 when there is none); keyword_pos[b]:
     positions given as keywords.  -> dict for InsertionModel.sequence_log_probs."""
     n = max(map(len, seqs))
-    tokens = torch.zeros(len(seqs), n, dtype=torch.long)  # right-padded
-    order = torch.arange(n).repeat(len(seqs), 1)  # padding keeps order values >= the length
+    # Right-padded tokens; the padding's order values stay >= the length (offset_matrix needs it).
+    tokens = torch.zeros(len(seqs), n, dtype=torch.long)
+    order = torch.arange(n).repeat(len(seqs), 1)
     for b, s in enumerate(seqs):
         tokens[b, : len(s)] = torch.as_tensor(s)
         order[b, : len(s)] = insertion_order(len(s), n_given[b], keyword_pos[b], mode, generator)

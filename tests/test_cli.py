@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+import curves
 import evaluate
 import train
 from common import load_checkpoint
@@ -430,7 +431,7 @@ def test_epsilon_is_shown_for_the_heads_that_read_it(capsys):
         )
         return dict(model="lstm", head=head, epsilon=1e-5, dataset="ptb", decoding=decoding)
 
-    evaluate.print_study_table([study("mos"), study("nmst")])
+    curves.print_study_table([study("mos"), study("nmst")])
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [row.split()[:3] for row in rows] == [["lstm", "mos", "-"], ["lstm", "nmst", "1e-05"]]
 
@@ -458,7 +459,7 @@ def test_compared_lengths_draw_each_cut_continuation_at_its_own_L(tmp_path, monk
         )
         return dict(model="lstm", head=head, epsilon=1e-3, dataset="ptb", decoding=decoding)
 
-    evaluate.plot_study([study(20, [3, None], "st"), study(100, [None, 7], "nmst")], str(tmp_path))
+    curves.plot_study([study(20, [3, None], "st"), study(100, [None, 7], "nmst")], str(tmp_path))
     assert drawn[1:] == [
         ([3, 20], "ST+ (1 non-terminated, drawn at L=20)"),
         ([100, 7], "NMST+ (1 non-terminated, drawn at L=100)"),

@@ -94,3 +94,83 @@ def test_the_guided_step_names_live_places():
         for line in block.splitlines():
             statement = line.split("  #")[0].strip()
             assert statement in code, f"docs/step.md quotes a line train.py no longer has: {line}"
+
+
+# The commands and their helpers: each explains itself in comment lines (the paper files too, but
+# their docstrings carry most of it).
+COMMAND_FILES = ["train.py", "config.py", "evaluate.py", "sample.py", "reproduce.py", "bench.py"]
+COMMAND_FILES += ["curves.py", "common.py", "data/__init__.py", "data/loader.py"]
+COMMAND_FILES += ["data/prepare.py", "data/stories.py"]
+PAPER_FILES = ["heads.py", "model.py", "decode.py", "insnet.py"]
+
+
+def comment_share(path):
+    """-> (comment-only lines, code lines): a code line is neither blank nor a comment."""
+    lines = [ln.strip() for ln in open(os.path.join(ROOT, path), encoding="utf-8")]
+    comments = sum(ln.startswith("#") for ln in lines)
+    code = sum(bool(ln) and not ln.startswith("#") for ln in lines)
+    return comments, code
+
+
+def test_every_command_file_explains_itself():
+    """Every command file has at least 8 % comment-only lines of its code lines, the tree at least
+    7 % (whole-sentence comments where a reader asks why: the anchors have 8-19 %)."""
+    shares = {f: comment_share(f) for f in COMMAND_FILES + PAPER_FILES}
+    for f, (comments, code) in sorted(shares.items()):
+        print(f"{f:18s} {comments:4d} comment lines / {code:5d} code lines = {comments / code:.1%}")
+    low = [f for f in COMMAND_FILES if shares[f][0] < 0.08 * shares[f][1]]
+    assert not low, f"fewer than 8 % comment lines: {low}"
+    comments, code = map(sum, zip(*shares.values()))
+    assert comments >= 0.07 * code, comments / code
+
+
+def test_functions_fit_a_screen():
+    """No function over 60 formatted lines, at most two over 50 (nanoGPT has one)."""
+    lengths = {}
+    for path in COMMAND_FILES + PAPER_FILES:
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())):
+            if isinstance(node, ast.FunctionDef):
+                lengths[f"{path}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert max(lengths.values()) <= 60, max(lengths.items(), key=lambda kv: kv[1])
+    over_50 = [name for name, n in lengths.items() if n > 50]
+    assert len(over_50) <= 2, over_50
+
+
+# The modules a reader meets by name in README.md and docs/: `module.name` is checked against them.
+MODULES = {m: f"{m}.py" for m in ("heads", "model", "decode", "insnet", "train", "config")}
+MODULES.update({m: f"{m}.py" for m in ("evaluate", "sample", "curves", "common", "reproduce")})
+MODULES.update({"bench": "bench.py", "data.loader": "data/loader.py"})
+MODULES.update({"data.prepare": "data/prepare.py", "data.stories": "data/stories.py"})
+
+
+# (a file name such as `curves.png` is no module's name)
+SUFFIXES = ("py", "png", "json", "jsonl", "md", "txt", "pt")
+
+
+def test_the_readme_and_docs_name_live_places():
+    """Every `file.py:function` and `module.name` that README.md and docs/ name exists; the
+    README fits on page one (200 lines)."""
+    pages = ["README.md"] + [
+        os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+    ]
+    missing, named = [], 0
+    for page in pages:
+        text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+        places = re.findall(r"([\w/]+\.py):([A-Za-z_][\w.]*\w)", text)
+        dotted = re.findall(r"`((?:data\.)?[a-z]+)\.([A-Za-z_][\w.]*\w)`", text)
+        places += [(MODULES[m], n) for m, n in dotted if m in MODULES and n not in SUFFIXES]
+        named += len(places)
+        missing += [f"{page}: {p}:{n}" for p, n in places if n not in defined_names(p)]
+    assert named >= 40 and not missing, missing
+    assert len(open(os.path.join(ROOT, "README.md"), encoding="utf-8").readlines()) <= 200
+
+
+def test_the_paper_files_import_in_reading_order():
+    """The README's layering sentence: each paper file imports only the paper files read before
+    it (heads, model, decode, insnet) and common.py."""
+    graph = modules()
+    for i, m in enumerate(["heads", "model", "decode", "insnet"]):
+        allowed = {"heads", "model", "decode", "insnet"}.intersection(
+            ["heads", "model", "decode", "insnet"][:i]
+        )
+        assert graph[m] <= allowed | {"common"}, (m, graph[m])
