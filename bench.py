@@ -6,11 +6,14 @@
     python bench.py insnet     # InsNet paper Fig. 12: epoch time by length, InsNet / IT / L2R
     python bench.py arch       # the survey's RNN / LSTM / GCNN / GPT side by side on PTB
     python bench.py gpu        # on a GPU: the train table at GPT-2 124M (eager, compiled; MFU)
+    python bench.py padding    # the authors' padded batches: an epoch's cost, real tokens / dense
 
 Every figure is of the machine that runs it; RESULTS.md has ours, with their commands.
 """
 
+import collections
 import contextlib
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -19,36 +22,25 @@ import time
 import torch
 
 import common
+import config
 import curves
 import evaluate
 import insnet
 import train
 from common import check_output
+from data import loader
 from data.loader import batches, bucket, load, story_batch
 from data.prepare import DATASETS
 from data.stories import synthetic
 from decode import decode
 from model import LanguageModel, gpt_state_from_hf
 
+# The benchmarks' model shape, unless a benchmark gives its own.
+SHAPE = dict(n_layer=2, d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True)
+
 
 def cfg_for(model, head, V, **kw):
-    return (
-        dict(
-            model=model,
-            head=head,
-            epsilon=1e-5,
-            vocab_size=V,
-            eos_id=V - 1,
-            n_layer=2,
-            d_model=512,
-            dropout=0.0,
-            tie=True,
-            n_head=12,
-            block_size=1024,
-            bias=True,
-        )
-        | kw
-    )
+    return dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, **SHAPE) | kw
 
 
 def timed(fn, warmup, iters, device):
@@ -135,14 +127,9 @@ def bench_train(args, device, ctx=None):
         + " ".join(f"{h:>9s}" for h in heads)
         + " (tok/s)  softmax/reference  MFU"
     )
+    gpt = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads)
     for model, kw, V, B, T in (
-        (
-            "gpt",
-            dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads),
-            50257,
-            args.gpt_batch,
-            1024,
-        ),
+        ("gpt", gpt, 50257, args.gpt_batch, 1024),
         ("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq),
     ):
         x, y = (torch.randint(0, V - 1, (B, T), device=device) for _ in range(2))
@@ -180,29 +167,14 @@ def hf_models(args, device, dropout):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(
-        GPT2Config(
-            n_embd=args.gpt_dim,
-            n_layer=args.gpt_layers,
-            n_head=args.gpt_heads,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-        )
-    ).to(device)
-    hf.loss_type = "ForCausalLM"  # (transformers 5 finds none in the class name, and warns)
-    lm = LanguageModel(
-        cfg_for(
-            "gpt",
-            "softmax",
-            50257,
-            eos_id=50256,
-            n_layer=args.gpt_layers,
-            d_model=args.gpt_dim,
-            n_head=args.gpt_heads,
-            dropout=dropout,
-        )
+    drops = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout)
+    hf_cfg = GPT2Config(
+        n_embd=args.gpt_dim, n_layer=args.gpt_layers, n_head=args.gpt_heads, **drops
     )
+    hf = GPT2LMHeadModel(hf_cfg).to(device)
+    hf.loss_type = "ForCausalLM"  # (transformers 5 finds none in the class name, and warns)
+    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads)
+    lm = LanguageModel(cfg_for("gpt", "softmax", 50257, eos_id=50256, dropout=dropout, **shape))
     lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
     return hf, lm.to(device)
 
@@ -387,28 +359,77 @@ def bench_batches(args, device):
         print(f"{name:6s} {len(keys):8d} {len(set(shapes)):7d} {waste:7.1f}% {per_batch:20.0f}")
 
 
+def bench_padding(args, device):
+    """NMST Table 1's RNN (2 x 256, NMST head) on WikiText-2, one train.py step a batch: the
+    authors' protocol (random batches of 32 lines, each padded to its longest, context targets
+    counted) against the paper's (batches of like lengths), computing the real tokens alone
+    ("real") or every padded position ("dense": the output layer on all, the RNN unpacked).
+    An epoch's seconds: the mean step of --steps batches (the middle one of each of --steps
+    equal slices of the epoch's batches sorted by width), times the epoch's batches."""
+    runs = {p: padding_run(p, device, args.steps) for p in ("paper", "authors")}
+    st, since, sec = train.Counters(lr=1e-3), dict(nll=0.0, n=0, tokens=0), collections.Counter()
+    # Side by side: each slice's batch of both protocols, both ways, in alternating order (the
+    # first round is a warm-up, not counted).
+    for i in range(-1, args.steps):
+        for protocol, run in runs.items():
+            for path in ("dense", "real")[:: 1 - 2 * (i % 2)]:
+                t0 = time.perf_counter()
+                train.step(run[path], st, [run["picked"][max(i, 0)]], None, since)
+                if i >= 0:
+                    sec[protocol, path] += (time.perf_counter() - t0) / args.steps
+    hours = {k: s * runs[k[0]]["batches"] / 3600 for k, s in sec.items()}
+    print(
+        f"WikiText-2, rnn 2 x 256 + nmst, {device}, torch {torch.__version__}, threads "
+        f"{torch.get_num_threads()}; a step: the mean of {args.steps}; an epoch: x its batches\n"
+        f"{'protocol':8s} {'batches':>7s} {'positions':>10s} {'real targets':>12s} "
+        f"{'step: dense':>11s} {'real':>6s} {'speed-up':>8s} {'epoch: dense h':>14s} {'real h':>6s}"
+    )
+    for p, run in runs.items():
+        dense, real = sec[p, "dense"], sec[p, "real"]
+        print(
+            f"{run['line']} {dense:11.2f} {real:6.2f} {dense / real:8.2f} "
+            f"{hours[p, 'dense']:14.2f} {hours[p, 'real']:6.2f}"
+        )
+    ratio = [f"{k} {hours['authors', k] / hours['paper', k]:.2f}x" for k in ("dense", "real")]
+    print(f"an authors' epoch / a paper's: {', '.join(ratio)}")
+
+
+def padding_run(protocol, device, steps):
+    """bench_padding's run of a protocol: its table line, batches, `steps` picked batches, and
+    the run two ways (its model computing the real tokens alone, every position)."""
+    argv = f"--model rnn --head nmst --dataset wikitext2 --protocol {protocol} --device {device}"
+    args = config.get_args(argv.split(), train.RECIPES, train.AUTHORS)[0]
+    data = loader.load_data(args, verbose=False)
+    data["targets_per_batch"] = loader.targets_per_batch(args, data)
+    run, lengths = train.build(args, None, data, None, device)[0], data["train"].lengths
+    keys = sorted(loader.epoch_batches(args, data, 0), key=lambda k: lengths[k].max())
+    positions = sum(len(k) * (lengths[k].max() - 1) for k in keys)
+    line = f"{protocol:8s} {len(keys):7d} {positions:10,d} "
+
+    # The dense way: a batch without its rows and input_lengths computes every position (the
+    # output layer on each, an RNN unpacked), as before only the real tokens were computed.
+    def model(batch, state):
+        return run.raw({k: v for k, v in batch.items() if k not in ("rows", "input_lengths")})
+
+    return dict(
+        line=line + f"{data['targets_per_batch'] * len(keys):12,.0f}",
+        batches=len(keys),
+        picked=[keys[(2 * i + 1) * len(keys) // (2 * steps)] for i in range(steps)],
+        real=run,
+        dense=dataclasses.replace(run, model=model),
+    )
+
+
 def parser():
     p, pos = common.Parser(description=__doc__.splitlines()[0]), common.INT1
-    p.add_argument("what", choices=["train", "batches", "decode", "insnet", "arch", "gpu"])
+    p.add_argument("what", choices="train batches decode insnet arch gpu padding".split())
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action="store_true", help="train: also softmax compiled")
     p.add_argument("--dataset", default="wikitext103", choices=DATASETS, help="batches")
-    for flag, default in (
-        ("iters", 3),
-        ("rounds", 9),
-        ("batch", 8),
-        ("seq", 128),
-        ("prompts", 8),
-        ("new_tokens", 64),
-        ("gpt_layers", 4),
-        ("gpt_dim", 256),
-        ("gpt_heads", 4),
-        ("gpt_batch", 1),
-        ("max_tokens", 1024),
-        ("seqs", 16),
-        ("it_batch", 2),
-        ("eval_every", 100),
-    ):
+    # The integer flags and their defaults (padding: --steps, the batches timed each way).
+    ints = dict(iters=3, rounds=9, batch=8, seq=128, prompts=8, new_tokens=64, gpt_layers=4)
+    ints |= dict(gpt_dim=256, gpt_heads=4, gpt_batch=1, max_tokens=1024, seqs=16, it_batch=2)
+    for flag, default in (ints | dict(eval_every=100, steps=8)).items():
         p.add_argument(f"--{flag}", type=pos, default=default)
     p.add_argument("--lengths", type=pos, nargs="+", default=[20, 40, 60, 80, 100, 120, 160])
     p.add_argument("--budget", type=common.POS, default=120, help="arch: seconds per model")
@@ -418,12 +439,8 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    if (
-        args.gpt_dim % args.gpt_heads
-        or max(args.lengths) > 254
-        or args.seq > 1024
-        or args.new_tokens > 1015
-    ):
+    windows = max(args.lengths) > 254 or args.seq > 1024 or args.new_tokens > 1015
+    if args.gpt_dim % args.gpt_heads or windows:
         raise common.UserError(
             "--gpt_dim must be a multiple of --gpt_heads; --lengths <= 254, "
             "--seq <= 1024, --new_tokens <= 1015 (the models' windows)"

@@ -210,6 +210,18 @@ def log_softmax_at(h, W, targets, V, exclude=None, bias=None):
     )
 
 
+def rows_of(x, rows):
+    """x (B, T, ...) at the flat positions `rows` (N,) of its (B * T) -> (N, ...); None: x."""
+    return x if rows is None else x.flatten(0, 1)[rows]
+
+
+def scattered(values, rows, shape):
+    """values (N,) of the flat positions `rows` -> (B, T) = shape, 0 elsewhere; None: values."""
+    if rows is None:
+        return values
+    return values.new_zeros(shape.numel()).index_copy(0, rows, values).view(shape)
+
+
 # --- nn.Module wrapper: owns the output projection U (V, D), optionally tied to the embedding ---
 def check_head_options(kind, epsilon, temperature):
     """A head's options (ranges: train.py's flags), each read only by the heads that use it."""
@@ -267,9 +279,8 @@ class Head(nn.Module):
         return contextual_temperature(self.tau(h), self.ct_alpha, self.ct_beta)
 
     def _expert_logits(self, h):
-        """MoS experts z_m = U tanh(W_m h): (B, T, K, V)."""
-        B, T, D = h.shape
-        latent = torch.tanh(self.latent(h)).view(B, T, self.n_experts, D)
+        """MoS experts z_m = U tanh(W_m h): h (..., D) -> (..., K, V)."""
+        latent = torch.tanh(self.latent(h)).unflatten(-1, (self.n_experts, h.size(-1)))
         return self.proj(latent)[..., : self.vocab_size]
 
     def _needs_t(self, t):
@@ -298,10 +309,12 @@ class Head(nn.Module):
             return st_log_probs(logits, t, self.eos_id, self.epsilon, head_state)
         raise ValueError(f"Head.forward has no branch for the head {self.kind!r}")
 
-    def target_log_probs(self, h, targets, t=None, head_state=None):
+    def target_log_probs(self, h, targets, t=None, head_state=None, rows=None):
         """log p(targets) only: the training / evaluation path.  Tests check it equals
-        forward(...).gather(targets).  h (B, T, D), targets (B, T), t (B, T)
-        -> (log_p (B, T), head_state).
+        forward(...).gather(targets).  h (B, T, D), targets (B, T), t (B, T), rows (N,) the flat
+        positions whose targets count (None: all) -> (log_p (B, T), 0 off rows; head_state).
+        The V-sized work (U h and its normaliser) runs on the rows alone; ST's running product
+        and every other per-position eos term keep the (B, T) layout.
 
         Softmax: log_softmax_at, with a constant temperature c as z / c = U (h / c) + b / c.
         ST / NMST: the eos row of U is projected on its own (z_eos, (B, T)) and log_softmax_at
@@ -309,21 +322,25 @@ class Head(nn.Module):
         exp(z_v) / sum_{v' != eos} exp(z_v') of eq. 9 / 10; the eos part is nmst_log_alpha /
         st_log_alpha.  So ST / NMST cost what softmax costs (python bench.py train)."""
         self._needs_t(t)
+        h_rows = rows_of(h, rows)  # (N, D); without rows: h (B, T, D)
         if self.kind in ("mos", "ct", "ctmos"):  # mixtures, per-token temperatures: the full rows
-            return self(h, t)[0].gather(-1, targets.unsqueeze(-1)).squeeze(-1), None
+            log_p = self(h_rows)[0].gather(-1, rows_of(targets, rows).unsqueeze(-1)).squeeze(-1)
+            return scattered(log_p, rows, targets.shape), None
         W, bias = self.proj.weight, self.proj.bias
         if self.kind == "softmax":
             c = self.temperature
             if c != 1.0:
-                h = h / c
+                h_rows = h_rows / c
             if c != 1.0 and bias is not None:
                 bias = bias / c
-            return log_softmax_at(h, W, targets, self.vocab_size, None, bias), None
+            log_p = log_softmax_at(h_rows, W, rows_of(targets, rows), self.vocab_size, None, bias)
+            return scattered(log_p, rows, targets.shape), None
         e = self.eos_id
         z_eos = h @ W[e] + (bias[e] if bias is not None else 0.0)  # (B, T)
         is_eos = targets == e  # those take log_alpha below: any non-eos stand-in target will do
-        stand_in = targets.masked_fill(is_eos, (e + 1) % self.vocab_size)
-        log_rest = log_softmax_at(h, W, stand_in, self.vocab_size, e, bias)
+        stand_in = rows_of(targets.masked_fill(is_eos, (e + 1) % self.vocab_size), rows)
+        log_rest = log_softmax_at(h_rows, W, stand_in, self.vocab_size, e, bias)
+        log_rest = scattered(log_rest, rows, targets.shape)  # (B, T)
         if self.kind == "nmst":
             log_alpha, log_one_minus_alpha = nmst_log_alpha(z_eos, t, self.epsilon)
         elif self.kind == "st":

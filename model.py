@@ -27,7 +27,8 @@ Feeding a sequence token by token through `state` gives the same h as one full p
 (tests/test_model.py checks this in float64).  Every backbone is causal, so a right-padded batch
 needs no `lengths` when only the real positions' outputs are read and no state is kept (training
 and perplexity): the padding comes after them and cannot change them.  That path runs
-attention with is_causal and no mask (FlashAttention on a GPU) and the LSTM unpacked.
+attention with is_causal and no mask (FlashAttention on a GPU).  The RNN / LSTM are given the
+lengths there all the same and run packed: their cost is that of the real tokens.
 """
 
 import collections
@@ -44,6 +45,7 @@ from heads import Head, padded
 
 MODELS = ("rnn", "lstm", "gcnn", "gpt")
 WINDOWED = ("gcnn", "gpt")  # learned positions: a context window of block_size tokens
+RECURRENT = ("rnn", "lstm")  # packed over right-padded lines (LanguageModel.forward)
 
 
 @contextlib.contextmanager
@@ -94,15 +96,30 @@ class Recurrent(nn.Module):
             x = x.to(self.rnn.weight_ih_l0.dtype)
             if lengths is None:
                 out, state = self.rnn(x, state)
-            else:  # packed: the returned state is the one after each row's last real token
+            else:
+                # Packed: each row runs over its real tokens alone, and the returned state is
+                # the one after its last real token (a decoder's prompt goes on from there).
                 packed = pack_padded_sequence(
                     x, lengths.cpu(), batch_first=True, enforce_sorted=False
                 )
+                # The zero start state made here: nn.LSTM would read the batch size back from
+                # the packed batch sizes (a tensor read a call) to make it.
+                if state is None:
+                    state = self.zero_state(x)
                 out, state = self.rnn(packed, state)
                 out, _ = pad_packed_sequence(out, batch_first=True, total_length=idx.size(1))
         dropped = self._dropout(out)
-        self.last_output = (out, dropped)  # for AR / TAR (CT paper eq. 8): before and after dropout
+        # Kept for AR / TAR (CT paper eq. 8), which read the output before and after dropout.
+        self.last_output = (out, dropped)
         return dropped, state
+
+    def zero_state(self, x):
+        """The state before the first token of a batch x (B, T, D): zeros (layers, B, D), for an
+        LSTM both h and c."""
+        h = x.new_zeros(self.rnn.num_layers, x.size(0), self.d_model)
+        if self.cell == "lstm":
+            return (h, h)
+        return h
 
     def activation_regularisation(self, ar, tar):
         """CT paper eq. 8 (from AWD-LSTM), on the last layer's output of the latest forward:
@@ -116,7 +133,8 @@ class Recurrent(nn.Module):
 
     @staticmethod
     def reorder_state(state, index):
-        if isinstance(state, tuple):  # LSTM (h, c), each (layers, B, D)
+        # The batch is dimension 1 of a recurrent state: (layers, B, D).
+        if isinstance(state, tuple):  # LSTM (h, c)
             return tuple(s.index_select(1, index) for s in state)
         return state.index_select(1, index)
 
@@ -196,7 +214,9 @@ class GPT(nn.Module):
         self.h = nn.ModuleList([Block(n_embd, n_head, dropout, bias) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: residual projections / sqrt(2 n_layer)
+        # GPT-2 scales the projections into the residual stream by 1 / sqrt(2 n_layer): each
+        # block adds two of them, and the stream's variance should not grow with the depth.
+        for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
@@ -225,12 +245,15 @@ class GPT(nn.Module):
                 0,
                 False,
             )
-        pos = state.next_pos.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T) absolute
-        if state.end + T > self.block_size:  # checked on the host: no device sync
+        # Absolute positions: each row goes on from its own count of real tokens.
+        pos = state.next_pos.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T)
+        # Checked on the host (end bounds every row's position): no device sync.
+        if state.end + T > self.block_size:
             raise ValueError(
                 f"sequence of {state.end + T} tokens exceeds the GPT context window "
                 f"(block_size={self.block_size})"
             )
+        # Whether a padded key exists decides the mask: none lets sdpa run unmasked (causal).
         padded = state.padded or (lengths is not None and bool((lengths < T).any()))
         attn_mask, key_valid = self.attention_mask(state.key_valid, new_valid, padded)
         x = self.drop(self.wte(idx) + self.wpe(pos))
@@ -252,6 +275,7 @@ class GPT(nn.Module):
         (decoding right-padded prompts of different lengths)."""
         Tc, T = key_valid.size(1), new_valid.size(1)
         key_valid = torch.cat([key_valid, new_valid], dim=1)  # (B, Tc + T)
+        # Without a padded key a query needs no mask beyond causality: sdpa's fast paths.
         if Tc == 0 and not padded:
             return "causal", key_valid
         if T == 1 and not padded:
@@ -285,7 +309,9 @@ class GatedConv(nn.Module):
     def forward(self, x, past):
         """x (B, T, D), past (B, k-1, D): the layer's previous k-1 inputs (zeros at the start)
         -> (H (B, T, D), the padded input (B, k-1+T, D) the next call's past is cut from)."""
-        padded = torch.cat([past, x], dim=1)  # left padding: causal
+        # Left padding by the past inputs: output t sees no input after t (causal), and a
+        # token-by-token call sees what a full pass sees.
+        padded = torch.cat([past, x], dim=1)
         z = self.conv(padded.transpose(1, 2)).transpose(1, 2)  # (B, T, 2D)
         proj, gate = z.chunk(2, dim=-1)
         return proj * torch.sigmoid(gate), padded  # eq. 4.1
@@ -316,19 +342,22 @@ class GCNN(nn.Module):
         if state is None:
             zeros = torch.zeros(B, k - 1, self.d_model, device=dev, dtype=self.wte.weight.dtype)
             state = ([zeros] * len(self.convs), torch.zeros(B, dtype=torch.long, device=dev), 0)
-        past, pos0, end = state  # end >= max(pos0), on the host
+        # end bounds every row's position, on the host: the window is checked without a sync.
+        past, pos0, end = state
         pos = pos0.unsqueeze(1) + torch.arange(T, device=dev)  # (B, T)
-        if end + T > self.block_size:  # checked on the host: no device sync
+        if end + T > self.block_size:
             raise ValueError(
                 f"sequence of {end + T} tokens exceeds the GCNN context window "
                 f"(block_size={self.block_size})"
             )
         n_real = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
+        # The next call's past: each row's last k-1 real inputs of its padded input (k-1 + T),
+        # which end at index n_real + k-2 (right padding comes after them).
         keep = n_real.view(B, 1, 1) + torch.arange(k - 1, device=dev).view(1, -1, 1)  # (B,k-1,1)
         x, new_past = self.drop(self.wte(idx) + self.wpe(pos)), []
         for ln, conv, p in zip(self.ln, self.convs, past):
             h, padded = conv(ln(x), p)
-            new_past.append(padded.gather(1, keep.expand(-1, -1, self.d_model)))  # last k-1 real
+            new_past.append(padded.gather(1, keep.expand(-1, -1, self.d_model)))
             x = x + self.drop(h)
         return self.ln_f(x), (new_past, pos0 + n_real, end + T)
 
@@ -384,7 +413,8 @@ class LanguageModel(nn.Module):
             ct_rank=cfg.get("ct_rank", 0),
             temperature=cfg.get("temperature", 1.0),
         )
-        if cfg["tie"]:  # weight tying (NMST paper appendix D; GPT-2)
+        # Weight tying (NMST paper appendix D; GPT-2): U is the input embedding.
+        if cfg["tie"]:
             self.head.proj.weight = self.backbone.wte.weight
         self.eos_id = self.head.eos_id
 
@@ -392,10 +422,20 @@ class LanguageModel(nn.Module):
         """The training and perplexity call, as nanoGPT's model(X, Y) returns its loss: a batch
         of data/loader.get_batch -> (log p of every target (B, T), the mask of the targets that
         count (B, T), the state to go on from).  The head gives log p of the targets alone,
-        never the (B, T, V) log-probabilities.  A right-padded batch needs no lengths: the
-        padded positions' values are garbage, and masked.  state: the backbone's, or None."""
-        h, state = self.backbone(batch["inputs"], state)
-        log_p = self.head.target_log_probs(h, batch["targets"], batch["t"])[0]  # (B, T)
+        never the (B, T, V) log-probabilities, and computes it only where the target counts
+        (0 elsewhere: the mask says which count).  A batch without rows and input_lengths is
+        computed at every position, as a stream is.  state: the backbone's, or None."""
+        # A batch of lines is right-padded (data/loader.pad_batch), and says where: a recurrent
+        # backbone runs packed over each row's real inputs; attention and convolution are causal,
+        # so the padding after the real positions cannot change them (they read all of (B, T)).
+        lengths = None
+        if self.cfg["model"] in RECURRENT:
+            lengths = batch.get("input_lengths")  # (B,) on the host, or None: unpacked
+        h, state = self.backbone(batch["inputs"], state, lengths)
+        # The output layer (U: V x D) dominates a step: it runs on the batch's rows alone, the
+        # flat positions of the targets that count (a stream has none: every position counts).
+        rows = batch.get("rows")  # (N,)
+        log_p = self.head.target_log_probs(h, batch["targets"], batch["t"], None, rows)[0]
         # The loss is summed in float32 at least, whatever autocast computed the head in.
         if log_p.dtype in (torch.float16, torch.bfloat16):
             log_p = log_p.float()
@@ -417,6 +457,8 @@ class LanguageModel(nn.Module):
         """Encode right-padded prompts (B, P) and return log p(y_1 | x) (B, V) with the state
         after each prompt: the head runs on the last prompt position only (t = 1).  Context
         positions never enter the ST running product, so the head state starts empty."""
+        # The prompts are right-padded: the backbone is told their lengths (an RNN packed, GPT
+        # masking the padded keys), so the state is the one after each prompt's last token.
         h, bstate = self.backbone(idx, None, lengths)
         rows = torch.arange(idx.size(0), device=h.device)
         h_last = h[rows, lengths - 1].unsqueeze(1)  # (B, 1, D)
@@ -425,11 +467,14 @@ class LanguageModel(nn.Module):
         return log_probs[:, 0], (bstate, hstate)
 
     def reorder_state(self, state, index):
+        # Beam search keeps, repeats or drops rows: the backbone's state and ST's running product.
         bstate, hstate = state
         hstate = None if hstate is None else hstate.index_select(0, index)
         return self.backbone.reorder_state(bstate, index), hstate
 
-    def num_params(self):  # those in use: not the padding rows of the vocabulary (heads.padded)
+    def num_params(self):
+        # Those in use: not the padding rows of the vocabulary (heads.padded), of the embedding
+        # and, untied, of U too.
         V = self.cfg["vocab_size"]
         pad = (padded(V) - V) * self.cfg["d_model"]
         return sum(p.numel() for p in self.parameters()) - pad * (2 - self.cfg["tie"])
@@ -442,9 +487,11 @@ class LanguageModel(nn.Module):
         VD = cfg["vocab_size"] * cfg["d_model"]
         if cfg["model"] in WINDOWED:
             n -= self.backbone.wpe.weight.numel()
+        # Untied, the input embedding is a lookup, no matmul: its weights do no FLOPs.
         if not cfg.get("tie", True):
-            n -= VD  # the input lookup is no matmul
-        if cfg["head"] in ("mos", "ctmos"):  # U projects each of the K experts' latents
+            n -= VD
+        # MoS: U projects each of the K experts' latents, K products of V x D a token.
+        if cfg["head"] in ("mos", "ctmos"):
             n += (cfg["n_experts"] - 1) * VD
         attn = 12 * cfg["n_layer"] * cfg["d_model"] * seq_len if cfg["model"] == "gpt" else 0
         return 6 * n + attn
@@ -460,11 +507,13 @@ def gpt_state_from_hf(hf_state, lm):
     buffers skipped, U tied to wte; a head's own parameters (MoS, CT) keep their initialisation."""
     own, out = lm.state_dict(), {}
     for k, v in hf_state.items():
+        # HF's causal-mask buffers are not weights, and its lm_head is tied to wte.
         if k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
             continue
         name = "backbone." + k.removeprefix("transformer.")
         v = v.t() if name.endswith(HF_CONV1D) else v
-        if name == "backbone.wte.weight" and name in own:  # GPT-2's 50257 rows, zeros to 50304
+        # GPT-2's 50257 embedding rows, padded with zeros to the model's 50304 (heads.padded).
+        if name == "backbone.wte.weight" and name in own:
             v = torch.cat([v, v.new_zeros(max(0, len(own[name]) - len(v)), *v.shape[1:])])
         if name not in own or v.shape != own[name].shape:
             raise UserError(f"the GPT-2 weight {k!r} {tuple(v.shape)} does not fit the model")

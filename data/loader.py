@@ -249,8 +249,9 @@ def collate(split, index, device="cpu", cap=None, context_loss=False):
 def pad_batch(seqs, ctx, device="cpu", width=None, context_loss=False):
     """Sequences and their context lengths -> one right-padded batch: inputs and targets (B, L-1),
     t (B, L-1) the continuation step of every input position (0 on padding), mask (B, L-1) True
-    where the target enters the loss, lengths (B,); n (the mask's count) and n_inputs as host
-    ints, so that the loss reads nothing back.  Built on the host, copied once.
+    where the target enters the loss, rows (N,) its flat positions, lengths (B,); n (the mask's
+    count) and n_inputs as host ints, so that the loss reads nothing back, and input_lengths
+    (B,) on the host.  Built on the host, copied once.
 
         tokens   x1 x2 x3 y1 y2 y3 eos  0  0        (context c = 3, length 7, padded to 9)
         inputs   x1 x2 x3 y1 y2 y3 eos  0
@@ -268,6 +269,9 @@ def pad_batch(seqs, ctx, device="cpu", width=None, context_loss=False):
     if context_loss:
         mask = torch.arange(tokens.shape[1] - 1) < torch.from_numpy(n - 1).unsqueeze(1)
     host = dict(tokens=torch.from_numpy(tokens), lengths=torch.from_numpy(n), t=t, mask=mask)
+    # The flat positions (N,) of the targets that count: the model's output layer runs on them
+    # alone.  Found here on the host, so that the model reads nothing back from the device.
+    host["rows"] = mask.flatten().nonzero().squeeze(1)
     batch = {k: to_device(v, device) for k, v in host.items()}
     # The counts are host ints: the loss and the logs read nothing back from the device.
     return dict(
@@ -276,6 +280,8 @@ def pad_batch(seqs, ctx, device="cpu", width=None, context_loss=False):
         targets=batch["tokens"][:, 1:],
         n=int(sequence_targets(n, ctx, context_loss).sum()),
         n_inputs=int((n - 1).sum()),
+        # Each row's inputs, on the host: a recurrent backbone runs packed over them alone.
+        input_lengths=torch.from_numpy(n - 1),
     )
 
 
