@@ -357,7 +357,7 @@ class GCNN(nn.Module):
         x, new_past = self.drop(self.wte(idx) + self.wpe(pos)), []
         for ln, conv, p in zip(self.ln, self.convs, past):
             h, padded = conv(ln(x), p)
-            new_past.append(padded.gather(1, keep.expand(-1, -1, self.d_model)))
+            new_past.append(padded.gather(1, keep.expand(-1, -1, self.d_model)))  # last k-1 real
             x = x + self.drop(h)
         return self.ln_f(x), (new_past, pos0 + n_real, end + T)
 
