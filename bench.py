@@ -289,17 +289,8 @@ def bench_insnet(args, device):
         )
         print(lines[-1], flush=True)
     if args.plot:
-        fig, ax = curves.pyplot().subplots(figsize=(5, 3.5))
-        for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
-            ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
-        ax.set(
-            xlabel="sequence length",
-            ylabel="seconds per epoch",
-            yscale="log",
-            title=f"{args.seqs} sequences / epoch, {args.gpt_layers}x{args.gpt_dim}, {device}",
-        )
-        ax.legend()
-        curves.save_figure(fig, args.plot)
+        title = f"{args.seqs} sequences / epoch, {args.gpt_layers}x{args.gpt_dim}, {device}"
+        curves.epoch_times(rows, title, args.plot)
     return lines
 
 

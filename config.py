@@ -473,7 +473,8 @@ def check_run_args(a):
             "--protocol authors is the authors' rnn / lstm code: --model rnn or lstm, "
             "--task completion, --batch_size"
         )
-    if a.whole_epochs and not a.max_minutes:
+    # (a resumed run may lift its cap with --max_minutes 0, keeping --whole_epochs)
+    if a.whole_epochs and not a.max_minutes and not a.resume:
         raise UserError("--whole_epochs makes --max_minutes stop at an epoch's end: give both")
     if procs > 1 and (a.task == "stream" or a.grad_accum % procs):
         raise UserError(

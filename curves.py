@@ -10,6 +10,7 @@ contexts, and the mean p(eos) at the true end) when the run has one.
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -341,7 +342,7 @@ def plot_study(results, out_dir, files=None):
     names, title = study_labels(results, files)
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "r_nt.png"), os.path.join(out_dir, "lengths.png")]
-    save_figure(r_nt_figure(results, names, title), paths[0])
+    save_figure(study_r_nt_figure(results, names, title), paths[0])
     save_figure(lengths_figure(results, names), paths[1])
     fig = eos_figure(results, names)
     if fig:
@@ -374,7 +375,7 @@ def study_style(i):
     return dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
 
 
-def r_nt_figure(results, names, title):
+def study_r_nt_figure(results, names, title):
     """r_nt(L) against L, log-log (NMST Fig. 2, 7); 0 is drawn at 1e-4."""
     fig, ax = pyplot().subplots(figsize=(5.5, 4))
     for i, (r, name) in enumerate(zip(results, names)):
@@ -435,6 +436,77 @@ def tau_figure(rep, path):
         ylabel="tau of the next word",
         title=f"contextual temperature by position ({rep['sentences']} sentences)",
     )
+    save_figure(fig, path)
+
+
+# --- the figures of reproduce.py's tables and bench.py insnet's Fig. 12 -----------------------
+def r_nt_figure(runs, heads, decoders, half, path):
+    """NMST Fig. 2 / 7 (Table 4: the same per decoder): r_nt(L) against L (log-log), a panel per
+    model and decoder, a curve per head.  runs: {(model, head): [each seed's results]}; half:
+    t_1/2, drawn where the axis reaches it (Theorem 3: past it every ST / NMST greedy, top-k or
+    nucleus continuation has ended)."""
+    models = list(dict.fromkeys(m for m, _ in runs))
+    rows, cols = len(models), len(decoders)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    panels = itertools.product(enumerate(models), enumerate(decoders), enumerate(heads))
+    for (i, m), (j, d), (k, h) in panels:
+        per_seed = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
+        r_nt_curve(axes[i, j], per_seed, k, paper_name(h))
+        axes[i, j].set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}")
+    for ax in axes[-1]:
+        ax.set_xlabel("L")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("r_nt(L)  (0 drawn at 1e-3)")
+    # After every curve: only then does an axis reach its full range, where t_1/2 may lie.
+    for ax in axes.flat:
+        if half <= ax.get_xlim()[1]:
+            ax.axvline(half, color="grey", linewidth=0.8, linestyle=":", label="t_1/2")
+    axes[0, 0].legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def r_nt_curve(ax, per_seed, k, label):
+    """The k-th head's r_nt(L): the seeds' mean, their std as a band.  r_nt = 0 cannot be drawn on
+    a log axis: it is drawn at the 1e-3 floor, and markers tell apart heads that share a curve."""
+    Ls = sorted(int(L) for L in per_seed[0])
+    ys = np.maximum([[c[str(L)] for c in per_seed] for L in Ls], 1e-3)  # (L, seeds)
+    # One seed has no spread: its band has no width.
+    mean, sd = ys.mean(1), np.zeros(len(Ls))
+    if len(per_seed) > 1:
+        sd = ys.std(1, ddof=1)
+    style = dict(color=f"C{k}", marker="o^sD"[k % 4], markersize=max(5 - k, 2), fillstyle="none")
+    ax.plot(Ls, mean, ("-", "--", ":", "-.")[k % 4], label=label, **style)
+    ax.fill_between(Ls, np.maximum(mean - sd, 1e-3), mean + sd, color=f"C{k}", alpha=0.15)
+
+
+def over_training(models, heads, runs, out, seqs, eps):
+    """Each model's heads over training (overlay: validation perplexity and the probe's r_nt
+    against steps, seed 0 of each head, from the folder runs into out/training-MODEL.png): the
+    table's lines.  seqs: the validation sequences the runs' own evaluations score."""
+    lines = []
+    # Seed 0 of each head: a curve a head keeps the figure readable.
+    for m in models:
+        folders = [os.path.join(runs, f"{m}-{h}-s0") for h in heads]
+        lines += [
+            "",
+            f"Over training ({m}, seed 0; training-{m}.png): the runs' own evaluations "
+            f"(perplexity on {seqs} validation sequences); the probe greedy-decodes 64 validation "
+            f"contexts to L = 200 at each evaluation (ST / NMST may pass it: t½ = ln 2/eps = "
+            f"{math.log(2) / eps:.0f}).",
+            "",
+            *overlay(folders, os.path.join(out, f"training-{m}.png")),
+        ]
+    return lines
+
+
+def epoch_times(rows, title, path):
+    """InsNet Fig. 12: seconds per training epoch against the sequence length (log), InsNet /
+    IT-vanilla / L2R.  rows: (length, InsNet's, IT-vanilla's, L2R's seconds)."""
+    fig, ax = pyplot().subplots(figsize=(5, 3.5))
+    for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
+        ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
+    ax.set(xlabel="sequence length", ylabel="seconds per epoch", yscale="log", title=title)
+    ax.legend()
     save_figure(fig, path)
 
 
