@@ -22,19 +22,9 @@ from common import UserError, check_output, run, world
 from heads import EPSILON_HEADS, paper_name
 from model import MODELS
 
-NOT_LABELS = (
-    "out_dir",
-    "data_dir",
-    "weights",
-    "resume",
-    "device",
-    "dtype",
-    "compile",
-    "peak_flops",
-    "log_interval",
-    "no_curves",
-    "tensorboard",
-)  # where and how, not what
+# The flags that say where and how a run ran, not what it computes: never in a label.
+NOT_LABELS = "out_dir data_dir weights resume device dtype compile peak_flops log_interval".split()
+NOT_LABELS += ["no_curves", "tensorboard"]
 
 
 def read_log(path, step=math.inf):
@@ -303,6 +293,7 @@ def overlay(folders, path):
 def decoder_name(d):
     """A study's decoder in a few characters: greedy, topk-10, nucleus-0.9+c, beam-4/lp1, ..."""
     name = d["decoder"]
+    # The value that makes the decoder what it is: k, p or the beam's size.
     extra = dict(topk=f"-{d.get('k')}", nucleus=f"-{d.get('p')}", beam=f"-{d.get('beam_size')}")
     name += extra.get(d["decoder"], "")
     if d.get("consistent"):
@@ -318,6 +309,7 @@ def decoder_name(d):
 def print_study_table(results):
     """A row a study: r_nt(L) for every L, the mean length, unique non-terminated (eps only for
     the heads that read it)."""
+    # A column for every L of any study (a study without it shows nan).
     Ls = sorted({int(L) for r in results for L in r["decoding"]["r_nt"]})
     r_nt_columns = " ".join(f"{'r_nt(%d)' % L:>11s}" for L in Ls)
     print(
@@ -341,6 +333,7 @@ def plot_study(results, out_dir, files=None):
     into out_dir, the runs labelled by what differs between them."""
     names, title = study_labels(results, files)
     os.makedirs(out_dir, exist_ok=True)
+    # One function a figure; p(eos) traces only where a study kept them.
     paths = [os.path.join(out_dir, "r_nt.png"), os.path.join(out_dir, "lengths.png")]
     save_figure(study_r_nt_figure(results, names, title), paths[0])
     save_figure(lengths_figure(results, names), paths[1])
@@ -362,6 +355,7 @@ def study_labels(results, files):
         decoder = decoder_name(r["decoding"])
         part = dict(head=paper_name(r["head"]), eps=eps, model=r["model"], decoder=decoder)
         parts.append(dict(part, dataset=r["dataset"]))
+    # A label says what differs; what all share goes to the title.
     varying = [k for k in parts[0] if len({p[k] for p in parts}) > 1] or ["head"]
     names = [" ".join(p[k] for k in varying if p[k]) for p in parts]
     # Two files of one run: told apart by their file names.
@@ -372,6 +366,7 @@ def study_labels(results, files):
 
 
 def study_style(i):
+    """The i-th study's colour and dash, the same in every figure (grey print tells them apart)."""
     return dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
 
 
@@ -380,6 +375,7 @@ def study_r_nt_figure(results, names, title):
     fig, ax = pyplot().subplots(figsize=(5.5, 4))
     for i, (r, name) in enumerate(zip(results, names)):
         curve = r["decoding"]["r_nt_curve"]
+        # r_nt = 0 has no place on a log axis: it is drawn at the 1e-4 floor.
         xs, ys = [int(x) for x in curve], [max(y, 1e-4) for y in curve.values()]
         ax.plot(xs, ys, label=name, **study_style(i))
     if title:
@@ -394,6 +390,7 @@ def lengths_figure(results, names):
     """The continuations' lengths against the true ones (NMST Fig. 8); a non-terminated one is
     drawn at its study's L."""
     fig, ax = pyplot().subplots(figsize=(5.5, 4))
+    # Each study's L: where its non-terminated continuations were cut.
     cut = [max(int(L) for L in r["decoding"]["r_nt"]) for r in results]
     bins = np.linspace(0, max(cut) + 1, 41).tolist()
     truth = [min(m, max(cut)) for m in results[0]["decoding"]["ground_truth_lengths"]]
@@ -413,6 +410,7 @@ def lengths_figure(results, names):
 def eos_figure(results, names):
     """p(eos) along the first three traced true continuations (NMST Fig. 3), or None."""
     traced = [{t["index"]: t["p_eos"] for t in r.get("eos_traces") or []} for r in results]
+    # The sequences the first study traced (a window model may skip long ones).
     shown = next((list(t)[:3] for t in traced if t), [])
     if not shown:
         return None
