@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from common import UserError
 from data.loader import pad_batch
 from data.stories import story_targets
-from decode import draw, filter_log_probs
+from decode import STORY_DECODERS, draw, filter_log_probs
 from heads import padded
 from model import GPT, Block, eval_mode
 
@@ -437,6 +437,11 @@ class Decoding:
     slot_start: int = 0
     banned: tuple = ()
     min_len: int = 0
+
+    def __post_init__(self):
+        if self.decoder not in STORY_DECODERS:
+            names = ", ".join(STORY_DECODERS)
+            raise ValueError(f"unknown insertion decoder '{self.decoder}' (choose from {names})")
 
 
 @torch.no_grad()

@@ -1,10 +1,11 @@
-"""The coursework exercises (README), each done once from its own text on a copy of the code (the
-tree's own answer where it holds one, else tests/solutions), graded by `python -m
+"""The coursework exercises (docs/exercises.md), each done once from its own text on a copy of the
+code (the tree's own answer where it holds one, else tests/solutions), graded by `python -m
 tests.check_exercise N` and then used: exercise 1's head answers its question through
 `reproduce.py nmst-table1 --scale tiny --heads ... logt`; a head name without its branch is an
 error, never a silent ST; the typical decoder samples in sample.py and evaluate.py like the
 others; the dilated gated CNN passes the contract and cached-decoding tests, trains and
-decodes."""
+decodes (those end to end: slow).  Fast: the tree, and each solution applied to a copy of it,
+pass the project's style (`ruff format --check`, `ruff check`), as CI checks it."""
 
 import os
 import re
@@ -14,17 +15,21 @@ import sys
 import pytest
 
 from conftest import ROOT
-from solutions import answered_copy, apply, copy_of_the_code, edits_of, exercise_done
-
-pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
+from solutions import (
+    AlreadyDone,
+    answered_copy,
+    apply,
+    copy_of_the_code,
+    edits_of,
+    exercise_done,
+    solved_copy,
+)
 
 
 def exercise_text(n):
-    """The README's exercise n: its backticked spans, whitespace collapsed."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = text[
-        text.index("Three exercises that need a code change") : text.index("## On a GPU")
-    ]
+    """docs/exercises.md's exercise n: its backticked spans, whitespace collapsed."""
+    text = open(os.path.join(ROOT, "docs", "exercises.md"), encoding="utf-8").read()
+    section = text[text.index("## The exercises") : text.index("## What the checkers check")]
     part = re.split(r"\n(?=\d\. \*)", section)[n]
     return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", part)]
 
@@ -81,6 +86,7 @@ def graded_copy(n, dest):
     return dest
 
 
+@pytest.mark.slow
 def test_exercise_1_a_fourth_head_goes_through_reproduce(tmp_path):
     code = graded_copy(1, tmp_path / "code")
     out = tmp_path / "results"
@@ -103,6 +109,7 @@ def test_exercise_1_a_fourth_head_goes_through_reproduce(tmp_path):
     assert (out / "r_nt.png").exists()
 
 
+@pytest.mark.slow
 def test_a_head_without_its_branch_is_an_error(tmp_path):
     """Only the name added to HEADS (the branches forgotten): an error, not a silent ST."""
     if exercise_done(1):
@@ -126,6 +133,7 @@ def test_a_head_without_its_branch_is_an_error(tmp_path):
     assert p.stdout.count("REFUSED") == 2 and "SILENT" not in p.stdout, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_exercise_2_a_new_decoder_samples_like_the_others(tmp_path):
     code = graded_copy(2, tmp_path / "code")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -194,6 +202,7 @@ def test_exercise_2_a_new_decoder_samples_like_the_others(tmp_path):
     assert "typical" in p.stdout
 
 
+@pytest.mark.slow
 def test_exercise_3_a_new_backbone_passes_the_contract_trains_and_decodes(tmp_path):
     code = graded_copy(3, tmp_path / "code")  # (the tests too)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -269,3 +278,35 @@ def test_exercise_3_a_new_backbone_passes_the_contract_trains_and_decodes(tmp_pa
         "4",
     )
     assert "ppl" in p.stdout and "greedy" in p.stdout
+
+
+def ruff(*args, cwd):
+    """ruff (requirements.txt pins it) run in cwd with the tree's settings -> its output, or
+    None when it passes."""
+    p = subprocess.run(
+        [sys.executable, "-m", "ruff", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    if p.returncode == 0:
+        return None
+    return f"ruff {' '.join(args)} in {cwd}:\n{p.stdout[-3000:]}{p.stderr[-1000:]}"
+
+
+def test_the_tree_passes_the_style_ruff_format_and_ruff_check():
+    """What CI checks first, said before a commit: run `ruff format .`, then fix what `ruff
+    check .` names (ruff.toml: lines of at most 100 characters, imports sorted, McCabe <= 12)."""
+    for args in (["format", "--check", "."], ["check", "."]):
+        wrong = ruff(*args, cwd=ROOT)
+        assert wrong is None, wrong
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_each_solution_leaves_a_tree_that_passes_the_style(n, tmp_path):
+    """The worked solution applied to a copy of the code: the lines a student copies pass
+    `ruff format --check` and `ruff check` as the rest of the tree does."""
+    try:
+        solved_copy(n, str(tmp_path))
+    except AlreadyDone as e:
+        pytest.skip(f"{e}: the tree's own style test grades your answer")
+    for args in (["format", "--check", "."], ["check", "."]):
+        wrong = ruff(*args, cwd=tmp_path)
+        assert wrong is None, wrong

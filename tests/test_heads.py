@@ -202,6 +202,85 @@ def test_head_target_log_probs_equal_gather():
         )
 
 
+# Every shipped head with the options that change its formula: (kind, options).
+HEAD_CASES = [
+    ("softmax", {}),
+    ("softmax", dict(temperature=2.5)),
+    ("st", {}),
+    ("nmst", {}),
+    ("mos", dict(n_experts=3)),
+    ("mos", dict(n_experts=3, temperature=0.7)),
+    ("ct", dict(ct_alpha=1.0, ct_beta=0.5)),
+    ("ct", dict(ct_alpha=0.2, ct_beta=2.0, ct_rank=4)),
+    ("ctmos", dict(n_experts=3, ct_alpha=1.0, ct_beta=0.5)),
+    ("ctmos", dict(n_experts=2, ct_alpha=0.2, ct_beta=2.0, ct_rank=4)),
+]
+
+
+def softmax(z):
+    """softmax over the last dimension as written, exp(z) / sum exp(z), shifted by the max."""
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+def direct_head(head, h, t):
+    """p (B, T, V) of a shipped Head from its parameters, each paper's formula written out in
+    float64 (no function of heads.py): NMST paper eq. 2 / 9 / 10, CT paper eq. 4-7.  The
+    sub-layers (prior, latents, W_tau) are plain nn.Linear, called as such."""
+    V, eos, kind = head.vocab_size, head.eos_id, head.kind
+    b = 0.0 if head.proj.bias is None else head.proj.bias[:V]
+    z = h @ head.proj.weight[:V].T + b  # (B, T, V)
+    if kind == "softmax":
+        return softmax(z / head.temperature)
+    if kind == "nmst":
+        return direct_nmst(z, t.clamp(min=1).double(), eos, head.epsilon)
+    if kind == "st":
+        # eq. 9 over the continuation (t >= 1); a context position is a fresh t = 1 step.
+        term = (1 - head.epsilon) * torch.sigmoid(z[..., eos])
+        keep = torch.cumprod(torch.where(t >= 1, term, torch.ones_like(term)), -1)
+        return _spread(z, eos, torch.where(t >= 1, 1 - keep, 1 - term))
+    tau = 1.0
+    if kind in ("ct", "ctmos"):
+        # CT eq. 6: tau = (softmax(W_tau h) + alpha) / beta, one per vocabulary entry.
+        tau = (softmax(head.tau(h)) + head.ct_alpha) / head.ct_beta
+    if kind == "ct":
+        return softmax(z / tau)  # eq. 5
+    # MoS (eq. 4; CT-MoS eq. 7 divides every expert's logits by tau): sum_k pi_k softmax(z_k).
+    B, T, D = h.shape
+    latent = torch.tanh(head.latent(h)).view(B, T, head.n_experts, D)
+    z_k = latent @ head.proj.weight[:V].T + b  # (B, T, K, V)
+    if kind == "mos":
+        tau = head.temperature
+    else:
+        tau = tau.unsqueeze(-2)
+    pi = softmax(head.prior(h)).unsqueeze(-1)  # (B, T, K, 1)
+    return (pi * softmax(z_k / tau)).sum(-2)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kind, options", HEAD_CASES, ids=[f"{k}{o}" for k, o in HEAD_CASES])
+def test_every_head_is_its_formula_float64(kind, options, bias):
+    """Head.forward and Head.target_log_probs of every shipped head equal its paper's formula
+    written out in float64 (direct_head), logits up to about +-60, at context and continuation
+    positions: a formula error in any head fails here."""
+    torch.manual_seed(0)
+    for eos in (0, 11):
+        head = Head(kind, 8, 12, eos, 1e-2, bias=bias, **options).double()
+        with torch.no_grad():
+            for p in head.parameters():
+                p.normal_(0, 1.5)
+        h = torch.randn(2, 9, 8, dtype=torch.float64) * 3
+        t = steps(-2, (2, 9))
+        expected = direct_head(head, h, t)
+        log_p, _ = head(h, t)
+        torch.testing.assert_close(log_p.exp(), expected, atol=1e-12, rtol=1e-9)
+        y = torch.randint(0, 12, (2, 9))
+        y[:, ::3] = eos
+        part, _ = head.target_log_probs(h, y, t)
+        wanted = expected.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(part.exp(), wanted, atol=1e-12, rtol=1e-9)
+
+
 @pytest.mark.parametrize("eps", [0.0, 1.0, -0.1, 1.5])
 def test_epsilon_outside_open_interval_rejected(eps):
     with pytest.raises(ValueError, match="epsilon"):

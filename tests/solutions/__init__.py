@@ -1,5 +1,5 @@
-"""The solutions of the README's three coursework exercises, as edits of the code (one module
-each), and the helpers that apply them to a copy of the code, never to the tree itself."""
+"""The solutions of the three coursework exercises (docs/exercises.md), as edits of the code (one
+module each), and the helpers that apply them to a copy of the code, never to the tree itself."""
 
 import importlib
 import os
@@ -20,12 +20,13 @@ class AlreadyDone(Exception):
 
 
 def copy_of_the_code(dest):
-    """The tracked Python files (tests included) and data/ of the tree, copied to dest."""
+    """The tracked Python files (tests included), data/ and the style's settings (ruff.toml) of
+    the tree, copied to dest."""
     files = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     for name in files:
-        if name.endswith(".py") or name.startswith("data/"):
+        if name.endswith(".py") or name.startswith("data/") or name == "ruff.toml":
             os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
             with open(os.path.join(ROOT, name), "rb") as src:
                 data = src.read()
