@@ -31,12 +31,15 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The modules of a nanogen folder: those a check imports come from the graded folder, and
+# the checker's own (of this tree) are put back afterwards.
 PROJECT = ("heads", "model", "decode", "train", "evaluate", "insnet", "curves", "data", "common")
 PROJECT += ("sample", "reproduce", "bench")
 # The modules the checks import: a folder without them holds no nanogen code to grade.
 NEEDED = ("heads.py", "model.py", "decode.py", "train.py", "common.py")
 # w = 0, the head's initial value, would hide a wrong use of log t.
 W_VALUES = (-1.5, 0.5, 2.0)
+# Context and padding positions (t <= 0), the first steps, and t as far as decoding reaches.
 T_VALUES = (-3, 0, 1, 2, 3, 7, 1000, 10**6 + 1)
 # Eos logits as far as the heads promise finite log-probs (heads.py: logits up to +-100).
 Z_EXTREMES = (-100.0, -60.0, -20.0, -1.0, 0.0, 1.0, 20.0, 60.0, 100.0)
@@ -46,6 +49,8 @@ Z_EXTREMES = (-100.0, -60.0, -20.0, -1.0, 0.0, 1.0, 20.0, 60.0, 100.0)
 def code_of(root):
     """The project's modules imported from root while the block runs; those imported before are
     put back afterwards (the checker's own tests grade copies of the code in one process)."""
+    # A module imported before (this tree's, or an earlier graded folder's) must not answer
+    # for root's.
     saved = {n: m for n, m in sys.modules.items() if n.split(".")[0] in PROJECT}
     saved_path = list(sys.path)
     for name in saved:
@@ -54,6 +59,7 @@ def code_of(root):
     # tree) may lend it a module it lacks.
     others = [p for p in sys.path if not os.path.isfile(os.path.join(p or os.curdir, "heads.py"))]
     sys.path[:] = [root, *others]
+    # A folder made since the interpreter started is found only with fresh caches.
     importlib.invalidate_caches()
     try:
         yield
@@ -78,6 +84,7 @@ def compare(found, expected, what, rtol=1e-5, **inputs):
     it relative to 1 + |expected| (equal infinities pass), else an AssertionError naming the
     worst element's inputs (inputs: name -> a tensor broadcastable to expected's shape, or a
     number), the expected and the found value."""
+    # A relative error to 1 + |expected|: absolute near 0, relative for log-probs of -100.
     found = torch.as_tensor(found).detach().double()
     if found.shape != expected.shape:
         shapes = f"expected shape {tuple(expected.shape)}, found {tuple(found.shape)}"
@@ -88,6 +95,7 @@ def compare(found, expected, what, rtol=1e-5, **inputs):
     worst = int(err.argmax())
     if not err[worst] > rtol:
         return
+    # The worst element's inputs, as the student would pass them.
     at = []
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor):
@@ -104,6 +112,7 @@ def compare(found, expected, what, rtol=1e-5, **inputs):
 def call(what, function, *args, **kwargs):
     """function(*args, **kwargs), an exception of the graded code turned into a finding that
     names the call."""
+    # The graded code may raise anything: the finding names the call that raised it.
     try:
         return function(*args, **kwargs)
     except Exception as e:
@@ -114,6 +123,7 @@ def call(what, function, *args, **kwargs):
 def logt_a(z_eos, t, w):
     """The reference's argument a = z_eos + w log t in float64, t <= 0 read as t = 1:
     log alpha_t = logsigmoid(a), log(1 - alpha_t) = logsigmoid(-a)."""
+    # Float64 from whatever the check passes (a float32 z_eos is taken at its exact value).
     t = torch.as_tensor(t).clamp(min=1).double()
     return torch.as_tensor(z_eos).double() + w * torch.log(t)
 
@@ -122,6 +132,7 @@ def compare_log_alpha(found, z_eos, t, w, what, rtol=1e-5):
     """logt_log_alpha's (log alpha_t, log(1 - alpha_t)) against the float64 formula (what: the
     precision, how t was given)."""
     a = logt_a(z_eos, t, w)
+    # Log space, compared as log-probs: exp would hide every error below 1e-5.
     expected = (F.logsigmoid(a), F.logsigmoid(-a))
     for part, wanted, name in zip(found, expected, ("log alpha_t", "log(1 - alpha_t)")):
         compare(part, wanted, f"{name} ({what})", rtol, z_eos=z_eos, t=t, w=w)
@@ -131,6 +142,7 @@ def logt_reference(logits, t, w, eos):
     """log p of every token under the logt head in float64: log alpha_t at eos, log(1 - alpha_t)
     + the softmax over the other tokens elsewhere.  logits (..., V), t (...) -> (..., V)."""
     a = logt_a(logits[..., eos], t, w)
+    # The non-eos tokens share 1 - alpha_t as their softmax without eos says.
     rest = logits.index_fill(-1, torch.tensor([eos]), -math.inf).log_softmax(-1)
     log_p = rest + F.logsigmoid(-a).unsqueeze(-1)
     return log_p.index_copy(-1, torch.tensor([eos]), F.logsigmoid(a).unsqueeze(-1))
@@ -146,6 +158,7 @@ def compare_head(head, h, steps, what, rtol=1e-5, **inputs):
     targets = torch.arange(steps.numel()).view(steps.shape) % V
     targets[..., ::2] = eos
     log_p = call(f"Head.forward ({what})", head, h, steps)[0]
+    # The inputs name a position; a token of it is named by its index.
     where = {k: v.unsqueeze(-1) for k, v in inputs.items()}
     compare(
         log_p, expected, f"Head.forward's log p ({what})", rtol, w=w, token=torch.arange(V), **where
@@ -160,6 +173,7 @@ def tiny_lm(backbone, head="logt"):
     import model
 
     cfg = dict(model=backbone, head=head, epsilon=None, vocab_size=12, eos_id=3, n_layer=1)
+    # Untied, so that the head's U is its own; no bias, as the shipped configs.
     cfg.update(d_model=8, dropout=0.0, tie=False, block_size=16, kernel_size=2, n_head=2)
     return model.LanguageModel(dict(cfg, bias=False))
 
@@ -173,6 +187,7 @@ def check_logt_names():
     assert "logt" in heads.TERMINATION_HEADS, (
         f"heads.TERMINATION_HEADS: expected 'logt' in it, found {heads.TERMINATION_HEADS}"
     )
+    # A termination head without t would score every position as if it were t = 1.
     head = heads.Head("logt", 8, 12, 3)
     try:
         head(torch.randn(1, 2, 8), None)
@@ -187,6 +202,7 @@ def check_logt_formula():
     import heads
 
     torch.manual_seed(0)
+    # Logits of a trained model's size: the formula, not the numerics, is graded here.
     t = torch.tensor(T_VALUES).expand(4, -1)
     z = torch.randn(t.shape, dtype=torch.float64) * 5
     for w in W_VALUES:
@@ -208,6 +224,7 @@ def check_logt_float32():
         compare_log_alpha(found, z, t, w, "float32")
     # The head's U is the identity, so h is the logits: those eos logits, the others random
     # within +-100.
+    # Float32 as training runs it without autocast.
     V, eos = 12, 3
     head = heads.Head("logt", V, V, eos)
     torch.manual_seed(0)
@@ -269,6 +286,7 @@ def check_logt_dtypes():
     z = torch.randn(t.shape, dtype=torch.float64) * 5
     w = torch.tensor(2.0, dtype=torch.float64)
     # The batch makes t an int64 tensor; tests and analyses pass other tensors or a plain int.
+    # Each t as it may come, graded against the same float64 values.
     for given in (t, t.int(), t.double(), 7, 10**6 + 1):
         kind = f"a {given.dtype} tensor" if isinstance(given, torch.Tensor) else "a Python int"
         found = call(f"logt_log_alpha with t {kind}", heads.logt_log_alpha, z, given, w)
@@ -297,6 +315,7 @@ def check_logt_head():
     assert isinstance(getattr(head, "w", None), torch.Tensor), (
         f"Head('logt').w: expected a tensor, found {kind}"
     )
+    # A float64 head: any difference from the formula beyond 1e-9 is the formula's.
     t = torch.tensor(T_VALUES).expand(2, -1)
     h = torch.randn(2, t.shape[1], 8, dtype=torch.float64)
     for w in W_VALUES:
@@ -349,6 +368,7 @@ def check_logt_ownership():
             f"{name} Head('logt')'s w once the first one's is set to 1.5: expected 0 (each head "
             f"its own w), found {fmt(found)}"
         )
+    # Two models, as two runs of one process: training one must leave the other alone.
     models = [tiny_lm("lstm"), tiny_lm("lstm")]
     optimizer = torch.optim.SGD(models[0].parameters(), lr=1.0)
     idx = torch.randint(0, 12, (2, 6))
@@ -361,6 +381,7 @@ def check_logt_ownership():
         f"a second model's head.w after a training step of the first (whose w is now "
         f"{fmt(trained)}): expected 0, found {fmt(other)}"
     )
+    # A w outside the checkpoint would be lost at --resume and in evaluate.py.
     state = models[0].state_dict()
     assert "head.w" in state, f"the checkpoint's keys: expected head.w, found {sorted(state)}"
     models[1].load_state_dict(state)
@@ -386,6 +407,7 @@ def check_logt_learns():
     length = ends.int().argmax(-1, keepdim=True) + 1
     targets = torch.randint(4, 12, (B, T)).masked_fill(t == length, 3)
     mask = t <= length
+    # The other tokens' part is one softmax per sequence: only w can learn that p(eos) grows.
     opt = torch.optim.Adam(head.parameters(), lr=0.1)
     for step in range(30):
         log_p = head.target_log_probs(h, targets, t)[0]
@@ -399,6 +421,7 @@ def check_logt_learns():
         opt.step()
     w = float(head.w.detach())
     assert w > 1.0, f"w after 30 steps on data made with w = 2: expected > 1, found {w:.3f}"
+    # The loss path of training (LanguageModel with targets) must reach w as well.
     lm = tiny_lm("lstm")
     idx = torch.randint(0, 12, (2, 6))
     log_p, _ = lm(idx, torch.arange(-2, 4).expand(2, 6), targets=idx)
@@ -421,18 +444,24 @@ def typical_reference(log_probs, p, temperature=1.0):
     distance |-log p - H| (N, V), keep (N, V) bool, clear (N,): no mass before a token within
     REACHED / 2 of the threshold, where float32 rounding could decide)."""
     x = log_probs.double()
+    # filter_log_probs's temperature: shifted first, so that 1e-39 leaves the mode at 0.
     lp = torch.log_softmax((x - x.amax(-1, keepdim=True)) / temperature, -1)
+    # 0 log 0 = 0: a token of probability 0 adds nothing to H.
     entropy = -(lp.exp() * lp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
     distance = (-lp - entropy).abs()
+    # Ties in distance are ordered by index here; the grading accepts either order.
     order = distance.argsort(dim=-1, stable=True)
     mass = lp.gather(-1, order).exp().cumsum(-1)
     before = torch.cat([torch.zeros_like(mass[..., :1]), mass[..., :-1]], -1)
     threshold = p - REACHED
     keep = torch.zeros_like(lp, dtype=torch.bool).scatter_(-1, order, before < threshold)
+    # Random rows whose masses come that close to the threshold are not graded: float32
+    # rounding, not the rule, would decide them.
     clear = ((before - threshold).abs() > REACHED / 2).all(-1)
     return lp, distance, keep, clear
 
 
+# The count of a message, singular or plural.
 def tokens(n):
     return "1 token" if n == 1 else f"{n} tokens"
 
@@ -444,11 +473,14 @@ def typical_row_error(found, lp, distance, keep):
     if found.isnan().any():
         token = int(found.isnan().nonzero()[0])
         return f"log q of token {token}: expected a number or -inf, found nan"
+    # Tied tokens have one probability: the set's size and mass are the same whichever is kept.
     kept = found > -math.inf
     n, n_ref = int(kept.sum()), int(keep.sum())
     mass, mass_ref = float(lp.exp()[kept].sum()), float(lp.exp()[keep].sum())
     if n != n_ref or abs(mass - mass_ref) > REACHED:
         return f"expected {tokens(n_ref)} of mass {fmt(mass_ref)}, found {n} of mass {fmt(mass)}"
+    # Closest first: no token left out may lie nearer to H than one kept (a token of
+    # probability 0 never counts).
     inside = distance.masked_fill(~kept, -math.inf)
     outside = distance.masked_fill(kept | (lp == -math.inf), math.inf)
     if inside.max() > outside.min() + 1e-9:
@@ -457,6 +489,7 @@ def typical_row_error(found, lp, distance, keep):
             f"expected token {b} (|-log p - H| = {fmt(outside[b])}) kept before token {a} "
             f"({fmt(inside[a])}), found token {a} kept and not {b}"
         )
+    # The kept tokens' probabilities renormalised, in log space.
     expected = (lp - lp[kept].logsumexp(-1)).masked_fill(~kept, -math.inf)
     try:
         compare(found, expected, "log q", token=torch.arange(len(found)))
@@ -474,6 +507,7 @@ def compare_typical(found, log_probs, p, what, temperature=1.0, rows=None):
         raise AssertionError(
             f"{what}: expected shape {tuple(lp.shape)}, found {tuple(found.shape)}"
         )
+    # All rows at once; the first wrong one is then explained on its own.
     wrong = clear & typical_rows_wrong(found, lp, distance, keep)
     if wrong.any():
         i = int(wrong.nonzero()[0])
@@ -486,6 +520,7 @@ def typical_rows_wrong(found, lp, distance, keep):
     """Whether each row of found (N, V) breaks a rule of typical_row_error: its checks at once,
     so that many rows cost one pass.  -> bool (N,)."""
     kept = found > -math.inf
+    # Each rule of typical_row_error, for every row at once.
     probs = lp.exp()
     mass_off = ((probs * kept).sum(-1) - (probs * keep).sum(-1)).abs() > REACHED
     inside = distance.masked_fill(~kept, -math.inf).amax(-1)
@@ -516,6 +551,7 @@ def check_typical_names():
         f"decode.SAMPLING (the decoders that draw): expected 'typical' in it, found "
         f"{decode.SAMPLING}"
     )
+    # A decoder that draws takes --temperature: check_decoder_args would refuse it otherwise.
     decode.check_decoder_args("typical", p=0.9, temperature=0.8)
 
 
@@ -525,6 +561,7 @@ def check_typical_args():
     from common import UserError
 
     decode.check_decoder_args("typical", p=0.9)
+    # A missing --p, and one on each side of (0, 1].
     for p in (None, 0.0, 1.5):
         try:
             decode.check_decoder_args("typical", p=p)
@@ -539,6 +576,7 @@ def check_typical_filter():
     import decode
 
     torch.manual_seed(0)
+    # From nearly flat to peaked rows, as a language model's are.
     for scale in (0.5, 2.0, 5.0):
         log_probs = torch.log_softmax(torch.randn(32, 40) * scale, -1)
         for p in (0.2, 0.5, 0.9, 0.95):
@@ -552,6 +590,7 @@ def flat_rows():
     """(V, p, a flat row (1, V) of log-probs): each size's, at p that some number of its tokens
     reaches exactly."""
     for V in (4, 10, 40, 100):
+        # Most of these p are reached exactly by some number of 1/V: ties at the threshold.
         for p in (0.1, 0.25, 0.3, 0.5, 0.75, 0.9):
             yield V, p, torch.log_softmax(torch.zeros(1, V), -1)
 
@@ -561,6 +600,8 @@ def check_typical_flat():
     each at 1/that many, p = 0.1 .. 0.9"""
     import decode
 
+    # Every token is as far from H as every other: any of them may be kept, the count may
+    # not change.
     for V, p, log_probs in flat_rows():
         found = typical_filter(decode, log_probs, p)
         compare_typical(found, log_probs, p, "log q", rows=[f"a flat row of {V} tokens"])
@@ -569,6 +610,7 @@ def check_typical_flat():
 def peaked_rows():
     """(description, log-probs (V,)) of rows where one token stands out."""
     rows = []
+    # A mode so probable that it is the typical set alone.
     one = torch.zeros(12)
     one[5] = 10.0
     rows.append(("one token at 0.9995 of 12", one))
@@ -578,6 +620,7 @@ def peaked_rows():
         probs[n // 2] = top
         rows.append((f"a mode of {top} among {n} tokens of {fmt((1 - top) / n)}", probs.log()))
     torch.manual_seed(3)
+    # Logits up to +-100: float32 log-probs of -200 whose probabilities are 0.
     for scale in (20.0, 100.0):
         rows.append((f"random logits of scale {scale:g}", torch.randn(30) * scale))
     return rows
@@ -589,6 +632,7 @@ def check_typical_peaked():
     import decode
 
     for name, logits in peaked_rows():
+        # Float32, as decode() passes the log-probs to filter_log_probs.
         log_probs = torch.log_softmax(logits.float()[None], -1)
         for p in (0.2, 0.5, 0.9):
             found = typical_filter(decode, log_probs, p)
@@ -602,6 +646,7 @@ def check_typical_inf_rows():
 
     torch.manual_seed(4)
     logits = torch.randn(6, 30) * 2
+    # -inf where a decoder bans tokens (padding rows, insertion decoding's BOS / EOS).
     logits[:2, torch.randperm(30)[:10]] = -math.inf
     logits[2, 1:] = -math.inf
     logits[3, 2:] = -math.inf
@@ -624,6 +669,7 @@ def check_typical_temperature():
     import decode
 
     torch.manual_seed(5)
+    # At these temperatures the tempered distribution is the mode alone: its typical set too.
     log_probs = torch.log_softmax(torch.randn(16, 30) * 2, -1)
     for temperature in (1e-3, 1e-8, 1e-39):
         for p in (0.2, 0.9):
@@ -637,6 +683,7 @@ def check_typical_ties():
     either of two tied tokens may be the one kept"""
     import decode
 
+    # (name, the probabilities, p that a number of the tied tokens reaches exactly).
     rows = (
         ("0.3, 0.3, 0.2, 0.2", (0.3, 0.3, 0.2, 0.2), (0.3, 0.5, 0.6, 0.7, 0.8)),
         ("0.25 x 4", (0.25,) * 4, (0.25, 0.5, 0.75)),
@@ -645,6 +692,7 @@ def check_typical_ties():
         ("0.05 x 20", (0.05,) * 20, (0.15, 0.35, 0.45, 0.55, 0.65, 0.85)),
     )
     for name, probs, ps in rows:
+        # Float32 log-probs whose sums come a hair above or below p: the margin decides alike.
         log_probs = torch.tensor(probs).log()[None]
         for p in ps:
             found = typical_filter(decode, log_probs, p)
@@ -660,6 +708,7 @@ def check_typical_draws():
     logits = torch.tensor([2.0, 1.5, -1.0, 0.5, -0.5, 0.0, 1.0], dtype=torch.float64)
     cfg = dict(model="lstm", head="softmax", epsilon=None, vocab_size=7, eos_id=2, n_layer=1)
     lm = model.LanguageModel(dict(cfg, d_model=4, dropout=0.0, tie=False)).double()
+    # A model whose first token's distribution is these logits whatever the prompt.
     with torch.no_grad():
         lm.head.proj.weight.zero_()
         padding = torch.zeros(lm.head.proj.weight.shape[0] - 7, dtype=torch.float64)
@@ -670,12 +719,15 @@ def check_typical_draws():
     what = "decode(lm, prompts, 1, 'typical', p=0.6)"
     out = call(what, decode.decode, lm, prompts, 1, "typical", p=0.6, generator=g)
     counts = torch.bincount(torch.tensor([x[0] for x in out["tokens"]]), minlength=7).double()
+    # The reference's q: the kept tokens' probabilities, renormalised.
     lp, _, keep, _ = typical_reference(torch.log_softmax(logits, -1)[None], 0.6)
     q = lp.exp() * keep
     expected = n * (q / q.sum())[0]
     outside = int(counts[expected == 0].sum())
     assert outside == 0, f"draws outside the typical set: expected 0 of {n}, found {outside}"
     kept = expected > 0
+    # 20.5: chi-square's 0.999 quantile at 5 degrees of freedom or fewer: 1 run in 1000
+    # would fail an exact sampler; a wrong set fails it every time.
     chi2 = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
     assert chi2 < 20.5, (
         f"draws of each token: expected {[round(x) for x in expected.tolist()]}, found "
@@ -691,6 +743,7 @@ def new_backbone(kernel_size=3, n_layer=3):
     """(name, the backbone built by model.build_backbone) of the one name added to MODELS."""
     import model
 
+    # The name is the student's choice: the one MODELS holds beside the shipped four.
     added = [m for m in model.MODELS if m not in SHIPPED]
     assert len(added) == 1, f"expected one new name in model.MODELS, found {added}"
     cfg = dict(model=added[0], vocab_size=30, block_size=64, n_layer=n_layer, d_model=8)
@@ -714,6 +767,7 @@ def check_dilated_names():
         f"train.RECIPES (each model's defaults): expected '{name}' in it, found "
         f"{tuple(train.RECIPES)}"
     )
+    # The training path end to end: embedding, backbone, a termination head, the loss.
     cfg = dict(model=name, head="nmst", epsilon=1e-3, vocab_size=30, eos_id=3, n_layer=3)
     cfg.update(d_model=8, dropout=0.0, tie=True, block_size=64, kernel_size=3, n_head=2)
     lm = model.LanguageModel(cfg)
@@ -727,6 +781,7 @@ def check_dilated_field():
     - 1) .. t (dilations 1, 2, 4, ...), for k = 2 and 3, n_layer = 3 and 4"""
     for k, n_layer in ((2, 4), (3, 3)):
         _, backbone = new_backbone(k, n_layer)
+        # Longer than both fields (16 and 15 inputs): the edge shows on both sides.
         T = 40
         idx = torch.randint(0, 30, (1, T))
         with torch.no_grad():
@@ -734,6 +789,7 @@ def check_dilated_field():
             reads = []
             for j in range(T):
                 other = idx.clone()
+                # Change one input: the outputs it reaches are those that read it.
                 other[0, j] = (other[0, j] + 1) % 30
                 changed = (backbone(other)[0][0] - base).abs().amax(-1) > 1e-10
                 first = int(changed.int().argmax())
@@ -742,6 +798,7 @@ def check_dilated_field():
                     f"and later only (causal), found it changes output {first}"
                 )
                 reads.append(bool(changed[T - 1]))
+        # Layer l adds (k - 1) 2^l inputs: (k - 1)(1 + 2 + ... + 2^(n-1)) + 1 in all.
         field = (k - 1) * (2**n_layer - 1) + 1
         seen = [j for j in range(T) if reads[j]]
         expected = list(range(T - field, T))
@@ -756,6 +813,7 @@ def right_padded(idx, lengths):
     padding must not matter, whatever it holds)."""
     prompts = idx[:, : int(lengths.max())].clone()
     pad = torch.arange(prompts.shape[1]) >= lengths[:, None]
+    # Not the zeros a padding usually holds: a state that reads the padding then shows.
     prompts[pad] = (prompts[pad] + 7) % 30
     return prompts
 
@@ -767,6 +825,7 @@ def check_dilated_state():
     _, backbone = new_backbone()
     torch.manual_seed(1)
     idx = torch.randint(0, 30, (3, 30))
+    # The longest prompt, a shorter one, and one token: the padding fills the two last rows.
     lengths = torch.tensor([12, 5, 1])
     rows = torch.arange(3)
     with torch.no_grad():
@@ -775,6 +834,7 @@ def check_dilated_state():
         last = h[rows, lengths - 1]
         what = "the output at a right-padded prompt's last token"
         compare(last, full[rows, lengths - 1], what, 1e-7, prompt_length=lengths[:, None])
+        # Each row goes on with its own sequence's next token, at its own position.
         for i in range(10):
             at = lengths + i
             h, state = call("a cached step", backbone, idx[rows, at].unsqueeze(1), state)
@@ -788,6 +848,7 @@ def check_dilated_reorder():
     _, backbone = new_backbone()
     torch.manual_seed(2)
     idx = torch.randint(0, 30, (3, 30))
+    # Rows of three lengths: a row moved to another's place keeps its own positions.
     lengths = torch.tensor([12, 5, 9])
     with torch.no_grad():
         full = backbone(idx)[0]
@@ -802,6 +863,7 @@ def check_dilated_reorder():
             for i in range(2):
                 h, state = call(f"the step {i + 1} {after}", backbone, idx[source, at, None], state)
                 what = f"the cached output {i + 1} token(s) {after}"
+                # Each row is the sequence it was reordered from, at its own next position.
                 where = dict(sequence=source[:, None], position=at[:, None])
                 compare(h[:, 0], full[source, at], what, 1e-7, **where)
                 at = at + 1
@@ -835,6 +897,8 @@ CHECKS = {
 }
 
 
+# A root is refused before any import: an empty folder would grade nothing (or, on
+# sys.path, another tree's code).
 def missing_code(root):
     """The modules the checks import that root lacks (all of them: root is no nanogen folder)."""
     return [name for name in NEEDED if not os.path.isfile(os.path.join(root, name))]
@@ -859,6 +923,7 @@ def grade(n, root=ROOT, only=None):
 
 
 def main(argv=None):
+    # The command: one exercise, the folder to grade.
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("exercise", type=int, choices=sorted(CHECKS))
     parser.add_argument("--root", default=ROOT, help="the code to grade (default: this tree)")

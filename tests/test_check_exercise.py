@@ -53,21 +53,25 @@ def reorder_override(body):
 MUTANTS = {
     1: [
         (
+            # p(eos) becomes 1 - alpha_t: every value off but at a = 0.
             "log alpha and log(1 - alpha) swapped",
             ("heads.py", LOGT_RETURN, "    return F.logsigmoid(-a), F.logsigmoid(a)"),
             ("check_logt_formula", "check_logt_head"),
         ),
         (
+            # Right at w = 0, the initial value: wrong at every w the checks use.
             "z - w log t for z + w log t",
             ("heads.py", "a = z_eos + w * torch.log(t)", "a = z_eos - w * torch.log(t)"),
             ("check_logt_formula",),
         ),
         (
+            # Linear in t: at t = 10^6 + 1 it is off by six orders of magnitude.
             "w t for w log t",
             ("heads.py", "a = z_eos + w * torch.log(t)", "a = z_eos + w * t"),
             ("check_logt_formula",),
         ),
         (
+            # The commands would not treat it as a head that models the end.
             "the head left out of TERMINATION_HEADS",
             (
                 "heads.py",
@@ -77,16 +81,19 @@ MUTANTS = {
             ("check_logt_names",),
         ),
         (
+            # Not registered: no optimizer step, no checkpoint, no gradient.
             "w a plain tensor, never learned",
             ("heads.py", W_INIT, "self.w = torch.zeros(())"),
             ("check_logt_parameter", "check_logt_learns"),
         ),
         (
+            # log(0) = -inf and log(-3) = NaN at the context positions the decoders read.
             "t not clamped to t >= 1 (log 0 at context positions)",
             ("heads.py", LOGT_T, LOGT_T.replace("torch.clamp(", "(").replace(", min=1)", ")")),
             ("check_logt_formula",),
         ),
         (
+            # The loss path then refuses the head: training cannot run.
             "no branch in target_log_probs",
             (
                 "heads.py",
@@ -98,6 +105,7 @@ MUTANTS = {
         ),
         # Numerics: finite and exact in float32 at logits up to +-100.
         (
+            # sigmoid(a) rounds to 1 in float32 from a = 17 on.
             "log(1 - alpha_t) as log(1 - sigmoid(a)) (-inf at z_eos = 20 in float32)",
             (
                 "heads.py",
@@ -107,11 +115,13 @@ MUTANTS = {
             ("check_logt_float32",),
         ),
         (
-            "log alpha_t as log(sigmoid(a)) (-inf below a = -104 in float32)",
+            # sigmoid(a) underflows to 0 in float32 below a = -88.
+            "log alpha_t as log(sigmoid(a)) (-inf below a = -88 in float32)",
             ("heads.py", LOGT_RETURN, "    return torch.log(torch.sigmoid(a)), F.logsigmoid(-a)"),
             ("check_logt_float32",),
         ),
         (
+            # log alpha_t = -e^-a is a denormal near a = 100, 0 beyond: precision lost, then -inf.
             "log(1 - alpha_t) as log(-expm1(log alpha_t)) (0 at z_eos = 100 in float32)",
             (
                 "heads.py",
@@ -121,6 +131,7 @@ MUTANTS = {
             ("check_logt_float32",),
         ),
         (
+            # A floor hides the -inf and keeps the error: -69 where -20 is right.
             "log(1 - sigmoid(a) + 1e-30): finite, and wrong",
             (
                 "heads.py",
@@ -131,32 +142,38 @@ MUTANTS = {
         ),
         # bf16 autocast: the eos terms in float32 at least.
         (
+            # bf16 holds 8 bits: t = 300 .. 303 give one p(eos).
             "the eos logit left in bf16 under autocast",
             ("heads.py", LOGT_BODY, LOGT_BODY.replace("    z_eos = _eos_precision(z_eos)\n", "")),
             ("check_logt_autocast",),
         ),
         (
+            # t rounded to bf16 (300, 300, 302, 304) before the upcast.
             "t cast to the bf16 logit's dtype before the logit is raised to float32",
             ("heads.py", LOGT_BODY, "".join(LOGT_BODY.splitlines(True)[i] for i in (1, 0, 2))),
             ("check_logt_autocast",),
         ),
         (
+            # w = 1.3 becomes 1.296875: p(eos) off by 1.6 % at t = 300.
             "w cast to the bf16 logit's dtype",
             ("heads.py", LOGT_BODY, "    w = w.to(z_eos.dtype)\n" + LOGT_BODY),
             ("check_logt_autocast",),
         ),
         # Input dtypes.
         (
+            # torch.log of an integer tensor is float32, whatever the logit's dtype.
             "t left an integer (its log in float32)",
             ("heads.py", LOGT_T, LOGT_T.replace(".to(z_eos.dtype)", "")),
             ("check_logt_dtypes",),
         ),
         (
+            # A float64 run then computes log t in float32.
             "t cast to float32 whatever z_eos's dtype",
             ("heads.py", LOGT_T, LOGT_T.replace(".to(z_eos.dtype)", ".float()")),
             ("check_logt_dtypes",),
         ),
         (
+            # A float64 model gets float32 log-probs back.
             "the result in float32 whatever z_eos's dtype",
             (
                 "heads.py",
@@ -166,28 +183,33 @@ MUTANTS = {
             ("check_logt_dtypes",),
         ),
         (
+            # A Python int has no clamp: the step a caller passes as a number fails.
             "t.clamp, a tensor's method (t a Python int fails)",
             ("heads.py", LOGT_T, "    t = t.clamp(min=1).to(z_eos.dtype)\n    a ="),
             ("check_logt_dtypes",),
         ),
         # The initial value the exercise states: w = 0.
         (
+            # The exercise says 0: a head that starts with p(eos) growing as t.
             "w starting at 1",
             ("heads.py", W_INIT, "self.w = nn.Parameter(torch.ones(()))"),
             ("check_logt_initial",),
         ),
         (
+            # Each run would start from another w: results not reproducible from the seed alone.
             "w starting at random",
             ("heads.py", W_INIT, "self.w = nn.Parameter(torch.randn(()))"),
             ("check_logt_initial",),
         ),
         (
+            # Any value but the stated 0.
             "w starting at 0.5",
             ("heads.py", W_INIT, "self.w = nn.Parameter(torch.full((), 0.5))"),
             ("check_logt_initial",),
         ),
         # Ownership: each head, each model its own w.
         (
+            # A second run of one process starts from the first run's learned w.
             "one w shared by every Head (a module-level Parameter)",
             (
                 "heads.py",
@@ -197,6 +219,7 @@ MUTANTS = {
             ("check_logt_ownership",),
         ),
         (
+            # Two Parameters, one storage: setting one sets the other.
             "every head's w a Parameter over one tensor (shared storage)",
             (
                 "heads.py",
@@ -206,6 +229,7 @@ MUTANTS = {
             ("check_logt_ownership",),
         ),
         (
+            # The class holds the one w: every head of the process shares it.
             "w made once, kept on the class",
             (
                 "heads.py",
@@ -219,6 +243,7 @@ MUTANTS = {
     ],
     2: [
         (
+            # Not a decoder that draws: no seed, no --temperature.
             "typical left out of SAMPLING",
             (
                 "decode.py",
@@ -228,6 +253,7 @@ MUTANTS = {
             ("check_typical_names",),
         ),
         (
+            # Nucleus sampling: the mode first, where typical sampling may leave it out.
             "tokens ranked by probability (nucleus sampling), not by distance to the entropy",
             (
                 "decode.py",
@@ -237,16 +263,19 @@ MUTANTS = {
             ("check_typical_filter", "check_typical_peaked"),
         ),
         (
+            # The set then holds less than p.
             "the token that reaches the mass p left out",
             ("decode.py", KEEP, "    keep = mass < p\n"),
             ("check_typical_filter", "check_typical_flat"),
         ),
         (
+            # The name known, the filter missing: refused by filter_log_probs.
             "no branch in filter_log_probs",
             ("decode.py", TYPICAL_BRANCH, ""),
             ("check_typical_draws", "check_typical_filter"),
         ),
         (
+            # A missing --p reaches the filter as None.
             "--p not checked",
             (
                 "decode.py",
@@ -257,6 +286,7 @@ MUTANTS = {
         ),
         # Flat rows and ties at the threshold.
         (
+            # A flat row is all ties: kept whole whatever p says.
             "every token tied at the set's edge kept (a threshold on the distance)",
             (
                 "decode.py",
@@ -269,17 +299,20 @@ MUTANTS = {
             ("check_typical_flat", "check_typical_ties"),
         ),
         (
+            # log 0.25 in float32 gives 0.25 - 1e-9: two tokens of four kept at p = 0.25.
             "no margin for rounding: a mass a hair below p has not reached it",
             ("decode.py", KEEP, "    keep = before < p\n"),
             ("check_typical_flat", "check_typical_ties"),
         ),
         (
+            # A mass that reaches p exactly takes one token more.
             "a mass equal to p not reached (before <= p)",
             ("decode.py", KEEP, "    keep = before <= p\n"),
             ("check_typical_ties",),
         ),
         # Peaked rows.
         (
+            # The mode, atypical, joins a set it does not belong to.
             "the most probable token always kept (as nucleus_mask keeps it)",
             (
                 "decode.py",
@@ -291,22 +324,26 @@ MUTANTS = {
             ("check_typical_peaked",),
         ),
         (
+            # H in bits against -log p in nats: another set wherever they differ.
             "the entropy in bits",
             ("decode.py", ENTROPY, ENTROPY + " / math.log(2)"),
             ("check_typical_peaked",),
         ),
         (
+            # H / V: the tokens nearest it are the most probable.
             "the entropy a mean over the vocabulary",
             ("decode.py", ENTROPY, ENTROPY.replace(".sum(", ".mean(")),
             ("check_typical_peaked",),
         ),
         # Rows with -inf log-probs.
         (
+            # A banned token makes H NaN: the order, and the set, are arbitrary.
             "0 * -inf = NaN in the entropy",
             ("decode.py", ENTROPY, ENTROPY.replace(".nan_to_num(neginf=0.0)", "")),
             ("check_typical_inf_rows",),
         ),
         (
+            # log(0) = -inf again: 0 * -inf is NaN.
             "the entropy from p log p (log 0 = -inf)",
             (
                 "decode.py",
@@ -317,6 +354,7 @@ MUTANTS = {
             ("check_typical_inf_rows",),
         ),
         (
+            # H = 0 ranks the tokens by probability: nucleus sampling on those rows.
             "a NaN entropy read as 0",
             (
                 "decode.py",
@@ -328,6 +366,7 @@ MUTANTS = {
         ),
         # Temperatures near 0.
         (
+            # At temperature 1e-3 the tempered distribution is its mode alone.
             "the set of the untempered distribution",
             (
                 "decode.py",
@@ -337,6 +376,7 @@ MUTANTS = {
             ("check_typical_temperature",),
         ),
         (
+            # Sampling at temperature 1 whatever --temperature says.
             "the temperature ignored",
             (
                 "decode.py",
@@ -347,6 +387,7 @@ MUTANTS = {
             ("check_typical_temperature",),
         ),
         (
+            # log p / 1e-39 overflows to -inf everywhere: NaN.
             "the temperature applied again, without filter_log_probs's shift",
             (
                 "decode.py",
@@ -362,27 +403,32 @@ MUTANTS = {
     3: [
         # The receptive field's edge.
         (
+            # Field (k - 1) n_layer + 1 inputs, not (k - 1)(2^n_layer - 1) + 1.
             "no dilation (a plain GCNN)",
             ("model.py", SPANS, "        self.spans = [kernel_size - 1] * n_layer"),
             ("check_dilated_field",),
         ),
         (
+            # Each layer one step too wide: the field twice as wide, less one.
             "dilations 2, 4, 8, ... (2^(l+1))",
             ("model.py", SPANS, SPANS.replace("2**i", "2 ** (i + 1)")),
             ("check_dilated_field",),
         ),
         (
+            # Linear growth: the field falls short from the third layer on.
             "dilations 1, 2, 3, ... (l + 1)",
             ("model.py", SPANS, SPANS.replace("2**i", "(i + 1)")),
             ("check_dilated_field",),
         ),
         (
+            # Decoding would not know that the model has a window.
             "left out of WINDOWED",
             ("model.py", 'WINDOWED = ("gcnn", "gpt", "dgcnn")', 'WINDOWED = ("gcnn", "gpt")'),
             ("check_dilated_names",),
         ),
         # The padding side.
         (
+            # A short prompt's state then holds its padding.
             "the state cut from the end of the padded input, whatever the prompt's length",
             (
                 "model.py",
@@ -393,6 +439,7 @@ MUTANTS = {
             ("check_dilated_state",),
         ),
         (
+            # Every row's state as if its prompt filled the batch.
             "the prompts' lengths ignored (the state after the padding)",
             (
                 "model.py",
@@ -403,11 +450,13 @@ MUTANTS = {
             ("check_dilated_state",),
         ),
         (
+            # A short prompt's next token gets the padded length's position.
             "the positions going on after the padding",
             ("model.py", DGCNN_END, DGCNN_END.replace("pos0 + n_real", "pos0 + T")),
             ("check_dilated_state",),
         ),
         (
+            # An output reads later inputs.
             "the convolution's zeros on the right (not causal)",
             (
                 "model.py",
@@ -424,21 +473,25 @@ MUTANTS = {
         ),
         # The cache after reordering.
         (
+            # Beam search keeps the rows of hypotheses it dropped.
             "reorder_state leaving the state as it is",
             reorder_override("return state"),
             ("check_dilated_reorder",),
         ),
         (
+            # A moved row keeps another row's positions.
             "reorder_state reordering the inputs kept, not the positions",
             reorder_override("return [p[index] for p in state[0]], state[1], state[2]"),
             ("check_dilated_reorder",),
         ),
         (
+            # A moved row keeps another row's past inputs.
             "reorder_state reordering the positions, not the inputs kept",
             reorder_override("return state[0], state[1][index], state[2]"),
             ("check_dilated_reorder",),
         ),
         (
+            # Right for beam search's swap of two rows, wrong for any other index.
             "reorder_state flipping the rows (right only for a swap of two)",
             reorder_override("return [p.flip(0) for p in state[0]], state[1].flip(0), state[2]"),
             ("check_dilated_reorder",),

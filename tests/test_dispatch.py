@@ -11,6 +11,7 @@ from decode import filter_log_probs
 from heads import Head
 from model import Recurrent, build_backbone
 
+# The smallest config every backbone builds from.
 CFG = dict(vocab_size=64, d_model=8, n_layer=1, dropout=0.0, block_size=16, kernel_size=2)
 
 
@@ -37,6 +38,8 @@ def refusals():
 @pytest.mark.parametrize("index", range(len(refusals())), ids=[r[0] for r in refusals()])
 def test_an_unknown_name_is_refused_in_one_line(index):
     what, call, words = refusals()[index]
+    # A bug of a caller, not a user's flag (those are refused before, as UserError): a
+    # ValueError with the known names, one line.
     with pytest.raises(ValueError) as e:
         call()
     message = str(e.value)
@@ -51,6 +54,7 @@ def test_the_known_names_still_work():
     # Shifted and divided by the temperature, renormalised: tempered sampling.
     tempered = filter_log_probs(lp, "sample", temperature=0.5)
     torch.testing.assert_close(tempered, torch.log_softmax(lp / 0.5, -1))
+    # None: a checkpoint's config from before --protocol.
     for protocol in (None, "paper", "authors"):
         assert isinstance(build_backbone(dict(CFG, model="lstm", protocol=protocol)), Recurrent)
     for decoder in ("greedy", "sample", "topk"):
