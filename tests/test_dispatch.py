@@ -16,12 +16,13 @@ CFG = dict(vocab_size=64, d_model=8, n_layer=1, dropout=0.0, block_size=16, kern
 
 
 def refusals():
-    """(what, the call, the words its one-line error must hold)."""
+    """(what, the call, the words its one-line error must hold: the known names as shipped,
+    which a coursework answer may add to)."""
     lp = torch.log_softmax(torch.randn(2, 10), -1)
     return [
         ("an unknown decoder", lambda: filter_log_probs(lp, "typicl"), "sample, topk, nucleus"),
         # greedy and beam choose without a filtered distribution: no filter of theirs.
-        ("greedy", lambda: filter_log_probs(lp, "greedy"), "'greedy' (sample, topk, nucleus)"),
+        ("greedy", lambda: filter_log_probs(lp, "greedy"), "'greedy' (sample, topk, nucleus"),
         ("an unknown head", lambda: Head("adaptive", 4, 10, 0), "softmax, st, nmst"),
         ("an unknown cell", lambda: Recurrent("gru", 10, 8, 1, 0.0), "rnn or lstm"),
         ("an unknown backbone", lambda: build_backbone(dict(CFG, model="tcn")), "tcn"),
