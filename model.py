@@ -64,6 +64,8 @@ class Recurrent(nn.Module):
 
     def __init__(self, cell, vocab_size, d_model=512, n_layer=2, dropout=0.5, locked_dropout=False):
         super().__init__()
+        if cell not in ("rnn", "lstm"):
+            raise ValueError(f"unknown recurrent cell '{cell}' (rnn or lstm)")
         self.cell, self.d_model, self.locked, self.p = cell, d_model, locked_dropout, dropout
         self.wte = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
@@ -342,6 +344,9 @@ class GCNN(nn.Module):
 def build_backbone(cfg):
     """The backbone of a config dict (train.py's model_config writes it, checkpoints keep it)."""
     V, D = cfg["vocab_size"], cfg["d_model"]
+    # A checkpoint written before --protocol existed holds none: the paper's.
+    if cfg.get("protocol") not in (None, "paper", "authors"):
+        raise ValueError(f"unknown protocol '{cfg['protocol']}' (paper or authors)")
     if cfg["model"] == "gpt":
         return GPT(cfg)
     if cfg["model"] == "gcnn":
