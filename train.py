@@ -805,7 +805,10 @@ def train(run, st, hidden):
                     # NMST eq. 3, the mean over every target of the data: the sum divided by the
                     # epoch's mean count a batch, the same for every batch, so that each token
                     # weighs alike whatever the length of its batch's lines (CT eq. 8: x LS).
-                    loss = nll / data["targets_per_batch"] * ls
+                    # --protocol authors: each batch by its own count of targets, <cpad> left
+                    # out (their train.py:61-62, 69), which its batches carry (loader.collate).
+                    divisor = batch.get("n_authors", data["targets_per_batch"])
+                    loss = nll / divisor * ls
                     if args.ar or args.tar:
                         # CT eq. 8's activation regularisation of a recurrent backbone
                         loss = loss + raw.backbone.activation_regularisation(args.ar, args.tar)
