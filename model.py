@@ -388,6 +388,7 @@ class LanguageModel(nn.Module):
             ct_beta=cfg.get("ct_beta"),
             ct_rank=cfg.get("ct_rank", 0),
             temperature=cfg.get("temperature", 1.0),
+            authors=cfg.get("protocol") == "authors",
         )
         if cfg["tie"]:  # weight tying (NMST paper appendix D; GPT-2)
             self.head.proj.weight = self.backbone.wte.weight

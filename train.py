@@ -297,8 +297,11 @@ def step(run, st, keys, hidden, since):
             nll = -torch.where(mask, log_p, 0.0).sum()
             # NMST eq. 3, the mean over every target of the data: the sum divided by the epoch's
             # mean count a batch, the same for every batch, so that each token weighs alike
-            # whatever the length of its batch's lines.
-            loss = nll / data["targets_per_batch"]
+            # whatever the length of its batch's lines.  --protocol authors divides each batch by
+            # its own count of targets, <cpad> left out (their train.py:61-62, 69), which its
+            # batches carry (data/loader.collate).
+            divisor = batch.get("n_authors", data["targets_per_batch"])
+            loss = nll / divisor
             if args.loss_scaling:
                 # CT eq. 8's loss scaling LS
                 loss = loss * loss_scale(data["vocab_size"], args.ct_alpha, args.ct_beta)
@@ -325,6 +328,7 @@ def step(run, st, keys, hidden, since):
     return hidden
 
 
+# ----- the bookkeeping: counters, evaluations, logs, checkpoints, limits ---------------------
 @dataclasses.dataclass
 class Counters:
     """Where the run is: what a checkpoint keeps (its "state") to go on from."""

@@ -28,6 +28,9 @@ class CompletionSplit:
         # (N,) tokens, eos included
         self.lengths = np.diff(self.offsets)
         self.contexts = np.fromfile(os.path.join(folder, f"{split}.ctx"), np.int32).astype(np.int64)
+        # The id of <cpad> (the authors' protocol), which the authors' divisor leaves out.
+        words = meta["vocab"]["tokens"] if isinstance(meta["vocab"], dict) else []
+        self.cpad = words.index("<cpad>") if "<cpad>" in words else None
 
     def __len__(self):
         return len(self.lengths)
@@ -124,7 +127,8 @@ def targets_per_batch(args, data):
     NMST eq. 3 is a mean over every target token of the data, each weighted alike.  Batches are
     sorted by length, so a batch of short lines holds few targets: dividing each step's summed
     NLL by its own batch's count would weigh each of those tokens several times more (the eos
-    targets 3.7x their share on WikiText-2).  Every step divides by this one number instead."""
+    targets 3.7x their share on WikiText-2).  Every step divides by this one number instead
+    (--protocol authors: by each batch's own count, as the authors' code does: collate)."""
     keys = epoch_batches(args, data, 0)
     # The count of each batch: a stream window's every token, a story's events, a line's
     # continuation (the authors' protocol: its context's targets too).
@@ -243,7 +247,14 @@ def collate(split, index, device="cpu", cap=None, context_loss=False):
     """The batch of sequences `index` of a split (cap: T padded to its bucket, --max_tokens)."""
     width = cap and int(bucket(split.lengths[index].max() - 1, cap)) + 1
     ctx = split.contexts[np.asarray(index)]
-    return pad_batch([split[i] for i in index], ctx, device, width, context_loss)
+    seqs = [split[i] for i in index]
+    batch = pad_batch(seqs, ctx, device, width, context_loss)
+    if context_loss:
+        # The authors' divisor, their train.py:61-62: the batch's own count of targets that are
+        # neither padding nor <cpad> (their loss sums the <cpad> targets all the same).
+        cpad_targets = sum(int((s[1:] == split.cpad).sum()) for s in seqs)
+        batch["n_authors"] = batch["n"] - cpad_targets
+    return batch
 
 
 def pad_batch(seqs, ctx, device="cpu", width=None, context_loss=False):

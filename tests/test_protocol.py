@@ -66,6 +66,19 @@ def test_the_authors_batches_are_random_not_sorted(authors):
     assert all((a == b).all() for a, b in zip(keys, again))
 
 
+def test_the_authors_divisor_over_an_epoch(authors):
+    """Each training batch carries the authors' count (no padding, no <cpad>): over the epoch they
+    add up to 2,101,579, the corpus count; the first line (empty: <bos> <cpad> x9 <unk> <eos>)
+    alone counts 2 of its 11 targets."""
+    from evaluate import get_batch
+
+    args, data = authors
+    keys = epoch_batches(args, data, 0)
+    assert sum(get_batch(args, data, k, "cpu", "train")["n_authors"] for k in keys) == 2_101_579
+    first = get_batch(args, data, [0], "cpu", "train")
+    assert (first["n"], first["n_authors"]) == (11, 2)
+
+
 def test_the_authors_loss_counts_the_context_targets_and_evaluation_does_not(authors):
     from data.loader import get_batch
 
@@ -82,11 +95,10 @@ def test_the_authors_loss_counts_the_context_targets_and_evaluation_does_not(aut
     assert int(eval_batch["mask"].sum()) == int(continuation.sum())
 
 
-def gradient_shares(tmp_path, monkeypatch, protocol):
+def leaf_run(tmp_path, monkeypatch, protocol):
     """One epoch of train.py's loop on 3,000 WikiText-2 lines, with each batch's log p a leaf
-    tensor: its gradient is the weight the loss gives every target token.  -> the total weight
-    and token count of the eos targets, of the targets of the shortest lines, of all targets;
-    the steps."""
+    tensor: its gradient is the weight the loss gives every target token.  -> [(log p, batch)]
+    of every step."""
     seen = []
 
     def leaf_score(model, batch, kind, state=None):
@@ -100,6 +112,13 @@ def gradient_shares(tmp_path, monkeypatch, protocol):
     flags = "--model lstm --dataset wikitext2 --n_layer 1 --d_model 8 --batch_size 32"
     flags += " --train_seqs 3000 --max_epochs 1 --eval_seqs 8 --probe 0 --no_curves"
     train.main(flags.split() + ["--protocol", protocol, "--out_dir", str(out)])
+    return seen
+
+
+def gradient_shares(tmp_path, monkeypatch, protocol):
+    """-> the total weight and token count of the eos targets, of the targets of the shortest
+    lines, of all targets over leaf_run's epoch; the steps."""
+    seen = leaf_run(tmp_path, monkeypatch, protocol)
     weight, count = np.zeros(3), np.zeros(3)
     for log_p, batch in seen:
         mask, grad = batch["mask"], -log_p.grad
@@ -112,18 +131,34 @@ def gradient_shares(tmp_path, monkeypatch, protocol):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", ["paper", "authors"])
-def test_every_target_token_weighs_alike_over_an_epoch(protocol, tmp_path, monkeypatch):
-    """NMST eq. 3 is the mean over all targets: over an epoch of length-sorted batches (the
-    paper protocol) or random ones (the authors'), the eos targets' and the shortest lines'
-    share of the gradient is their share of the tokens.  Dividing each batch by its own count
-    instead would give the eos targets several times their share (checked on these batches)."""
-    weight, count, steps = gradient_shares(tmp_path, monkeypatch, protocol)
+def test_every_target_token_weighs_alike_over_an_epoch(tmp_path, monkeypatch):
+    """NMST eq. 3 is the mean over all targets: over an epoch of length-sorted batches the eos
+    targets' and the shortest lines' share of the gradient is their share of the tokens.
+    Dividing each batch by its own count instead would give the eos targets several times their
+    share (checked on these batches)."""
+    weight, count, steps = gradient_shares(tmp_path, monkeypatch, "paper")
     assert weight[:2] / weight[2] == pytest.approx(count[:2] / count[2], rel=1e-6)
     # (each step's weights add up to its count over the epoch's mean count: 1 a step on average)
     assert weight[2] == pytest.approx(steps, rel=1e-6)
-    if protocol == "paper":
-        assert count[0] / count[2] < 0.02  # (eos: one target a line of > 10 words)
+    assert count[0] / count[2] < 0.02  # (eos: one target a line of > 10 words)
+
+
+@pytest.mark.slow
+def test_the_authors_loss_divides_each_batch_by_its_own_count(tmp_path, monkeypatch, authors):
+    """--protocol authors, their train.py:61-62, 69: every target of a batch, <cpad> ones too,
+    weighs 1 / (the batch's targets that are neither padding nor <cpad>)."""
+    _, data = authors
+    cpad = data["vocab"]["tokens"].index("<cpad>")
+    seen, with_cpad = leaf_run(tmp_path, monkeypatch, "authors"), 0
+    assert len(seen) == 94
+    for log_p, batch in seen:
+        mask, targets = batch["mask"], batch["targets"]
+        own = int((mask & (targets != cpad)).sum())
+        assert batch["n_authors"] == own
+        torch.testing.assert_close(-log_p.grad, mask / own, rtol=1e-6, atol=0)
+        with_cpad += own < int(mask.sum())
+    # (most random batches hold a line of fewer than 10 words)
+    assert with_cpad > 50
 
 
 @pytest.mark.slow
