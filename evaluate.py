@@ -38,6 +38,7 @@ from common import (
     number,
     run,
     world,
+    write_file,
 )
 from data.loader import batchify, bptt_windows, collate, epoch_batches, load_data, to_device
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
@@ -302,11 +303,8 @@ def report(args, res, split):
     return "\n".join(lines)
 
 
-def write_json(path, obj):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(f"{path}.tmp", path)
+def write_json(path, obj):  # (common.write_file: whole or not at all, a full disk one line)
+    write_file(path, lambda f: json.dump(obj, f, indent=1))
 
 
 def evaluate_once(ckpt, flags, path):

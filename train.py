@@ -12,7 +12,6 @@ import atexit
 import dataclasses
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -38,10 +37,13 @@ from common import (
     autocast,
     check_vocab,
     compile_model,
+    copy_checkpoint,
     get_device,
     load_checkpoint,
+    lock_folder,
     number,
     peak_flops,
+    release_folder,
     run,
     save_checkpoint,
     world,
@@ -614,6 +616,8 @@ def main(argv=None):
     curves.check_out_dir(args.out_dir, args.tensorboard, args.resume)
     # DDP: torchrun's environment says this process's rank and the number of processes.
     rank, procs = world()
+    # A run owns its folder while it runs: a second train.py into it is refused in one line.
+    lock_folder(args.out_dir)
     local_rank = None
     if procs > 1:
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -650,6 +654,7 @@ def main(argv=None):
         else:
             train(run, st, hidden)
     finally:
+        release_folder(args.out_dir)
         # The handlers are put back, but for a stopped run, or under torchrun: there a second
         # signal as the process leaves is no kill.
         if not (STOP or dist.is_initialized()):
@@ -1029,8 +1034,7 @@ def save(run, st, hidden, best=False):
     )
     save_checkpoint(ckpt, first)
     if best:
-        shutil.copyfile(first, f"{last}.tmp")
-        os.replace(f"{last}.tmp", last)
+        copy_checkpoint(first, last)
 
 
 def stop_state(st, since, stop, device):

@@ -85,7 +85,10 @@ def epoch_batches(args, data, epoch, split="train", limit=None, sizes=None):
         rng = np.random.default_rng([args.seed, epoch])
     if args.task in ("story", "storyline"):
         index = batches([len(s["tokens"]) for s in data[split][:limit]], args.batch_size, rng=rng)
-        return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
+        # A batch's key seeds its insertion orders: below 2^63 for any --seed (a generator's seed
+        # is a 64-bit integer), and unchanged for the seeds below ~9.2e6 where it always was.
+        key = (args.seed * 1_000_003 + epoch) * 1_000_003
+        return [(ix, (key + j) % 2**63) for j, ix in enumerate(index)]
     if split == "train":
         limit = args.train_seqs or None
     lengths = data[split].lengths[:limit]
@@ -134,7 +137,7 @@ def check_fits(args, data):
     if n < args.grad_accum:
         raise UserError(
             f"an epoch has {n} batch(es), fewer than --grad_accum {args.grad_accum}: "
-            f"no step would run (it needs lines of more than 10 tokens)"
+            f"no step would run ({too_few(args, data)})"
         )
     if args.task == "stream":
         batchify(data["streams"]["valid"], 10, "valid")  # (an error when too short)
@@ -149,6 +152,19 @@ def check_fits(args, data):
     longest = max(len(s["tokens"]) for k in ("train", "valid") for s in data[k]) if stories else 0
     if longest - (args.model == "gpt") > args.block_size:  # (L2R: reads all tokens but the last)
         raise UserError(f"a story of {longest} tokens exceeds --block_size {args.block_size}")
+
+
+def too_few(args, data):
+    """Why an epoch of completion has too few batches: no line long enough, or none that fits the
+    window, or too few lines for --grad_accum."""
+    if args.task != "completion":
+        return "it needs more data"
+    lengths = data["train"].lengths[: args.train_seqs or None]
+    if not len(lengths):
+        return "it needs lines of more than 10 tokens"
+    if args.window and args.protocol != "authors" and min(lengths) - 1 > args.window:
+        return f"every training line is longer than the --block_size {args.window} window"
+    return "it needs more lines, or a smaller --batch_size / --max_tokens"
 
 
 def batches(lengths, batch_size=None, max_tokens=None, rng=None, max_len=None):
