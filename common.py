@@ -264,7 +264,8 @@ def save_figure(fig, path):
     import matplotlib.pyplot as plt
 
     try:
-        write_file(path, lambda f: fig.savefig(f, dpi=120, format="png", bbox_inches="tight"), True)
+        png = dict(dpi=120, format="png", bbox_inches="tight")
+        write_file(path, lambda f: fig.savefig(f, **png), binary=True)
     except UserError as e:
         # A figure is a view of the logs: the run goes on without it.
         print(f"warning: {e}", file=sys.stderr)
@@ -394,14 +395,18 @@ def compile_model(model, backend="inductor", dynamic=True, graphs=False):
     # (another backend: a test's, or bench.py's eager one, with no options of inductor's)
     if backend != "inductor":
         return torch.compile(model, dynamic=dynamic, backend=backend)
-    # Inductor builds C++ (on a GPU too, Triton's launcher): without a compiler the first step
-    # would fail deep inside it, so the compiler it would look for is looked for now.
+    # Inductor builds C++ for a model on the CPU, and Triton a C launcher on the GPU: without the
+    # compiler the first step would fail deep inside them (an 80-line traceback), so the one
+    # they would look for is looked for now.
     from torch._inductor import config
 
-    if not any(shutil.which(cxx) for cxx in config.cpp.cxx if cxx):
+    compilers = [c for c in config.cpp.cxx if c]
+    if next(model.parameters()).is_cuda:
+        compilers = [os.environ.get("CC") or "gcc", "clang"]
+    if not any(shutil.which(c) for c in compilers):
         raise UserError(
-            f"--compile needs a C++ compiler ({' or '.join(c for c in config.cpp.cxx if c)}, "
-            f"or $CXX): install one (apt install g++), or drop --compile"
+            f"--compile needs a compiler ({' or '.join(compilers)}): install one (apt install "
+            f"g++), or drop --compile"
         )
     options = {"shape_padding": False, "triton.cudagraphs": graphs}
     return torch.compile(model, dynamic=dynamic, backend=backend, options=options)

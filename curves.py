@@ -34,8 +34,8 @@ UNITS = {"char": "character", "bpe": "BPE token"}
 
 
 def read_log(path, step=math.inf):
-    """The records of a run's .jsonl log up to `step`; a line torn by a crash is skipped, one
-    that is whole but not as train.py writes it (a number missing or not a number) is an error."""
+    """The records of a run's .jsonl log up to `step`; a line torn by a crash is skipped, a record
+    that is not as train.py writes it (a number missing or not a number) is an error."""
     records = []
     if not os.path.exists(path):
         return records
@@ -45,10 +45,13 @@ def read_log(path, step=math.inf):
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             # A kill mid-append tears the last line only, whose steps come after the last
-            # checkpoint: a resumed run logs them again.  A whole line that is wrong was edited.
+            # checkpoint: a resumed run logs them again.  A record that is wrong was edited.
             try:
                 record = json.loads(line)
             except ValueError:
+                continue
+            # (a line that is no record at all, a list or a string, is skipped as a torn one)
+            if not isinstance(record, dict):
                 continue
             check_record(record, need, f"{path} line {n}")
             if record["step"] <= step:
@@ -58,9 +61,6 @@ def read_log(path, step=math.inf):
 
 def check_record(record, need, where):
     """A log record: a JSON object whose `need` keys (and the probe's, if any) are numbers."""
-    # (a list or a number on a line: every key missing)
-    if not isinstance(record, dict):
-        record = {}
     if "probe_r_nt" in record:
         need = need + PROBE
     for key in need:

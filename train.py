@@ -616,8 +616,6 @@ def main(argv=None):
     curves.check_out_dir(args.out_dir, args.tensorboard, args.resume)
     # DDP: torchrun's environment says this process's rank and the number of processes.
     rank, procs = world()
-    # A run owns its folder while it runs: a second train.py into it is refused in one line.
-    lock_folder(args.out_dir)
     local_rank = None
     if procs > 1:
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -640,6 +638,9 @@ def main(argv=None):
         data = data or load_data(args, verbose=False)
     data["targets_per_batch"] = targets_per_batch(args, data)
     run, st = build(args, ckpt, data, hf, device)
+    # A run owns its folder while it runs: a second train.py into it is refused in one line
+    # (here, before the first write, so that an error above leaves no folder behind).
+    lock_folder(args.out_dir)
     if rank == 0:
         curves.start_logs(args.out_dir, vars(args), st.step if args.resume else 0)
     STOP.clear()

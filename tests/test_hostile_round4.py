@@ -386,7 +386,10 @@ def no_compiler():  # inductor's own search for a C++ compiler, told to find non
 
 
 def test_compile_without_a_compiler_is_one_line():
-    with no_compiler(), pytest.raises(common.UserError, match="--compile needs a C.. compiler"):
+    with (
+        no_compiler(),
+        pytest.raises(common.UserError, match="--compile needs a compiler .no-such-c"),
+    ):
         common.compile_model(torch.nn.Linear(2, 2))
 
 
@@ -398,7 +401,7 @@ def test_compile_and_window_messages_in_a_run(tmp_path, capsys):
     with no_compiler():
         flags = TINY + ["--compile", "--out_dir", str(tmp_path)]
         rc, err = run_in_process(train.main, flags, capsys)
-    assert_one_line_error(rc, err, "--compile needs a C++ compiler (no-such-c++-compiler")
+    assert_one_line_error(rc, err, "--compile needs a compiler (no-such-c++-compiler)")
     gpt = ["--model", "gpt", "--n_head", "2", "--block_size", "8", "--batch_size", "8"]
     rc, err = run_in_process(train.main, TINY + gpt + ["--out_dir", str(tmp_path)], capsys)
     assert_one_line_error(rc, err, "every training line is longer than the --block_size 8 window")
