@@ -38,6 +38,7 @@ from common import (
     number,
     run,
     world,
+    write_file,
 )
 from data.loader import batchify, bptt_windows, eval_batches, get_batch, load_data
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
@@ -449,10 +450,8 @@ def story_report(args, res, split):
 
 
 def write_json(path, obj):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(f"{path}.tmp", path)
+    """obj as JSON at path, whole or not at all (common.write_file: a full disk is one line)."""
+    write_file(path, lambda f: json.dump(obj, f, indent=1))
 
 
 def evaluate_once(ckpt, flags, path):

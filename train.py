@@ -13,7 +13,6 @@ import atexit
 import dataclasses
 import math
 import os
-import shutil
 import time
 
 import torch
@@ -32,8 +31,11 @@ from common import (
     autocast,
     check_vocab,
     compile_model,
+    copy_checkpoint,
     get_device,
+    lock_folder,
     mfu_per_token,
+    release_folder,
     restore_rng,
     run,
     save_checkpoint,
@@ -108,14 +110,8 @@ RECIPES = {
 # differ from the rnn / lstm recipe, in float32 as they trained.  Its sequences, batches, context
 # loss, N(0, 1) embeddings, no dropout between the layers and weight decay on every parameter
 # are in data/ and model.py.
-AUTHORS = {
-    "beta2": 0.999,
-    "batch_size": 32,
-    "lr": 1e-3,
-    "max_epochs": 70,
-    "patience": 10,
-    "dtype": "float32",
-}
+AUTHORS = {"beta2": 0.999, "batch_size": 32, "lr": 1e-3, "max_epochs": 70, "patience": 10}
+AUTHORS["dtype"] = "float32"
 
 
 # ----- the set-up: data, model, DDP, resume ---------------------------------------------------
@@ -147,7 +143,20 @@ def main(argv=None):
     # NMST eq. 3's divisor: the mean count of targets in an epoch's batches (data/loader.py).
     data["targets_per_batch"] = targets_per_batch(args, data)
     run, st = build(args, ckpt, data, hf, device)
-    if rank == 0:
+    # A run owns its folder while it runs: a second train.py into it is refused in one line
+    # (here, before the first write, so that an error above leaves no folder behind).
+    lock_folder(args.out_dir)
+    try:
+        start(run, st, ckpt)
+    finally:
+        release_folder(args.out_dir)
+
+
+def start(run, st, ckpt):
+    """The logs (a resumed run keeps its records up to its step), then the loop, unless the run
+    already reached a limit."""
+    args = run.args
+    if world()[0] == 0:
         curves.start_logs(args.out_dir, vars(args), st.step if args.resume else 0)
     hidden = None
     if ckpt:
@@ -539,8 +548,7 @@ def save(run, st, hidden, best=False):
     )
     save_checkpoint(ckpt, first)
     if best:
-        shutil.copyfile(first, f"{last}.tmp")
-        os.replace(f"{last}.tmp", last)
+        copy_checkpoint(first, last)
 
 
 def stop_state(st, since, stop, device):

@@ -111,8 +111,10 @@ def split_batches(args, data, split, limit, shuffle):
         return bptt_windows(data[split].size(1), args.bptt)
     if args.task in ("story", "storyline"):
         index = batches([len(s["tokens"]) for s in data[split][:limit]], args.batch_size, rng=rng)
-        # Each story batch carries a seed of its own for its insertion orders.
-        return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
+        # A batch's key seeds its insertion orders: below 2^63 for any --seed (a generator's seed
+        # is a 64-bit integer), and unchanged for the seeds below ~9.2e6 where it always was.
+        key = (args.seed * 1_000_003 + epoch) * 1_000_003
+        return [(ix, (key + j) % 2**63) for j, ix in enumerate(index)]
     lengths = data[split].lengths[:limit]
     sizes = dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
     # (an evaluation of a checkpoint without either: batches of 32 lines)
@@ -159,7 +161,7 @@ def check_fits(args, data):
     if n < args.grad_accum:
         raise UserError(
             f"an epoch has {n} batch(es), fewer than --grad_accum {args.grad_accum}: "
-            f"no step would run (it needs lines of more than 10 tokens)"
+            f"no step would run ({too_few(args, data)})"
         )
     # (a validation stream too short for 10 columns is an error)
     if args.task == "stream":
@@ -174,6 +176,19 @@ def check_fits(args, data):
     # (the left-to-right baseline reads every token but the last)
     if longest - (args.model == "gpt") > args.block_size:
         raise UserError(f"a story of {longest} tokens exceeds --block_size {args.block_size}")
+
+
+def too_few(args, data):
+    """Why an epoch of completion has too few batches: no line long enough, or none that fits the
+    window, or too few lines for --grad_accum."""
+    if args.task != "completion":
+        return "it needs more data"
+    lengths = data["train"].lengths[: args.train_seqs or None]
+    if not len(lengths):
+        return "it needs lines of more than 10 tokens"
+    if args.window and args.protocol != "authors" and min(lengths) - 1 > args.window:
+        return f"every training line is longer than the --block_size {args.window} window"
+    return "it needs more lines, or a smaller --batch_size / --max_tokens"
 
 
 def batches(lengths, batch_size=None, max_tokens=None, rng=None, max_len=None):
