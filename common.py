@@ -143,6 +143,11 @@ POS = number(float, lambda v: v > 0, "> 0")
 NONNEG = number(float, lambda v: v >= 0, ">= 0")
 FRACTION = number(float, lambda v: 0 <= v < 1, "in [0, 1)")
 SEED = number(int, lambda v: 0 <= v < 2**63, "in [0, 2^63)")
+# epsilon's range, the plateau's factor, a decoding length (capped: a model that never ends
+# cannot keep a command decoding for ever)
+OPEN_UNIT = number(float, lambda v: 0 < v < 1, "in (0, 1)")
+DECAY = number(float, lambda v: 0 < v <= 1, "in (0, 1]")
+LENGTH = number(int, lambda v: 1 <= v <= 10**6, "in [1, 10^6]")
 
 
 class Parser(argparse.ArgumentParser):

@@ -26,6 +26,7 @@ import curves
 from common import (
     INT0,
     INT1,
+    LENGTH,
     RUN_FILES,
     Parser,
     UserError,
@@ -35,7 +36,6 @@ from common import (
     check_vocab,
     get_device,
     load_checkpoint,
-    number,
     run,
     world,
     write_file,
@@ -219,36 +219,18 @@ def parser():
     p.add_argument("--no_ppl", action="store_true", help="no perplexity pass")
     # The decoders' flags are decode.py's, shared with sample.py; the study's own follow.
     add_decoding_flags(p)
-    p.add_argument(
-        "--L",
-        type=number(int, lambda v: 1 <= v <= 10**6, "in [1, 10^6]"),
-        nargs="+",
-        default=[10, 100, 1000],
-        help="r_nt(L) thresholds; decodes run to max(L)",
-    )
-    p.add_argument(
-        "--decode_batch",
-        type=INT1,
-        help="prompts decoded together (default: 64 on a CPU; on a GPU as many as fit a quarter "
-        "of its free memory)",
-    )
+    L = "r_nt(L)'s L (a decode runs to the largest)"
+    p.add_argument("--L", type=LENGTH, nargs="+", default=[10, 100, 1000], help=L)
+    batch = "prompts decoded together (default: 64 on a CPU; a GPU: a quarter of its memory's)"
+    p.add_argument("--decode_batch", type=INT1, help=batch)
     p.add_argument("--examples", type=INT0, default=3, help="examples of each kind")
     p.add_argument("--traces", type=INT0, default=5, help="sequences with p(eos) traces (Fig. 3)")
     # The figures are curves.py's (NMST Fig. 2, 3, 7, 8; CT Fig. 1).
     p.add_argument("--plot", metavar="DIR", help="PNG figures of the study into DIR")
-    p.add_argument(
-        "--tau_report",
-        action="store_true",
-        help="ct / ctmos: temperature by position "
-        "and the words of highest / lowest temperature (CT paper Fig. 1, Tables 5-6)",
-    )
-    p.add_argument(
-        "--compare",
-        nargs="+",
-        metavar="JSON",
-        help="no evaluation: the studies of "
-        "these --out files side by side (and overlaid with --plot)",
-    )
+    tau = "ct / ctmos: the temperature by position, its hottest and coldest words (CT Fig. 1)"
+    p.add_argument("--tau_report", action="store_true", help=tau)
+    compare = "no evaluation: the studies of earlier --out files side by side (--plot: overlaid)"
+    p.add_argument("--compare", nargs="+", metavar="JSON", help=compare)
     return p
 
 

@@ -156,17 +156,18 @@ def start(run, st, ckpt):
     """The logs (a resumed run keeps its records up to its step), then the loop, unless the run
     already reached a limit."""
     args = run.args
-    if world()[0] == 0:
-        curves.start_logs(args.out_dir, vars(args), st.step if args.resume else 0)
-    hidden = None
-    if ckpt:
-        hidden = ckpt["hidden"]
     why = limit_reached(args, st)
     if why:
         print(f"{args.out_dir}: this run already finished ({why}); raise the limit to go on")
         return
-    # Ctrl-C and SIGTERM: the step finishes, ckpt_last.pt is written, the run exits 0.
+    hidden = None
+    if ckpt:
+        hidden = ckpt["hidden"]
+    # Ctrl-C and SIGTERM from the first log on: the step finishes, ckpt_last.pt is written, the
+    # run exits 0.
     with stop_on_signals():
+        if world()[0] == 0:
+            curves.start_logs(args.out_dir, vars(args), st.step if args.resume else 0)
         train(run, st, hidden)
 
 
