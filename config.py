@@ -38,7 +38,6 @@ GPT2_SIZES = {
     "gpt2-xl": (48, 25, 1600),
 }
 ALL_DATASETS = (*DATASETS, *STORY_DATASETS)
-INITS = ("scratch", *GPT2_SIZES)
 SCHEDULES = ("plateau", "linear", "constant")
 # The tasks: completion (NMST), stream (CT), story / storyline (InsNet).
 TASKS = ("completion", "stream", "story", "storyline")
@@ -106,7 +105,9 @@ def run_flags(p):
     # A run owns its folder: its checkpoints, logs, args.json and curves.png.
     p.add_argument("--out_dir", help="None: out/DATASET-MODEL-HEAD")
     p.add_argument("--seed", default=0, type=SEED, help="the random seed")
-    p.add_argument("--init_from", default="scratch", choices=INITS, help="GPT-2's weights")
+    # (GPT2_SIZES read when the parser is made: a test adds a size of its own)
+    inits = ("scratch", *GPT2_SIZES)
+    p.add_argument("--init_from", default="scratch", choices=inits, help="GPT-2's weights")
     # (a machine without internet access loads GPT-2's weights from a file)
     p.add_argument("--weights", help="--init_from's, a local copy")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N")

@@ -171,9 +171,10 @@ def run_line(args, model, data, device, ctx, resumed_at):
 
 
 def say_how_it_ended(args, st, stop, why):
+    """The run's last line: stopped by a signal short of its end, or done, and why."""
     if world()[0] != 0:
         return
-    if stop:
+    if stop and not why:
         print(
             f"stopped by {stop} after step {st.step}; {args.out_dir}/ckpt_last.pt written: "
             f"the same command with --resume goes on"

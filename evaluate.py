@@ -96,7 +96,10 @@ def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
     totals = dict(zip(SUMS, all_sum(sums.tolist(), device)))
     # A perplexity over no token is no number (it would print 1.00).
     if totals["n"] == 0:
-        raise UserError(f"the {split} split holds no token this model predicts: no perplexity")
+        raise UserError(
+            f"the {split} split holds no sequence that fits this model (no token to score): "
+            f"no perplexity"
+        )
     total = len(data[split]) if limit is None else min(limit, len(data[split]))
     return figures(args, totals, total)
 

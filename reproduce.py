@@ -29,7 +29,7 @@ import common
 import curves
 import evaluate
 import train
-from common import UserError, check_output, run
+from common import UserError, check_output, run, write_file
 from decode import SAMPLING
 from heads import EPSILON_HEADS, paper_name, t_half
 from heads import HEADS as HEADS_AVAILABLE
@@ -792,20 +792,12 @@ def cap_note(args):
 
 
 def write_results(out, lines, raw):
-    """results.json, then table.md whole (a temporary file renamed): a full disk is one line, and
-    no temporary file is left."""
-    table, raw_path = os.path.join(out, "table.md"), os.path.join(out, "results.json")
-    try:
-        # The raw numbers first: a table is never left without them.
-        evaluate.write_json(raw_path, raw)
-        with open(f"{table}.tmp", "w") as f:
-            f.write("\n".join(lines) + "\n")
-        os.replace(f"{table}.tmp", table)
-    except OSError as e:
-        for tmp in (f"{table}.tmp", f"{raw_path}.tmp"):
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        raise UserError(f"could not write the results into {out}: {e.strerror or e}") from None
+    """results.json, then table.md, each whole or not at all (common.write_file: a full disk is
+    one line, and no temporary file is left)."""
+    # The raw numbers first: a table is never left without them.
+    evaluate.write_json(os.path.join(out, "results.json"), raw)
+    text = "\n".join(lines) + "\n"
+    write_file(os.path.join(out, "table.md"), lambda f: f.write(text))
 
 
 def main(argv=None):

@@ -271,8 +271,9 @@ def train(run, st, hidden):
             st.epoch += 1
             st.batch_in_epoch = 0
             why = after_epoch(run, st, hidden, pending, since)
-    if stop:
-        # A signal stopped the run: the losses logged, the interval's sums kept, ckpt_last.pt.
+    # A signal stopped the run short of its end (at its last step it simply ended): the losses
+    # logged, the interval's sums kept, ckpt_last.pt.
+    if stop and not why:
         sync(args, pending, run.device, st)
         stop_state(st, since, stop, run.device)
         save(run, st, hidden)

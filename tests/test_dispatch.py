@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import insnet
+from data import loader
 from decode import filter_log_probs
 from heads import Head
 from model import Recurrent, build_backbone
@@ -32,7 +33,7 @@ def refusals():
             "paper or authors",
         ),
         ("an unknown insertion decoder", lambda: insnet.Decoding("beam"), "greedy, sample, topk"),
-        ("an unknown insertion order", lambda: insnet.insertion_order(6, 1, (), "r2l"), "l2r"),
+        ("an unknown insertion order", lambda: loader.insertion_order(6, 1, (), "r2l"), "l2r"),
     ]
 
 

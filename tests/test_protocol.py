@@ -71,12 +71,13 @@ def test_the_authors_divisor_over_an_epoch(authors):
     """Each training batch carries the authors' count (no padding, no <cpad>): over the epoch they
     add up to 2,101,579, the corpus count; the first line (empty: <bos> <cpad> x9 <unk> <eos>)
     alone counts 2 of its 11 targets."""
-    from evaluate import get_batch
+    from data.loader import get_batch
 
     args, data = authors
     keys = epoch_batches(args, data, 0)
-    assert sum(get_batch(args, data, k, "cpu", "train")["n_authors"] for k in keys) == 2_101_579
-    first = get_batch(args, data, [0], "cpu", "train")
+    counts = [get_batch(args, data, k, "cpu", training=True)["n_authors"] for k in keys]
+    assert sum(counts) == 2_101_579
+    first = get_batch(args, data, [0], "cpu", training=True)
     assert (first["n"], first["n_authors"]) == (11, 2)
 
 
