@@ -1,19 +1,21 @@
-"""Benchmarks that print side-by-side tables.  Not tests: figures, not asserts.
+"""Benchmarks that print side-by-side tables.  Not tests: figures, not asserts."""
 
-    python bench.py train      # train-step tokens/s: LSTM and GPT x the heads, and plain PyTorch
-    python bench.py batches    # the (B, T) shapes and padding of an epoch of --max_tokens batches
-    python bench.py decode     # greedy and beam-4 tokens/s: nanogen against HF generate()
-    python bench.py insnet     # InsNet paper Fig. 12: epoch time by length, InsNet / IT / L2R
-    python bench.py arch       # the survey's RNN / LSTM / GCNN / GPT side by side on PTB
-    python bench.py gpu        # on a GPU: the train table at GPT-2 124M (eager, compiled; MFU)
-    python bench.py padding    # the authors' padded batches: an epoch's cost, real tokens / dense
+#   python bench.py train      # train-step tokens/s: LSTM and GPT x the heads, and plain PyTorch
+#   python bench.py batches    # the (B, T) shapes and padding of an epoch of --max_tokens batches
+#   python bench.py decode     # greedy and beam-4 tokens/s: nanogen against HF generate()
+#   python bench.py insnet     # InsNet paper Fig. 12: epoch time by length, InsNet / IT / L2R
+#   python bench.py arch       # the survey's RNN / LSTM / GCNN / GPT side by side on PTB
+#   python bench.py gpu        # on a GPU: the train table at GPT-2 124M (eager, compiled; MFU)
+#   python bench.py authors --authors_src PATH   # --protocol authors against the authors' code
+#   python bench.py padding    # an authors' epoch against a paper's, real tokens alone and dense
+#
+# Every figure is of the machine that runs it; RESULTS.md has ours, with their commands.
 
-Every figure is of the machine that runs it; RESULTS.md has ours, with their commands.
-"""
-
-import collections
+import argparse
 import contextlib
 import dataclasses
+import importlib.util
+import math
 import os
 import statistics
 import tempfile
@@ -29,22 +31,28 @@ import insnet
 import train
 from common import check_output
 from data import loader
-from data.loader import batches, bucket, load, story_batch
+from data.loader import batches, bucket, epoch_batches, load, load_data, story_batch
 from data.prepare import DATASETS
 from data.stories import synthetic
 from decode import decode
+from heads import paper_name
 from model import LanguageModel, gpt_state_from_hf
 
-# The benchmarks' model shape, unless a benchmark gives its own.
-SHAPE = dict(n_layer=2, d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True)
 
-
+# A model's config (train.model_config's dict) at the NMST paper's LSTM shape; kw over it.
 def cfg_for(model, head, V, **kw):
-    return dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, **SHAPE) | kw
+    cfg = dict(model=model, head=head, epsilon=1e-5, vocab_size=V, eos_id=V - 1, n_layer=2)
+    cfg.update(d_model=512, dropout=0.0, tie=True, n_head=12, block_size=1024, bias=True)
+    return cfg | kw
 
 
+# The GPT shape of the flags.
+def gpt_shape(args):
+    return dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads)
+
+
+# Seconds per call of fn, after `warmup` calls (a GPU synchronised around the clock).
 def timed(fn, warmup, iters, device):
-    """Seconds per call of fn, after `warmup` calls (a GPU synchronised around the clock)."""
     for _ in range(warmup):
         fn()
     sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
@@ -56,9 +64,9 @@ def timed(fn, warmup, iters, device):
     return (time.perf_counter() - t0) / iters
 
 
+# Median seconds per call of every fn over `rounds` rounds, alternating them and who goes first
+# (a CPU box drifts by +-5 % within minutes).
 def alternating(fns, rounds, iters, device):
-    """Median seconds per call of every fn over `rounds` rounds, alternating them and who goes
-    first (a CPU box drifts by +-5 % within minutes)."""
     for fn in fns.values():  # warm-up
         fn()
     times = {name: [] for name in fns}
@@ -68,9 +76,9 @@ def alternating(fns, rounds, iters, device):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+# A training step as train.py runs one (one call of the model, eq. 3, AdamW fused), or of another
+# model's `loss()`.
 def train_step(model, x, y, t=None, ctx=None, loss=None):
-    """A training step as train.py runs one (one call of the model, eq. 3, AdamW fused), or of
-    another model's `loss()`."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
@@ -83,10 +91,10 @@ def train_step(model, x, y, t=None, ctx=None, loss=None):
     return step
 
 
+# The same step in plain PyTorch at the same shape and V: for the LSTM pytorch/examples' word LM
+# (nn.Embedding, nn.LSTM, a tied nn.Linear, cross_entropy: written here), for the GPT
+# HuggingFace's GPT2LMHeadModel (its logits, the same cross_entropy).
 def reference_step(model, args, x, y, ctx=None):
-    """The same step in plain PyTorch at the same shape and V: for the LSTM pytorch/examples' word
-    LM (nn.Embedding, nn.LSTM, a tied nn.Linear, cross_entropy: written here), for the GPT
-    HuggingFace's GPT2LMHeadModel (its logits, the same cross_entropy)."""
     torch.manual_seed(0)
     if model == "gpt":
         net = hf_models(args, x.device, 0.0)[0]
@@ -95,13 +103,9 @@ def reference_step(model, args, x, y, ctx=None):
             return net(x).logits
 
     else:
-        net = torch.nn.ModuleList(
-            [
-                torch.nn.Embedding(33278, 512),
-                torch.nn.LSTM(512, 512, 2, batch_first=True),
-                torch.nn.Linear(512, 33278),
-            ]
-        ).to(x.device)
+        lstm = torch.nn.LSTM(512, 512, 2, batch_first=True)
+        layers = [torch.nn.Embedding(33278, 512), lstm, torch.nn.Linear(512, 33278)]
+        net = torch.nn.ModuleList(layers).to(x.device)
         net[2].weight = net[0].weight
 
         def logits():
@@ -113,10 +117,10 @@ def reference_step(model, args, x, y, ctx=None):
     return train_step(net, x, y, ctx=ctx, loss=loss)
 
 
+# Tokens/s of a train step by head (ST / NMST cost what softmax costs; --compile: softmax as
+# train.py --compile compiles it, and static; 1st step's s) beside plain PyTorch at the same shape
+# (reference_step): the LSTM in float32, the GPT under `ctx` (gpu: bf16 autocast); MFU.
 def bench_train(args, device, ctx=None):
-    """Tokens/s of a train step by head (ST / NMST cost what softmax costs; --compile: softmax as
-    train.py --compile compiles it, and static; 1st step's s) beside plain PyTorch at the same
-    shape (reference_step): the LSTM in float32, the GPT under `ctx` (gpu: bf16 autocast); MFU."""
     heads = ["softmax", "st", "nmst"]
     if args.compile:
         heads += ["compiled", "static"]
@@ -127,9 +131,8 @@ def bench_train(args, device, ctx=None):
         + " ".join(f"{h:>9s}" for h in heads)
         + " (tok/s)  softmax/reference  MFU"
     )
-    gpt = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads)
     for model, kw, V, B, T in (
-        ("gpt", gpt, 50257, args.gpt_batch, 1024),
+        ("gpt", gpt_shape(args), 50257, args.gpt_batch, 1024),
         ("lstm", dict(n_layer=2, d_model=512), 33278, args.batch, args.seq),
     ):
         x, y = (torch.randint(0, V - 1, (B, T), device=device) for _ in range(2))
@@ -162,25 +165,24 @@ def bench_train(args, device, ctx=None):
         )
 
 
+# HF's GPT2LMHeadModel and nanogen's GPT with the same (random) weights.
 def hf_models(args, device, dropout):
-    """HF's GPT2LMHeadModel and nanogen's GPT with the same (random) weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    drops = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), dropout)
-    hf_cfg = GPT2Config(
-        n_embd=args.gpt_dim, n_layer=args.gpt_layers, n_head=args.gpt_heads, **drops
-    )
-    hf = GPT2LMHeadModel(hf_cfg).to(device)
-    hf.loss_type = "ForCausalLM"  # (transformers 5 finds none in the class name, and warns)
-    shape = dict(n_layer=args.gpt_layers, d_model=args.gpt_dim, n_head=args.gpt_heads)
-    lm = LanguageModel(cfg_for("gpt", "softmax", 50257, eos_id=50256, dropout=dropout, **shape))
+    drop = dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    shape = dict(n_embd=args.gpt_dim, n_layer=args.gpt_layers, n_head=args.gpt_heads)
+    hf = GPT2LMHeadModel(GPT2Config(**shape, **drop)).to(device)
+    # (transformers 5 finds no loss type in the class name, and warns)
+    hf.loss_type = "ForCausalLM"
+    cfg = cfg_for("gpt", "softmax", 50257, eos_id=50256, dropout=dropout, **gpt_shape(args))
+    lm = LanguageModel(cfg)
     lm.load_state_dict(gpt_state_from_hf(hf.state_dict(), lm))
     return hf, lm.to(device)
 
 
+# Greedy and beam-4 decoding, nanogen against HF generate() (greedy: the same tokens).
 def bench_decode(args, device):
-    """Greedy and beam-4 decoding, nanogen against HF generate() (greedy: the same tokens)."""
     hf, lm = (m.eval() for m in hf_models(args, device, 0.0))
     prompts, N = torch.randint(0, 50256, (args.prompts, 10), device=device), args.new_tokens
     print(
@@ -228,19 +230,11 @@ def bench_decode(args, device):
         )
 
 
+# InsNet paper Fig. 12 (section 5.1): seconds per training epoch (forward, backward, AdamW) on
+# the synthetic benchmark (V = 30000) at each length: InsNet, IT-vanilla, and the L2R GPT of the
+# same shape.  -> the table's lines (printed; --plot: the figure).
 def bench_insnet(args, device):
-    """InsNet paper Fig. 12 (section 5.1): seconds per training epoch (forward, backward, AdamW)
-    on the synthetic benchmark (V = 30000) at each length: InsNet, IT-vanilla, and the L2R GPT
-    of the same shape.  -> the table's lines (printed; --plot: the figure)."""
-    shape = dict(
-        n_layer=args.gpt_layers,
-        d_model=args.gpt_dim,
-        n_head=args.gpt_heads,
-        dropout=0.0,
-        block_size=256,
-        max_offset=256,
-        vocab_size=30000,
-    )
+    shape = dict(gpt_shape(args), dropout=0.0, block_size=256, max_offset=256, vocab_size=30000)
     lines = [
         f"seconds per epoch of {args.seqs} sequences (batch {args.batch}, mean of {args.iters}"
         f" epochs after one warm-up; IT-vanilla batch {args.it_batch}, one epoch), "
@@ -261,17 +255,8 @@ def bench_insnet(args, device):
         )
         print(lines[-1], flush=True)
     if args.plot:
-        fig, ax = curves.pyplot().subplots(figsize=(5, 3.5))
-        for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
-            ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
-        ax.set(
-            xlabel="sequence length",
-            ylabel="seconds per epoch",
-            yscale="log",
-            title=f"{args.seqs} sequences / epoch, {args.gpt_layers}x{args.gpt_dim}, {device}",
-        )
-        ax.legend()
-        curves.save_figure(fig, args.plot)
+        title = f"{args.seqs} sequences / epoch, {args.gpt_layers}x{args.gpt_dim}, {device}"
+        curves.epoch_times(rows, title, args.plot)
     return lines
 
 
@@ -297,10 +282,10 @@ def epoch_time(name, cfg, n, args, device):
 ARCH = (("rnn", 8, 256), ("lstm", 2, 256), ("gcnn", 2, 256), ("gpt", 2, 208))
 
 
+# The survey's recurrent, convolutional and attention backbones at comparable sizes (each body
+# ~16 D^2 weights) trained on PTB for the same --budget seconds: parameters, training and
+# greedy-decoding tokens/s, validation perplexity.
 def bench_arch(args, device):
-    """The survey's recurrent, convolutional and attention backbones at comparable sizes (each
-    body ~16 D^2 weights) trained on PTB for the same --budget seconds: parameters, training and
-    greedy-decoding tokens/s, validation perplexity."""
     rows = [
         f"PTB, word level, {args.budget:g} s of training each (batch 32, lr 2e-3, dropout "
         f"0.1), {device}, threads {torch.get_num_threads()}\n{'model':5s} {'shape':8s} "
@@ -329,9 +314,9 @@ def bench_arch(args, device):
     print("\n".join(rows))  # (the table after the runs' own lines)
 
 
+# On a GPU: the train-step table at the NMST paper's LSTM (2 x 512, 32 x 128, float32) and GPT-2
+# 124M (8 x 1024, bf16 autocast), eager and compiled; then decoding against HF.
 def bench_gpu(args, device):
-    """On a GPU: the train-step table at the NMST paper's LSTM (2 x 512, 32 x 128, float32) and
-    GPT-2 124M (8 x 1024, bf16 autocast), eager and compiled; then decoding against HF."""
     if not device.startswith("cuda"):
         print("no CUDA device here: bench.py gpu times nanogen's CUDA paths (nothing to do)")
         return
@@ -343,9 +328,9 @@ def bench_gpu(args, device):
     bench_decode(args, device)
 
 
+# One epoch of --max_tokens batches as train.py makes them (data/loader.batches: T rounded up to
+# its bucket, B = max_tokens // T): their (B, T) shapes and the padding they cost.
 def bench_batches(args, device):
-    """One epoch of --max_tokens batches as train.py makes them (data/loader.batches: T rounded up
-    to its bucket, B = max_tokens // T): their (B, T) shapes and the padding they cost."""
     _, splits, _ = load(args.dataset, verbose=False)
     print(
         f"{args.dataset}, --max_tokens {args.max_tokens}, window 1024\n{'split':6s} "
@@ -359,24 +344,110 @@ def bench_batches(args, device):
         print(f"{name:6s} {len(keys):8d} {len(set(shapes)):7d} {waste:7.1f}% {per_batch:20.0f}")
 
 
+# The authors' model of each head (their model_utils.py).
+THEIR_CLASSES = dict(softmax="VanillaLM", st="SelfTerminatingLM", nmst="NonMonotonicSTLM")
+
+
+def authors_pair(theirs, head, tokens, batch, cpad):
+    # One head both ways on the batch (tokens in their ids, V + 1 = theirs with <pad>), float64,
+    # nanogen's seeded --protocol authors weights in both; each loss divided as each divides it,
+    # 4 lines at a time (a float64 row of V: 0.27 MB a position).
+    # -> (-log p (B, T): nanogen's, theirs; the gradients' pairs; the divisors)
+    V = len(theirs.lookup.weight) - 1
+    torch.manual_seed(0)
+    ours = LanguageModel(cfg_for("rnn", head, V + 1, d_model=256, protocol="authors")).double()
+    with torch.no_grad():
+        # (their nn.Embedding(padding_idx) starts <pad>'s row at 0)
+        ours.backbone.wte.weight[V - 1] = 0
+    state = {k.replace("wte.", "lookup."): v for k, v in ours.backbone.state_dict().items()}
+    state["lookup.weight"] = state["projection.weight"] = state["lookup.weight"][: V + 1]
+    theirs.load_state_dict(state)
+    # Their loss and divisor: utils.py:48-51 (the criterion), train.py:61-62, 66, 69.
+    criterion = torch.nn.CrossEntropyLoss if head == "softmax" else torch.nn.NLLLoss
+    targets = tokens[:, 1:]
+    n = int(targets.ne(V - 1).count_nonzero()) - int(targets.eq(cpad).count_nonzero())
+    nll = torch.zeros(targets.shape, dtype=torch.float64)
+    loss = torch.zeros_like(nll)
+    for rows in torch.arange(len(tokens)).split(4):
+        x, y, mask = tokens[rows, :-1], targets[rows], batch["mask"][rows]
+        scored = ours(dict(inputs=x, t=batch["t"][rows], targets=y, mask=None))[0]
+        part = -torch.where(mask, scored, 0.0)
+        (part.sum() / batch["n_authors"]).backward()
+        out = theirs(x).flatten(0, 1)
+        theirs_part = criterion(ignore_index=V - 1, reduction="none")(out, y.flatten())
+        (theirs_part.sum() / n).backward()
+        nll[rows], loss[rows] = part.detach(), theirs_part.detach().view(y.shape)
+    # Their parameters by name: lookup (U tied to it) and the RNN's; nanogen's V + 1 rows of wte.
+    mine = dict(ours.backbone.named_parameters())
+    grads = [
+        (mine[k.replace("lookup", "wte")].grad[: len(q)], q.grad)
+        for k, q in theirs.named_parameters()
+    ]
+    return nll, loss, grads, (batch["n_authors"], n)
+
+
+def bench_authors(args, device):
+    # NMST Table 1's objective: nanogen's --protocol authors beside the authors' own functions
+    # (model_utils.py of --authors_src, their src/wiki2, loaded from its file) on the authors'
+    # first WikiText-2 batch, float64, on the CPU.
+    path = os.path.join(args.authors_src or "", "model_utils.py")
+    if not os.path.isfile(path):
+        raise common.UserError("bench.py authors: --authors_src is the authors' src/wiki2 folder")
+    spec = importlib.util.spec_from_file_location("model_utils", path)
+    their_code = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(their_code)
+    argv = "--model rnn --dataset wikitext2 --protocol authors".split()
+    run = config.get_args(argv, train.RECIPES, train.AUTHORS)[0]
+    data = load_data(run, verbose=False)
+    b = evaluate.get_batch(run, data, epoch_batches(run, data, 0)[0], "cpu", "train")
+    # Their ids: eos last (their ST reads logits[:eos]), <pad> before it; nanogen's eos is 0.
+    V = data["vocab_size"]
+    real = torch.arange(b["tokens"].size(1)) < b["lengths"].unsqueeze(1)
+    tokens = torch.where(real, torch.where(b["tokens"] == 0, V, b["tokens"] - 1), V - 1)
+    cpad = data["vocab"]["tokens"].index("<cpad>") - 1
+    kw = dict(num_embeddings=V + 1, output_dim=V + 1, eos_idx=V, pad_idx=V - 1, rnn_type="nn.RNN")
+    kw.update(embedding_dim=256, hidden_size=256, num_layers=2, dropout=0.0, rnn_dropout=0.0)
+    kw.update(tie_weights=1, epsilon=1e-5, mask_context_k=10)
+    context = b["mask"] & (b["t"] <= 0)
+    print(
+        f"the authors' first WikiText-2 batch (B x T = {tuple(b['inputs'].shape)}), "
+        f"{int(b['mask'].sum())} targets ({int(context.sum())} in the context), 2 x 256 RNN, "
+        f"eps 1e-5, seed 0, float64; torch {torch.__version__}\n"
+        f"{'head':6s} {'divisor ours / theirs':>21s} {'p<=1e-20':>8s} {'max |d log p|':>13s} "
+        f"{'(context)':>9s} {'max |d grad|':>12s} {'max |grad|':>10s}"
+    )
+    for head, name in THEIR_CLASSES.items():
+        theirs = getattr(their_code, name)(argparse.Namespace(**kw)).double()
+        ours, loss, grads, divisors = authors_pair(theirs, head, tokens, b, cpad)
+        d = (ours - loss).abs()
+        floored = int((b["mask"] & (loss > -math.log(1e-20) - 1e-9)).sum())
+        print(
+            f"{paper_name(head):6s} {f'{divisors[0]} / {divisors[1]}':>21s} {floored:8d} "
+            f"{float(d[b['mask']].max()):13.1e} {float(d[context].max()):9.1e} "
+            f"{max(float((p - q).abs().max()) for p, q in grads):12.1e} "
+            f"{max(float(q.abs().max()) for _, q in grads):10.2f}"
+        )
+
+
 def bench_padding(args, device):
-    """NMST Table 1's RNN (2 x 256, NMST head) on WikiText-2, one train.py step a batch: the
-    authors' protocol (random batches of 32 lines, each padded to its longest, context targets
-    counted) against the paper's (batches of like lengths), computing the real tokens alone
-    ("real") or every padded position ("dense": the output layer on all, the RNN unpacked).
-    An epoch's seconds: the mean step of --steps batches (the middle one of each of --steps
-    equal slices of the epoch's batches sorted by width), times the epoch's batches."""
+    # NMST Table 1's RNN (2 x 256, NMST head) on WikiText-2, one train.py step a batch: the
+    # authors' protocol (random batches of 32 lines, each padded to its longest, context targets
+    # counted) against the paper's (batches of like lengths), computing the real tokens alone
+    # ("real") or every padded position ("dense": the output layer on all, the RNN unpacked).
+    # An epoch's seconds: the mean step of --steps batches (the middle one of each of --steps
+    # equal slices of the epoch's batches sorted by width), times the epoch's batches.
     runs = {p: padding_run(p, device, args.steps) for p in ("paper", "authors")}
-    st, since, sec = train.Counters(lr=1e-3), dict(nll=0.0, n=0, tokens=0), collections.Counter()
+    sec = {(p, way): 0.0 for p in runs for way in ("dense", "real")}
+    st, since = train.Counters(lr=1e-3), dict(nll=0.0, n=0, tokens=0)
     # Side by side: each slice's batch of both protocols, both ways, in alternating order (the
     # first round is a warm-up, not counted).
     for i in range(-1, args.steps):
         for protocol, run in runs.items():
-            for path in ("dense", "real")[:: 1 - 2 * (i % 2)]:
+            for way in ("dense", "real")[:: 1 - 2 * (i % 2)]:
                 t0 = time.perf_counter()
-                train.step(run[path], st, [run["picked"][max(i, 0)]], None, since)
+                train.step(run[way], st, [run["picked"][max(i, 0)]], None, since)
                 if i >= 0:
-                    sec[protocol, path] += (time.perf_counter() - t0) / args.steps
+                    sec[protocol, way] += (time.perf_counter() - t0) / args.steps
     hours = {k: s * runs[k[0]]["batches"] / 3600 for k, s in sec.items()}
     print(
         f"WikiText-2, rnn 2 x 256 + nmst, {device}, torch {torch.__version__}, threads "
@@ -395,14 +466,14 @@ def bench_padding(args, device):
 
 
 def padding_run(protocol, device, steps):
-    """bench_padding's run of a protocol: its table line, batches, `steps` picked batches, and
-    the run two ways (its model computing the real tokens alone, every position)."""
+    # bench_padding's run of a protocol: its table line, batches, `steps` picked batches, and
+    # the run two ways (its model computing the real tokens alone, every position).
     argv = f"--model rnn --head nmst --dataset wikitext2 --protocol {protocol} --device {device}"
     args = config.get_args(argv.split(), train.RECIPES, train.AUTHORS)[0]
-    data = loader.load_data(args, verbose=False)
+    data = load_data(args, verbose=False)
     data["targets_per_batch"] = loader.targets_per_batch(args, data)
     run, lengths = train.build(args, None, data, None, device)[0], data["train"].lengths
-    keys = sorted(loader.epoch_batches(args, data, 0), key=lambda k: lengths[k].max())
+    keys = sorted(epoch_batches(args, data, 0), key=lambda k: lengths[k].max())
     positions = sum(len(k) * (lengths[k].max() - 1) for k in keys)
     line = f"{protocol:8s} {len(keys):7d} {positions:10,d} "
 
@@ -422,14 +493,17 @@ def padding_run(protocol, device, steps):
 
 def parser():
     p, pos = common.Parser(description=__doc__.splitlines()[0]), common.INT1
-    p.add_argument("what", choices="train batches decode insnet arch gpu padding".split())
+    what = ["train", "batches", "decode", "insnet", "arch", "gpu", "authors", "padding"]
+    p.add_argument("what", choices=what)
+    p.add_argument("--authors_src", help="authors: the folder src/wiki2 of the authors' code")
     p.add_argument("--device", default="auto")
     p.add_argument("--compile", action="store_true", help="train: also softmax compiled")
     p.add_argument("--dataset", default="wikitext103", choices=DATASETS, help="batches")
-    # The integer flags and their defaults (padding: --steps, the batches timed each way).
-    ints = dict(iters=3, rounds=9, batch=8, seq=128, prompts=8, new_tokens=64, gpt_layers=4)
-    ints |= dict(gpt_dim=256, gpt_heads=4, gpt_batch=1, max_tokens=1024, seqs=16, it_batch=2)
-    for flag, default in (ints | dict(eval_every=100, steps=8)).items():
+    # The sizes, each a positive integer.
+    sizes = dict(iters=3, rounds=9, batch=8, seq=128, prompts=8, new_tokens=64, gpt_layers=4)
+    sizes.update(gpt_dim=256, gpt_heads=4, gpt_batch=1, max_tokens=1024, seqs=16, it_batch=2)
+    # (padding: --steps, the batches each protocol is timed on each way)
+    for flag, default in dict(sizes, eval_every=100, steps=8).items():
         p.add_argument(f"--{flag}", type=pos, default=default)
     p.add_argument("--lengths", type=pos, nargs="+", default=[20, 40, 60, 80, 100, 120, 160])
     p.add_argument("--budget", type=common.POS, default=120, help="arch: seconds per model")
@@ -439,8 +513,9 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    windows = max(args.lengths) > 254 or args.seq > 1024 or args.new_tokens > 1015
-    if args.gpt_dim % args.gpt_heads or windows:
+    # The GPT's heads divide its width; lengths within the models' windows.
+    wrong = [args.gpt_dim % args.gpt_heads, max(args.lengths) > 254, args.seq > 1024]
+    if any(wrong) or args.new_tokens > 1015:
         raise common.UserError(
             "--gpt_dim must be a multiple of --gpt_heads; --lengths <= 254, "
             "--seq <= 1024, --new_tokens <= 1015 (the models' windows)"

@@ -9,16 +9,18 @@ import argparse
 import os
 
 from common import (
+    DECAY,
     FRACTION,
     INT0,
     INT1,
+    LENGTH,
     NONNEG,
+    OPEN_UNIT,
     POS,
     SEED,
     Parser,
     UserError,
     load_checkpoint,
-    number,
     world,
 )
 from data.prepare import DATASETS, VOCABS
@@ -35,6 +37,11 @@ GPT2_SIZES = {
     "gpt2-large": (36, 20, 1280),
     "gpt2-xl": (48, 25, 1600),
 }
+ALL_DATASETS = (*DATASETS, *STORY_DATASETS)
+SCHEDULES = ("plateau", "linear", "constant")
+# The tasks: completion (NMST), stream (CT), story / storyline (InsNet).
+TASKS = ("completion", "stream", "story", "storyline")
+DTYPES = ("float32", "bfloat16", "float16")
 # The flags a --model recipe sets (train.py's RECIPES); their parser default is None.
 RECIPE_FLAGS = "n_layer d_model dropout lr lr_schedule batch_size max_tokens max_iters".split()
 RECIPE_FLAGS += "eval_interval weight_decay decay_steps warmup".split()
@@ -46,9 +53,9 @@ class Help(argparse.HelpFormatter):
     def _get_help_string(self, action):
         default = DEFAULTS.get(action.dest)
         if default is not None:
-            return f"{action.help} (default: {default})"
+            return f"{action.help} (default: {default})".strip()
         if action.dest in RECIPE_FLAGS:
-            return f"{action.help} (default: the --model recipe)"
+            return f"{action.help} (default: the --model recipe)".strip()
         return action.help
 
 
@@ -68,61 +75,29 @@ def what_is_trained_flags(p):
     """What is trained: the model, its output head, the task."""
     # The backbones of model.py and the insertion models of insnet.py; a --model brings its
     # recipe (train.py's RECIPES).
-    p.add_argument(
-        "--model",
-        default="gpt",
-        choices=(*MODELS, *INSERTION),
-        help="insnet, insertion_transformer: insnet.py",
-    )
-    p.add_argument(
-        "--head",
-        default="softmax",
-        choices=HEADS,
-        help="softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10), mos, ct, ctmos (CT eq. 4, 6, 7)",
-    )
+    p.add_argument("--model", default="gpt", choices=(*MODELS, *INSERTION), help="the model")
+    # softmax (VA, NMST eq. 2), st (eq. 9), nmst (eq. 10); mos, ct, ctmos (CT eq. 4, 6, 7)
+    p.add_argument("--head", default="softmax", choices=HEADS, help="the output head")
     # The task follows from the data unless you name it: completions for text, stories for
     # the story data; a stream (CT's continuous text) must be asked for.
-    p.add_argument(
-        "--task",
-        choices=("completion", "stream", "story", "storyline"),
-        help="completion (NMST), stream (CT), story / storyline (InsNet); None: by the dataset",
-    )
+    p.add_argument("--task", choices=TASKS, help="None: the dataset's")
     # The NMST paper's epsilon: p(eos) reaches 1/2 by t = ln 2 / epsilon (Theorem 3).
-    p.add_argument(
-        "--epsilon",
-        default=1e-5,
-        type=number(float, lambda v: 0 < v < 1, "in (0, 1)"),
-        help="ST / NMST",
-    )
+    p.add_argument("--epsilon", default=1e-5, type=OPEN_UNIT, help="ST / NMST")
 
 
 def data_flags(p):
     """The data."""
-    # data/prepare.py's data sets, your own text, and the story data of data/stories.py.
-    p.add_argument(
-        "--dataset",
-        default="wikitext103",
-        choices=(*DATASETS, *STORY_DATASETS),
-        help="text: your own, in --data_dir",
-    )
+    # data/prepare.py's data sets, your own text ("text", in --data_dir), and the story data.
+    p.add_argument("--dataset", default="wikitext103", choices=ALL_DATASETS, help="the data set")
     # The paper's text and the authors' code differ in their sequences, batches and loss
     # (docs/protocol.md): the protocol is part of the prepared data and of the checkpoint.
     p.add_argument(
-        "--protocol",
-        default="paper",
-        choices=("paper", "authors"),
-        help="paper: the NMST paper's text; authors: the code that made its Table 1 (README)",
+        "--protocol", default="paper", choices=("paper", "authors"), help="the objective"
     )
-    p.add_argument(
-        "--vocab",
-        default="word",
-        choices=VOCABS,
-        help="wikitext2, ptb, text: word or char; text: bpe (GPT-2's) too",
-    )
+    # wikitext2, ptb, text: word or char; text: bpe (GPT-2's) too
+    p.add_argument("--vocab", default="word", choices=VOCABS, help="the vocabulary")
     # (an absolute path: a resumed run, or reproduce.py, may start elsewhere)
-    p.add_argument(
-        "--data_dir", type=os.path.abspath, help="local data (None: $NANOGEN_DATA, else download)"
-    )
+    p.add_argument("--data_dir", type=os.path.abspath, help="None: $NANOGEN_DATA, or download")
 
 
 def run_flags(p):
@@ -130,22 +105,14 @@ def run_flags(p):
     # A run owns its folder: its checkpoints, logs, args.json and curves.png.
     p.add_argument("--out_dir", help="None: out/DATASET-MODEL-HEAD")
     p.add_argument("--seed", default=0, type=SEED, help="the random seed")
-    p.add_argument(
-        "--init_from",
-        default="scratch",
-        choices=("scratch", *GPT2_SIZES),
-        help="GPT-2's weights (and shape)",
-    )
+    # (GPT2_SIZES read when the parser is made: a test adds a size of its own)
+    inits = ("scratch", *GPT2_SIZES)
+    p.add_argument("--init_from", default="scratch", choices=inits, help="GPT-2's weights")
     # (a machine without internet access loads GPT-2's weights from a file)
     p.add_argument("--weights", help="--init_from's, a local copy")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N")
-    # On a CPU every run is float32; autocast is for CUDA, where bfloat16 is native.
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="autocast on CUDA (auto: bfloat16 where native)",
-    )
+    # On a CPU every run is float32; autocast is for CUDA (auto: bfloat16 where native).
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="CUDA's autocast")
     p.add_argument("--compile", action="store_true", help="torch.compile")
     p.add_argument("--peak_flops", type=POS, help="for MFU")
     p.add_argument("--resume", action="store_true", help="from out_dir/ckpt_last.pt")
@@ -174,15 +141,13 @@ def shape_flags(p):
     p.add_argument("--order", default="random", choices=("random", "l2r"), help="insertion order")
     # The story data's vocabulary and the synthetic data's size.
     p.add_argument("--min_count", default=2, type=INT1, help="rocstories: rarer words are <unk>")
-    p.add_argument(
-        "--synthetic_count", default=200, type=INT1, help="synthetic: sequences a length"
-    )
+    p.add_argument("--synthetic_count", default=200, type=INT1, help="synthetic: a length's")
 
 
 def optimization_flags(p):
     """Optimization."""
     # AdamW with the recipe's rate and schedule; the NMST paper's recurrent models halve the
-    # rate when an evaluation does not improve (plateau).
+    # rate when an evaluation does not improve (plateau); linear: 0 at --decay_steps.
     p.add_argument("--lr", type=POS, help="the peak learning rate")
     p.add_argument("--warmup", type=INT0, help="linear: steps up to --lr")
     p.add_argument("--max_epochs", default=70, type=INT1, help="epochs at most")
@@ -190,18 +155,9 @@ def optimization_flags(p):
     p.add_argument("--beta2", default=0.99, type=FRACTION, help="AdamW")
     p.add_argument("--weight_decay", type=NONNEG, help="AdamW")
     p.add_argument("--grad_clip", default=1.0, type=NONNEG, help="0: off")
-    p.add_argument(
-        "--lr_schedule",
-        choices=("plateau", "linear", "constant"),
-        help="plateau: x --lr_decay if an evaluation does not improve; linear: 0 at --decay_steps",
-    )
+    p.add_argument("--lr_schedule", choices=SCHEDULES, help="the rate's schedule")
     p.add_argument("--decay_steps", type=INT1, help="linear: the step the rate reaches 0")
-    p.add_argument(
-        "--lr_decay",
-        default=0.5,
-        type=number(float, lambda v: 0 < v <= 1, "in (0, 1]"),
-        help="plateau: the factor",
-    )
+    p.add_argument("--lr_decay", default=0.5, type=DECAY, help="plateau: the factor")
     p.add_argument("--patience", default=10, type=INT1, help="evaluations without improvement")
     # A batch is a number of lines (the NMST paper's recurrent models: 32) or a number of
     # tokens (GPT: 1024), never both.
@@ -213,9 +169,7 @@ def optimization_flags(p):
     p.add_argument("--ar", default=0.0, type=NONNEG, help="rnn / lstm: CT eq. 8")
     p.add_argument("--tar", default=0.0, type=NONNEG, help="rnn / lstm: CT eq. 8")
     # Under torchrun each process reads its share of a step's batches.
-    p.add_argument(
-        "--grad_accum", type=INT1, help="batches a step over all processes (None: one a process)"
-    )
+    p.add_argument("--grad_accum", type=INT1, help="batches a step (None: one a process)")
 
 
 def stopping_flags(p):
@@ -224,36 +178,19 @@ def stopping_flags(p):
     # evaluations without improvement.
     p.add_argument("--max_iters", type=INT0, help="0: none")
     p.add_argument("--max_minutes", default=0.0, type=NONNEG, help="0: none")
-    p.add_argument(
-        "--whole_epochs", action="store_true", help="--max_minutes stops at an epoch's end"
-    )
+    p.add_argument("--whole_epochs", action="store_true", help="--max_minutes at an epoch's end")
     p.add_argument("--eval_interval", type=INT0, help="0: at epoch ends")
-    p.add_argument(
-        "--log_interval", default=10, type=INT1, help="steps between loss reads / stop checks"
-    )
+    p.add_argument("--log_interval", default=10, type=INT1, help="steps between loss reads")
     # (fewer training and validation lines: a quick run, or a test)
     p.add_argument("--train_seqs", default=0, type=INT0, help="0: all")
     p.add_argument("--eval_seqs", default=0, type=INT0, help="validate on the first N (0: all)")
-    # The termination probe runs at every evaluation; its L is capped, as evaluate.py's --L is, so
-    # that a model that never ends cannot keep the run decoding for ever.
-    p.add_argument(
-        "--probe",
-        default=64,
-        type=INT0,
-        help="termination probe: greedy-decode N validation contexts (0: off)",
-    )
-    p.add_argument(
-        "--probe_L",
-        default=200,
-        type=number(int, lambda v: 1 <= v <= 10**6, "in [1, 10^6]"),
-        help="the probe's L",
-    )
+    # The termination probe greedy-decodes N validation contexts at every evaluation; its L is
+    # capped, as evaluate.py's --L is, so that a model that never ends cannot keep the run
+    # decoding for ever.
+    p.add_argument("--probe", default=64, type=INT0, help="termination probe: contexts (0: off)")
+    p.add_argument("--probe_L", default=200, type=LENGTH, help="the probe's L")
     p.add_argument("--no_curves", action="store_true", help="no OUT_DIR/curves.png")
-    p.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also OUT_DIR/tensorboard (pip install tensorboard)",
-    )
+    p.add_argument("--tensorboard", action="store_true", help="OUT_DIR/tensorboard too")
 
 
 # The defaults of every flag; a recipe goes over them (get_args).
@@ -473,7 +410,8 @@ def check_run_args(a):
             "--protocol authors is the authors' rnn / lstm code: --model rnn or lstm, "
             "--task completion, --batch_size"
         )
-    if a.whole_epochs and not a.max_minutes:
+    # (a resumed run may lift its cap with --max_minutes 0, keeping --whole_epochs)
+    if a.whole_epochs and not a.max_minutes and not a.resume:
         raise UserError("--whole_epochs makes --max_minutes stop at an epoch's end: give both")
     if procs > 1 and (a.task == "stream" or a.grad_accum % procs):
         raise UserError(

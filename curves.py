@@ -10,45 +10,97 @@ contexts, and the mean p(eos) at the true end) when the run has one.
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
-import sys
 
 import numpy as np
 
-from common import UserError, check_output, run, world
+from common import (
+    UserError,
+    append_lines,
+    check_output,
+    pyplot,
+    run,
+    save_figure,
+    world,
+    write_file,
+)
 from heads import EPSILON_HEADS, paper_name
 from model import MODELS
 
-NOT_LABELS = (
-    "out_dir",
-    "data_dir",
-    "weights",
-    "resume",
-    "device",
-    "dtype",
-    "compile",
-    "peak_flops",
-    "log_interval",
-    "no_curves",
-    "tensorboard",
-)  # where and how, not what
+# The flags that say where and how a run ran, not what it computes: never in a label.
+NOT_LABELS = "out_dir data_dir weights resume device dtype compile peak_flops log_interval".split()
+NOT_LABELS += ["no_curves", "tensorboard"]
+# The numbers every record of a run's log holds (train.py writes them; a hand-edit may not).
+NUMBERS = {
+    "log.jsonl": ("step", "train_loss", "val_loss", "val_ppl", "lr"),
+    "steps.jsonl": ("step", "loss"),
+}
+# ... and those of an evaluation that ran the termination probe.
+PROBE = ("probe_r_nt", "probe_L", "probe_n", "eos_prob_at_end")
+# The token of a run's vocabulary (--vocab; WikiText-103 is GPT-2's BPE).
+UNITS = {"char": "character", "bpe": "BPE token"}
 
 
 def read_log(path, step=math.inf):
-    """The records of a run's .jsonl log up to `step` (a line torn by a crash is skipped)."""
+    """The records of a run's .jsonl log up to `step`; a line torn by a crash is skipped, a record
+    that is not as train.py writes it (a number missing or not a number) is an error."""
     records = []
     if not os.path.exists(path):
         return records
-    for line in open(path):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("step", step) <= step:
-            records.append(record)
+    # (a log of another name, bench.py's say: its records need a step only)
+    need = NUMBERS.get(os.path.basename(path), ("step",))
+    # (undecodable bytes: a torn or garbled line, skipped)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            # A kill mid-append tears the last line only, whose steps come after the last
+            # checkpoint: a resumed run logs them again.  A record that is wrong was edited.
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            # (a line that is no record at all, a list or a string, is skipped as a torn one)
+            if not isinstance(record, dict):
+                continue
+            check_record(record, need, f"{path} line {n}")
+            if record["step"] <= step:
+                records.append(record)
     return records
+
+
+def check_record(record, need, where):
+    """A log record: a JSON object whose `need` keys (and the probe's, if any) are numbers."""
+    if "probe_r_nt" in record:
+        need = need + PROBE
+    for key in need:
+        value = record.get(key)
+        # (a step counts whole steps; a bool is an int to Python, but no number)
+        kind = int if key == "step" else (int, float)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise UserError(
+                f"{where}: {key} is {json.dumps(value)}, not a number: mend or remove it"
+            )
+
+
+def read_args(folder):
+    """A run's args.json: its flags (a JSON object), or {} where there is none."""
+    path = os.path.join(folder, "args.json")
+    # (a run of an early version had none: it is labelled by its folder)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            args = json.load(f)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise UserError(
+            f"{path} is no JSON object of the run's flags (cut short? edited?): remove it, and "
+            f"the run is labelled by its folder"
+        )
+    return args
 
 
 def check_out_dir(out_dir, tensorboard=False, resume=False):
@@ -68,20 +120,21 @@ def start_logs(out_dir, args, step=0):
     records up to its checkpoint's step; args.json: what the run is labelled by.  An interrupted
     write's temporary file is removed."""
     os.makedirs(out_dir, exist_ok=True)
+    # (common.write_file's temporaries, of a write a kill -9 interrupted; a file of yours that
+    # ends in .tmp is not one of them)
     for name in os.listdir(out_dir):
-        if name.endswith((".pt.tmp", ".png.tmp")):
+        if name.endswith((".pt.tmp", ".png.tmp", ".json.tmp", ".jsonl.tmp")):
             os.remove(os.path.join(out_dir, name))
+    # The records after the checkpoint's step are the ones the resumed run logs again.
     for name in ("log.jsonl", "steps.jsonl"):
         kept = read_log(os.path.join(out_dir, name), step) if step else []
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-    with open(os.path.join(out_dir, "args.json"), "w") as f:
-        json.dump(args, f)
+        lines = [json.dumps(r) + "\n" for r in kept]
+        write_file(os.path.join(out_dir, name), lambda f: f.writelines(lines))
+    write_file(os.path.join(out_dir, "args.json"), lambda f: json.dump(args, f))
 
 
-def append(path, *records):
-    with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+def append(path, *records):  # records added to a log, each a line (all, or none and an error)
+    append_lines(path, [json.dumps(r) + "\n" for r in records])
 
 
 def log_evaluation(out_dir, record, tensorboard=False, draw=True):
@@ -92,6 +145,7 @@ def log_evaluation(out_dir, record, tensorboard=False, draw=True):
         from torch.utils.tensorboard import SummaryWriter
 
         with SummaryWriter(os.path.join(out_dir, "tensorboard")) as w:
+            # (numbers only: a flag such as best, or mfu's None, is no scalar)
             for k, v in record.items():
                 if type(v) in (int, float):
                     w.add_scalar(k, v, record["step"])
@@ -117,9 +171,10 @@ def run_line(args, model, data, device, ctx, resumed_at):
 
 
 def say_how_it_ended(args, st, stop, why):
+    """The run's last line: stopped by a signal short of its end, or done, and why."""
     if world()[0] != 0:
         return
-    if stop:
+    if stop and not why:
         print(
             f"stopped by {stop} after step {st.step}; {args.out_dir}/ckpt_last.pt written: "
             f"the same command with --resume goes on"
@@ -145,29 +200,6 @@ def evaluation_line(rec, improved):
     return line
 
 
-def pyplot():  # matplotlib.pyplot without a display, imported when a figure is drawn
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path):
-    """A figure as a PNG, written atomically; a figure that cannot be written is one warning."""
-    import matplotlib.pyplot as plt
-
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(f"{path}.tmp", dpi=120, format="png", bbox_inches="tight")
-        os.replace(f"{path}.tmp", path)
-    except OSError as e:
-        print(f"warning: could not write {path}: {e.strerror or e}", file=sys.stderr)
-    finally:
-        plt.close(fig)
-
-
 def ppl(loss):
     return math.exp(min(loss, 50))  # (a diverged run's 1e300 would overflow the log axis)
 
@@ -177,42 +209,28 @@ def draw_run(out_dir):
     plt, log = pyplot(), read_log(os.path.join(out_dir, "log.jsonl"))
     if not log:
         return
+    # A third panel for the probe, when the run ran it.
     probe = [r for r in log if "probe_r_nt" in r]
     fig, ax = plt.subplots(1, 3 if probe else 2, figsize=(12 if probe else 8.5, 3.4))
     steps = read_log(os.path.join(out_dir, "steps.jsonl"))
-    ys = [r["loss"] for r in steps]  # every step's loss, as a running mean of 10
-    ax[0].plot(
-        [r["step"] for r in steps],
-        [ppl(np.mean(ys[max(0, i - 9) : i + 1])) for i in range(len(ys))],
-        alpha=0.35,
-        lw=1,
-        label="each step",
-    )
+    # Every step's loss, as a running mean of 10.
+    ys = [r["loss"] for r in steps]
+    mean = [ppl(np.mean(ys[max(0, i - 9) : i + 1])) for i in range(len(ys))]
+    ax[0].plot([r["step"] for r in steps], mean, alpha=0.35, lw=1, label="each step")
     for key, style, label in (("train_loss", "o-", "train"), ("val_loss", "s-", "validation")):
         ax[0].plot([r["step"] for r in log], [ppl(r[key]) for r in log], style, label=label)
     ax[0].set(yscale="log", xlabel="step", title="perplexity")
     ax[1].plot([r["step"] for r in log], [r["lr"] for r in log], ".-", color="0.3")
     ax[1].set(xlabel="step", title="learning rate")
     if probe:
+        at, L, n = [r["step"] for r in probe], probe[-1]["probe_L"], probe[-1]["probe_n"]
         ax[2].plot(
-            [r["step"] for r in probe],
-            [r["probe_r_nt"] for r in probe],
-            "o-",
-            color="tab:red",
-            label=f"r_nt({probe[-1]['probe_L']}), greedy",
+            at, [r["probe_r_nt"] for r in probe], "o-", c="tab:red", label=f"r_nt({L}), greedy"
         )
-        ax[2].plot(
-            [r["step"] for r in probe],
-            [r["eos_prob_at_end"] for r in probe],
-            "^-",
-            color="tab:blue",
-            label="mean p(eos) at the true end",
-        )
-        ax[2].set(
-            xlabel="step",
-            ylim=(-0.02, 1.02),
-            title=f"termination probe ({probe[-1]['probe_n']} contexts)",
-        )
+        end = [r["eos_prob_at_end"] for r in probe]
+        ax[2].plot(at, end, "^-", c="tab:blue", label="mean p(eos) at the true end")
+        ax[2].set(xlabel="step", ylim=(-0.02, 1.02), title=f"termination probe ({n} contexts)")
+    # (the learning rate's panel has one line: no legend)
     for a in ax[::2]:
         a.legend(fontsize=8)
     fig.suptitle(os.path.basename(os.path.abspath(out_dir)), fontsize=9)
@@ -224,6 +242,7 @@ def labels(runs):
     papers' name, as in every figure; eps only where a head has one), or its folder."""
     args = [a for a, _ in runs]
 
+    # A softmax run's --epsilon is a default it never reads: no label of it.
     def reads(a, k):
         return k != "epsilon" or a.get("head") in EPSILON_HEADS
 
@@ -231,6 +250,7 @@ def labels(runs):
     what = ("model", "head", "dataset", "task")
     flags = sorted({k for a in args for k in a} - set(NOT_LABELS), key=lambda k: (k not in what, k))
     keys = [k for k in flags if len({json.dumps(a.get(k)) for a in args if reads(a, k)}) > 1]
+    # (runs alike in every flag are at least named by their head)
     keys = keys or ["head"]
     names = []
     for a, folder in runs:
@@ -244,11 +264,27 @@ def labels(runs):
 def label_word(a, k, what):
     """The word of flag k in a run's label: a head by the papers' name, a value that stands alone,
     or k=value."""
+    # (str: a hand-edited args.json may hold any JSON value)
     if k == "head":
-        return paper_name(a[k])
+        return paper_name(str(a[k]))
     if k in what:
         return str(a[k])
     return f"{k}={a.get(k)}"
+
+
+def metric(a):
+    """What a run's validation perplexity measures: its task's metric (completion: nanogen's, the
+    continuations of lines of > 10 tokens, or --protocol authors' over every line) per token of
+    its vocabulary, or per insertion event."""
+    task, unit = a.get("task", "completion"), UNITS.get(a.get("vocab"), "word")
+    whose = {"completion": "nanogen's", "stream": "the stream's"}.get(task, f"the {task}'s")
+    if a.get("protocol") == "authors":
+        whose = "the authors'"
+    if a.get("dataset") == "wikitext103":
+        unit = "BPE token"
+    if task in ("story", "storyline") and a.get("model") != "gpt":
+        unit = "insertion event"
+    return f"{whose} metric, per {unit}"
 
 
 def overlay(folders, path):
@@ -261,39 +297,36 @@ def overlay(folders, path):
             raise UserError(
                 f"no evaluations logged in {folder} (a run folder of train.py holds log.jsonl)"
             )
-        args_file = os.path.join(folder, "args.json")
-        runs.append((json.load(open(args_file)) if os.path.exists(args_file) else {}, folder))
+        runs.append((read_args(folder), folder))
         logs.append(log)
-    names, plt = labels(runs), pyplot()
+    # The flags that differ may not say it: --vocab char is named "vocab=char", not "per
+    # character", and the protocol's metric is not named by its flag at all.
+    names, plt, metrics = labels(runs), pyplot(), [metric(a) for a, _ in runs]
+    if len(set(metrics)) > 1:
+        # Perplexities under different metrics do not compare: each run names its own.
+        names = [f"{n} [{m}]" for n, m in zip(names, metrics)]
     rows = [
         "| run | best val ppl | at step | last r_nt(L) | last p(eos) at end |",
         "|---|---|---|---|---|",
     ]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, (name, log) in enumerate(zip(names, logs)):
+        # The best evaluation is the one ckpt_best.pt holds; the probe's last is the latest.
         best, probe = min(log, key=lambda r: r["val_loss"]), [r for r in log if "probe_r_nt" in r]
-        rows.append(
-            f"| {name} | {best['val_ppl']:.2f} | {best['step']} | "
-            + (
-                f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
-                f"{probe[-1]['eos_prob_at_end']:.4f} |"
-                if probe
-                else "- | - |"
-            )
-        )
-        style = dict(
-            color=f"C{i}",
-            linestyle=("-", "--", ":", "-.")[i % 4],
-            marker="o^sD"[i % 4],
-            fillstyle="none",
-        )
+        last = "- | - |"
+        if probe:
+            last = f"{probe[-1]['probe_r_nt']:.3f} (L={probe[-1]['probe_L']}) | "
+            last += f"{probe[-1]['eos_prob_at_end']:.4f} |"
+        rows.append(f"| {name} | {best['val_ppl']:.2f} | {best['step']} | {last}")
+        # Line styles and markers as well as colours: the figure reads in grey print too.
+        lines = ("-", "--", ":", "-.")[i % 4]
+        style = dict(color=f"C{i}", linestyle=lines, marker="o^sD"[i % 4], fillstyle="none")
         ax[0].plot([r["step"] for r in log], [ppl(r["val_loss"]) for r in log], label=name, **style)
         ax[1].plot([r["step"] for r in probe], [r["probe_r_nt"] for r in probe], **style)
     ax[0].set(yscale="log", xlabel="step", ylabel="validation perplexity")
     ax[1].set(xlabel="step", ylabel="r_nt(L), greedy", ylim=(-0.02, 1.02), title="the probe")
-    fig.legend(
-        *ax[0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(0, 0), fontsize=8
-    )
+    handles = ax[0].get_legend_handles_labels()
+    fig.legend(*handles, loc="upper left", bbox_to_anchor=(0, 0), fontsize=8)
     save_figure(fig, path)
     return rows
 
@@ -302,6 +335,7 @@ def overlay(folders, path):
 def decoder_name(d):
     """A study's decoder in a few characters: greedy, topk-10, nucleus-0.9+c, beam-4/lp1, ..."""
     name = d["decoder"]
+    # The value that makes the decoder what it is: k, p or the beam's size.
     extra = dict(topk=f"-{d.get('k')}", nucleus=f"-{d.get('p')}", beam=f"-{d.get('beam_size')}")
     name += extra.get(d["decoder"], "")
     if d.get("consistent"):
@@ -317,6 +351,7 @@ def decoder_name(d):
 def print_study_table(results):
     """A row a study: r_nt(L) for every L, the mean length, unique non-terminated (eps only for
     the heads that read it)."""
+    # A column for every L of any study (a study without it shows nan).
     Ls = sorted({int(L) for r in results for L in r["decoding"]["r_nt"]})
     r_nt_columns = " ".join(f"{'r_nt(%d)' % L:>11s}" for L in Ls)
     print(
@@ -340,8 +375,9 @@ def plot_study(results, out_dir, files=None):
     into out_dir, the runs labelled by what differs between them."""
     names, title = study_labels(results, files)
     os.makedirs(out_dir, exist_ok=True)
+    # One function a figure; p(eos) traces only where a study kept them.
     paths = [os.path.join(out_dir, "r_nt.png"), os.path.join(out_dir, "lengths.png")]
-    save_figure(r_nt_figure(results, names, title), paths[0])
+    save_figure(study_r_nt_figure(results, names, title), paths[0])
     save_figure(lengths_figure(results, names), paths[1])
     fig = eos_figure(results, names)
     if fig:
@@ -361,6 +397,7 @@ def study_labels(results, files):
         decoder = decoder_name(r["decoding"])
         part = dict(head=paper_name(r["head"]), eps=eps, model=r["model"], decoder=decoder)
         parts.append(dict(part, dataset=r["dataset"]))
+    # A label says what differs; what all share goes to the title.
     varying = [k for k in parts[0] if len({p[k] for p in parts}) > 1] or ["head"]
     names = [" ".join(p[k] for k in varying if p[k]) for p in parts]
     # Two files of one run: told apart by their file names.
@@ -371,14 +408,16 @@ def study_labels(results, files):
 
 
 def study_style(i):
+    """The i-th study's colour and dash, the same in every figure (grey print tells them apart)."""
     return dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
 
 
-def r_nt_figure(results, names, title):
+def study_r_nt_figure(results, names, title):
     """r_nt(L) against L, log-log (NMST Fig. 2, 7); 0 is drawn at 1e-4."""
     fig, ax = pyplot().subplots(figsize=(5.5, 4))
     for i, (r, name) in enumerate(zip(results, names)):
         curve = r["decoding"]["r_nt_curve"]
+        # r_nt = 0 has no place on a log axis: it is drawn at the 1e-4 floor.
         xs, ys = [int(x) for x in curve], [max(y, 1e-4) for y in curve.values()]
         ax.plot(xs, ys, label=name, **study_style(i))
     if title:
@@ -393,6 +432,7 @@ def lengths_figure(results, names):
     """The continuations' lengths against the true ones (NMST Fig. 8); a non-terminated one is
     drawn at its study's L."""
     fig, ax = pyplot().subplots(figsize=(5.5, 4))
+    # Each study's L: where its non-terminated continuations were cut.
     cut = [max(int(L) for L in r["decoding"]["r_nt"]) for r in results]
     bins = np.linspace(0, max(cut) + 1, 41).tolist()
     truth = [min(m, max(cut)) for m in results[0]["decoding"]["ground_truth_lengths"]]
@@ -412,6 +452,7 @@ def lengths_figure(results, names):
 def eos_figure(results, names):
     """p(eos) along the first three traced true continuations (NMST Fig. 3), or None."""
     traced = [{t["index"]: t["p_eos"] for t in r.get("eos_traces") or []} for r in results]
+    # The sequences the first study traced (a window model may skip long ones).
     shown = next((list(t)[:3] for t in traced if t), [])
     if not shown:
         return None
@@ -438,12 +479,84 @@ def tau_figure(rep, path):
     save_figure(fig, path)
 
 
+# --- the figures of reproduce.py's tables and bench.py insnet's Fig. 12 -----------------------
+def r_nt_figure(runs, heads, decoders, half, path):
+    """NMST Fig. 2 / 7 (Table 4: the same per decoder): r_nt(L) against L (log-log), a panel per
+    model and decoder, a curve per head.  runs: {(model, head): [each seed's results]}; half:
+    t_1/2, drawn where the axis reaches it (Theorem 3: past it every ST / NMST greedy, top-k or
+    nucleus continuation has ended)."""
+    models = list(dict.fromkeys(m for m, _ in runs))
+    rows, cols = len(models), len(decoders)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    panels = itertools.product(enumerate(models), enumerate(decoders), enumerate(heads))
+    for (i, m), (j, d), (k, h) in panels:
+        per_seed = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
+        r_nt_curve(axes[i, j], per_seed, k, paper_name(h))
+        axes[i, j].set(xscale="log", yscale="log", ylim=(8e-4, 1.2), title=f"{m.upper()}, {d}")
+    for ax in axes[-1]:
+        ax.set_xlabel("L")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("r_nt(L)  (0 drawn at 1e-3)")
+    # After every curve: only then does an axis reach its full range, where t_1/2 may lie.
+    for ax in axes.flat:
+        if half <= ax.get_xlim()[1]:
+            ax.axvline(half, color="grey", linewidth=0.8, linestyle=":", label="t_1/2")
+    axes[0, 0].legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def r_nt_curve(ax, per_seed, k, label):
+    """The k-th head's r_nt(L): the seeds' mean, their std as a band.  r_nt = 0 cannot be drawn on
+    a log axis: it is drawn at the 1e-3 floor, and markers tell apart heads that share a curve."""
+    Ls = sorted(int(L) for L in per_seed[0])
+    ys = np.maximum([[c[str(L)] for c in per_seed] for L in Ls], 1e-3)  # (L, seeds)
+    # One seed has no spread: its band has no width.
+    mean, sd = ys.mean(1), np.zeros(len(Ls))
+    if len(per_seed) > 1:
+        sd = ys.std(1, ddof=1)
+    style = dict(color=f"C{k}", marker="o^sD"[k % 4], markersize=max(5 - k, 2), fillstyle="none")
+    ax.plot(Ls, mean, ("-", "--", ":", "-.")[k % 4], label=label, **style)
+    ax.fill_between(Ls, np.maximum(mean - sd, 1e-3), mean + sd, color=f"C{k}", alpha=0.15)
+
+
+def over_training(models, heads, runs, out, seqs, eps):
+    """Each model's heads over training (overlay: validation perplexity and the probe's r_nt
+    against steps, seed 0 of each head, from the folder runs into out/training-MODEL.png): the
+    table's lines.  seqs: the validation sequences the runs' own evaluations score."""
+    lines = []
+    # Seed 0 of each head: a curve a head keeps the figure readable.
+    for m in models:
+        folders = [os.path.join(runs, f"{m}-{h}-s0") for h in heads]
+        lines += [
+            "",
+            f"Over training ({m}, seed 0; training-{m}.png): the runs' own evaluations "
+            f"(perplexity on {seqs} validation sequences); the probe greedy-decodes 64 validation "
+            f"contexts to L = 200 at each evaluation (ST / NMST may pass it: t½ = ln 2/eps = "
+            f"{math.log(2) / eps:.0f}).",
+            "",
+            *overlay(folders, os.path.join(out, f"training-{m}.png")),
+        ]
+    return lines
+
+
+def epoch_times(rows, title, path):
+    """InsNet Fig. 12: seconds per training epoch against the sequence length (log), InsNet /
+    IT-vanilla / L2R.  rows: (length, InsNet's, IT-vanilla's, L2R's seconds)."""
+    fig, ax = pyplot().subplots(figsize=(5, 3.5))
+    for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
+        ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)
+    ax.set(xlabel="sequence length", ylabel="seconds per epoch", yscale="log", title=title)
+    ax.legend()
+    save_figure(fig, path)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Runs side by side, labelled by the flags that differ.")
     p.add_argument("runs", nargs="+", help="run folders of train.py (--out_dir)")
     p.add_argument("--out", default="curves.png", help="the PNG (default curves.png)")
     args = p.parse_args(argv)
-    if not args.out.endswith(".png"):  # (never a checkpoint, a log or any other input)
+    # (a name ending .png is never a checkpoint, a log or any other input)
+    if not args.out.endswith(".png"):
         raise UserError(f"--out {args.out}: the figure is a PNG: name it .png")
     check_output(args.out, "--out")
     print("\n".join(overlay(args.runs, args.out)))

@@ -71,12 +71,16 @@ def filter_log_probs(log_probs, decoder, k=None, p=None, temperature=1.0, always
     else:
         lp = log_probs
     lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+    if decoder == "sample":
+        return lp
     if decoder == "topk":
         mask = topk_mask(lp, k)
     elif decoder == "nucleus":
         mask = nucleus_mask(lp, p)
     else:
-        return lp
+        # A decoder without its branch is an error, never plain sampling under another name.
+        names = ", ".join(SAMPLING)
+        raise ValueError(f"filter_log_probs has no branch for the decoder {decoder!r} ({names})")
     if always is not None:
         mask[..., always] = True
     lp = lp.masked_fill(~mask, float("-inf"))

@@ -26,6 +26,7 @@ import curves
 from common import (
     INT0,
     INT1,
+    LENGTH,
     RUN_FILES,
     Parser,
     UserError,
@@ -35,9 +36,9 @@ from common import (
     check_vocab,
     get_device,
     load_checkpoint,
-    number,
     run,
     world,
+    write_file,
 )
 from data.loader import batchify, bptt_windows, eval_batches, get_batch, load_data
 from data.stories import BOS, EOS, PAD, SEP, keyword_positions
@@ -95,7 +96,10 @@ def perplexity(args, model, data, split="valid", limit=None, device="cpu"):
     totals = dict(zip(SUMS, all_sum(sums.tolist(), device)))
     # A perplexity over no token is no number (it would print 1.00).
     if totals["n"] == 0:
-        raise UserError(f"the {split} split holds no token this model predicts: no perplexity")
+        raise UserError(
+            f"the {split} split holds no sequence that fits this model (no token to score): "
+            f"no perplexity"
+        )
     total = len(data[split]) if limit is None else min(limit, len(data[split]))
     return figures(args, totals, total)
 
@@ -218,36 +222,18 @@ def parser():
     p.add_argument("--no_ppl", action="store_true", help="no perplexity pass")
     # The decoders' flags are decode.py's, shared with sample.py; the study's own follow.
     add_decoding_flags(p)
-    p.add_argument(
-        "--L",
-        type=number(int, lambda v: 1 <= v <= 10**6, "in [1, 10^6]"),
-        nargs="+",
-        default=[10, 100, 1000],
-        help="r_nt(L) thresholds; decodes run to max(L)",
-    )
-    p.add_argument(
-        "--decode_batch",
-        type=INT1,
-        help="prompts decoded together (default: 64 on a CPU; on a GPU as many as fit a quarter "
-        "of its free memory)",
-    )
+    L = "r_nt(L)'s L (a decode runs to the largest)"
+    p.add_argument("--L", type=LENGTH, nargs="+", default=[10, 100, 1000], help=L)
+    batch = "prompts decoded together (default: 64 on a CPU; a GPU: a quarter of its memory's)"
+    p.add_argument("--decode_batch", type=INT1, help=batch)
     p.add_argument("--examples", type=INT0, default=3, help="examples of each kind")
     p.add_argument("--traces", type=INT0, default=5, help="sequences with p(eos) traces (Fig. 3)")
     # The figures are curves.py's (NMST Fig. 2, 3, 7, 8; CT Fig. 1).
     p.add_argument("--plot", metavar="DIR", help="PNG figures of the study into DIR")
-    p.add_argument(
-        "--tau_report",
-        action="store_true",
-        help="ct / ctmos: temperature by position "
-        "and the words of highest / lowest temperature (CT paper Fig. 1, Tables 5-6)",
-    )
-    p.add_argument(
-        "--compare",
-        nargs="+",
-        metavar="JSON",
-        help="no evaluation: the studies of "
-        "these --out files side by side (and overlaid with --plot)",
-    )
+    tau = "ct / ctmos: the temperature by position, its hottest and coldest words (CT Fig. 1)"
+    p.add_argument("--tau_report", action="store_true", help=tau)
+    compare = "no evaluation: the studies of earlier --out files side by side (--plot: overlaid)"
+    p.add_argument("--compare", nargs="+", metavar="JSON", help=compare)
     return p
 
 
@@ -449,10 +435,8 @@ def story_report(args, res, split):
 
 
 def write_json(path, obj):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(f"{path}.tmp", path)
+    """obj as JSON at path, whole or not at all (common.write_file: a full disk is one line)."""
+    write_file(path, lambda f: json.dump(obj, f, indent=1))
 
 
 def evaluate_once(ckpt, flags, path):

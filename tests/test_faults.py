@@ -197,7 +197,7 @@ def test_a_head_not_finite_at_t_0_is_named_as_the_suspect(tmp_path, ptb, capsys,
     """Exercise 1's mistake (log t with no clamp at context / padding positions, t <= 0) trains
     to NaN; the message names the head's values there."""
 
-    def unclamped(z_eos, t, epsilon):
+    def unclamped(z_eos, t, epsilon, authors=False):
         a = z_eos.float() + 0.1 * torch.log(t.float())  # NaN at t < 0, -inf at 0: NaN gradients
         return torch.nn.functional.logsigmoid(a), torch.nn.functional.logsigmoid(-a)
 

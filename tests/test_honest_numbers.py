@@ -59,7 +59,7 @@ def test_a_perplexity_over_no_token_is_refused():
     """No sequence fits the window: an error, not a perplexity of 1.00."""
     data = dict(valid=Split([[5, 6, 7, 8, 1]] * 3, [2] * 3))
     args = completion_args(window=2)
-    with pytest.raises(evaluate.UserError, match="no token"):
+    with pytest.raises(evaluate.UserError, match="no token to score"):
         evaluate.perplexity(args, tiny_lm(16, 1), data, "valid")
 
 

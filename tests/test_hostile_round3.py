@@ -166,6 +166,61 @@ def test_sigterm_to_reproduce_jobs_stops_its_children_cleanly(tmp_path):
         assert reproduce.run_status(str(log)[: -len(".log")]) == "stopped by SIGTERM"
 
 
+@pytest.mark.parametrize("when", ["at start-up", "while training"])
+def test_ctrl_c_to_reproduce_jobs_reaches_its_children_as_ctrl_c(when, tmp_path):
+    """A real Ctrl-C (SIGINT) to a real `reproduce.py --jobs 2` reaches each train.py child as
+    the Ctrl-C it was, as it would a run started by hand: while training, a clean stop (its
+    checkpoint marked "stopped by Ctrl-C"); at start-up (no handler of train.py's yet) Python's
+    KeyboardInterrupt, said in its log (never a silent kill, never an empty log: the logs are
+    written unbuffered).  One line, no table, no child left running."""
+    out, heads = tmp_path / "r", ("softmax", "nmst")
+    argv = ["nmst-table1", "--scale", "tiny", "--heads", *heads, "--jobs", "2", "--out", str(out)]
+    p = subprocess.Popen(
+        [sys.executable, "reproduce.py", *argv],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    logs = [out / "runs" / f"lstm-{h}-s0.log" for h in heads]
+    ready = [out / "runs" / f"lstm-{h}-s0" / "steps.jsonl" for h in heads]
+
+    def started():
+        if when == "at start-up":
+            return len(children(out, b"train.py")) == 2
+        return all(map(os.path.exists, ready))
+
+    deadline = time.time() + 120
+    while time.time() < deadline and not started():
+        time.sleep(0.01)
+    # At start-up: past the interpreter's first milliseconds (its own Ctrl-C handler), into the
+    # imports of train.py, before train.py sets its handler.
+    if when == "at start-up":
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert_one_line_error(p.returncode, err, "stopped by Ctrl-C; the runs' checkpoints are in")
+    assert not (out / "table.md").exists() and children(out) == []
+    said = [log.read_text() for log in logs]
+    assert all("Ctrl-C" in text or "KeyboardInterrupt" in text for text in said), said
+    if when == "while training":
+        for log in logs:
+            assert reproduce.run_status(str(log)[: -len(".log")]) in ("stopped by Ctrl-C", None)
+        assert any("Ctrl-C: finishing this step" in text for text in said)
+
+
+def children(out, name=b""):
+    """The processes whose command line names the folder out (and name)."""
+    return [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit()
+        and str(out).encode() in read_bytes(f"/proc/{pid}/cmdline")
+        and name in read_bytes(f"/proc/{pid}/cmdline")
+    ]
+
+
 def read_bytes(path):
     try:
         with open(path, "rb") as f:

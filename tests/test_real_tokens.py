@@ -1,7 +1,7 @@
 """Only real tokens cost: a right-padded batch of lines runs the output layer on the targets that
 count alone and the RNN / LSTM packed, with the numbers of the dense path (every position
 computed, the loss masked) in float64: every head, RNN, LSTM and GPT, the paper's continuation
-loss and the authors' context loss."""
+loss and the authors' objective (their context loss, ST's floor, the context's p(eos))."""
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ V, EOS = 100, 7  # U has padded(V) = 128 rows: the only matmul output 128 wide
 LENGTHS, CONTEXTS = (3, 41, 14, 26), (1, 10, 10, 4)  # lines of very different lengths
 
 
-def make(arch, head):
+def make(arch, head, protocol="paper"):
     cfg = dict(
         model=arch,
         head=head,
@@ -34,6 +34,7 @@ def make(arch, head):
         n_experts=2,
         ct_alpha=1.0,
         ct_beta=0.5,
+        protocol=protocol,
     )
     torch.manual_seed(0)
     return LanguageModel(cfg).double().train()
@@ -73,11 +74,12 @@ class OutputRows(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("context_loss", [False, True], ids=["paper", "authors"])
+@pytest.mark.parametrize("protocol", ["paper", "authors"])
 @pytest.mark.parametrize("arch", ["rnn", "lstm", "gpt"])
 @pytest.mark.parametrize("head", HEADS)
-def test_real_targets_alone_give_the_dense_loss_and_gradients(head, arch, context_loss):
-    lm, batch = make(arch, head), lines(context_loss)
+def test_real_targets_alone_give_the_dense_loss_and_gradients(head, arch, protocol):
+    # (the authors' protocol: their context loss and their objective, ST's floor among it)
+    lm, batch = make(arch, head, protocol), lines(context_loss=protocol == "authors")
     mask = batch["mask"]
     assert torch.equal(batch["rows"], mask.flatten().nonzero().squeeze(1))
     loss, log_p, grads = loss_and_grads(lm, batch, mask)

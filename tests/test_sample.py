@@ -86,7 +86,7 @@ def test_an_authors_prompt_gets_the_p_eos_of_its_training_line(runs, capsys, mon
     for i in (short, 0):
         batch = collate(train_split, [i])
         with torch.no_grad():
-            log_p, _ = model(batch["inputs"], batch["t"])
+            log_p, _ = model.log_probs(batch["inputs"], batch["t"])
         # The first continuation step's p(eos): the prediction at the context's last token.
         expected = float(log_p[0, train_split.contexts[i] - 1, model.eos_id].exp())
         context = [words[t] for t in train_split.context(i)]

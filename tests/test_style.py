@@ -52,24 +52,37 @@ def golf(path):
     found = []
     for node in ast.walk(tree):
         where = f"{path}:{getattr(node, 'lineno', 0)}"
-        if isinstance(node, ast.NamedExpr):
-            found.append(f"{where} walrus :=")
-        if isinstance(node, ast.IfExp):
-            inner = [n for part in (node.test, node.body, node.orelse) for n in ast.walk(part)]
-            if any(isinstance(n, ast.IfExp) for n in inner):
-                found.append(f"{where} nested conditional expression")
-        if isinstance(node, ast.Expr) and isinstance(node.value, (ast.IfExp, ast.Tuple)):
-            found.append(f"{where} a conditional expression or tuple as a statement")
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-            pairs = ((node.left, node.right), (node.right, node.left))
-            if any(is_sequence(a) and is_condition(b) for a, b in pairs):
-                found.append(f"{where} sequence * condition")
-        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
-            if getattr(node.value.func, "id", "") == "print":
-                found.append(f"{where} return print(...)")
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
-            found.append(f"{where} a lambda given a name (write a def)")
+        found += [f"{where} {what}" for what in hidden_branches(node) + golfed_lines(node)]
     return found + too_many_parameters(tree, path)
+
+
+def hidden_branches(node):
+    """A walrus, a nested conditional expression, a conditional expression as a statement."""
+    found = []
+    if isinstance(node, ast.NamedExpr):
+        found.append("walrus :=")
+    if isinstance(node, ast.IfExp):
+        inner = [n for part in (node.test, node.body, node.orelse) for n in ast.walk(part)]
+        if any(isinstance(n, ast.IfExp) for n in inner):
+            found.append("nested conditional expression")
+    if isinstance(node, ast.Expr) and isinstance(node.value, (ast.IfExp, ast.Tuple)):
+        found.append("a conditional expression or tuple as a statement")
+    return found
+
+
+def golfed_lines(node):
+    """A sequence times a condition, return print(...), a lambda given a name."""
+    found = []
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        pairs = ((node.left, node.right), (node.right, node.left))
+        if any(is_sequence(a) and is_condition(b) for a, b in pairs):
+            found.append("sequence * condition")
+    if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
+        if getattr(node.value.func, "id", "") == "print":
+            found.append("return print(...)")
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Lambda):
+        found.append("a lambda given a name (write a def)")
+    return found
 
 
 def too_many_parameters(tree, path):

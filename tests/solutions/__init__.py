@@ -1,5 +1,5 @@
-"""The solutions of the README's three coursework exercises, as edits of the code (one module
-each), and the helpers that apply them to a copy of the code, never to the tree itself."""
+"""The solutions of the three coursework exercises (docs/exercises.md), as edits of the code (one
+module each), and the helpers that apply them to a copy of the code, never to the tree itself."""
 
 import importlib
 import os
@@ -20,13 +20,16 @@ class AlreadyDone(Exception):
 
 
 def copy_of_the_code(dest):
-    """The tracked Python files (tests included) and data/ of the tree, copied to dest."""
+    """The tracked Python files (tests included), data/ and the style's settings (ruff.toml) of
+    the tree, copied to dest."""
+    # The tracked files only: the copy is the code as a clone holds it, without runs or caches.
     files = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     for name in files:
-        if name.endswith(".py") or name.startswith("data/"):
+        if name.endswith(".py") or name.startswith("data/") or name == "ruff.toml":
             os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
+            # Bytes as they are: the style check compares the copy with the tree line for line.
             with open(os.path.join(ROOT, name), "rb") as src:
                 data = src.read()
             with open(os.path.join(dest, name), "wb") as out:
@@ -48,6 +51,8 @@ def apply(dest, edits):
     for name, anchor, new in edits:
         path = os.path.join(dest, name)
         text = open(path, encoding="utf-8").read()
+        # An anchor found twice (or not at all) means the code moved under the solution: an error,
+        # not an edit of the wrong place.
         assert text.count(anchor) == 1, (name, anchor)
         with open(path, "w", encoding="utf-8") as out:
             out.write(text.replace(anchor, new))
@@ -65,6 +70,7 @@ def solved_copy(n, dest):
 def answered_copy(n, dest):
     """A copy of the code in dest that answers exercise n: the tree's own answer where it holds
     one (a student's, graded as it is), else the solution applied."""
+    # The student's answer graded as written; the solution only where there is none.
     copy_of_the_code(dest)
     if not exercise_done(n):
         apply(dest, edits_of(n))

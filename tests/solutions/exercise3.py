@@ -1,10 +1,14 @@
-"""The solution of exercise 3 (README, Coursework): a dilated gated CNN, "dgcnn", whose layer l
+"""The solution of exercise 3 (docs/exercises.md): a dilated gated CNN, "dgcnn", whose layer l
 convolves inputs 2^l positions apart.  Try the exercise before reading on; `python -m
 tests.check_exercise 3` grades your own answer.
 
-EDITS: (file, anchor, what replaces it), applied by solutions.apply."""
+EDITS: (file, anchor, what replaces it), applied by solutions.apply.  Applied, they leave a tree
+that `ruff format --check` and `ruff check` pass."""
 
+# Each edit's anchor is a line of the shipped code: the new backbone goes beside GCNN in the
+# lists of models, in build_backbone and in train.py's recipes.
 EDITS = [
+    # Its name in MODELS and WINDOWED: the commands build it, and decoding knows its window.
     (
         "model.py",
         'MODELS = ("rnn", "lstm", "gcnn", "gpt")',
@@ -19,13 +23,15 @@ EDITS = [
 
     def __init__(self, vocab_size, block_size, n_layer, d_model, kernel_size, dropout):
         super().__init__(vocab_size, block_size, n_layer, d_model, kernel_size, dropout)
-        self.spans = [(kernel_size - 1) * 2 ** i for i in range(n_layer)]
+        # Layer l reads k inputs 2^l apart: (k - 1) 2^l past inputs, which its state keeps.
+        self.spans = [(kernel_size - 1) * 2**i for i in range(n_layer)]
         for conv, span in zip(self.convs, self.spans):
             conv.conv.dilation = (span // (kernel_size - 1),)
 
     def forward(self, idx, state=None, lengths=None):
         B, T = idx.shape
         dev = idx.device
+        # A new sequence: zeros before its first token, as GCNN's causal padding.
         if state is None:
             past = [torch.zeros(B, s, self.d_model, device=dev) for s in self.spans]
             state = (past, torch.zeros(B, dtype=torch.long, device=dev), 0)
@@ -37,6 +43,7 @@ EDITS = [
         new_past = []
         for ln, conv, p, span in zip(self.ln, self.convs, past, self.spans):
             h, padded = conv(ln(x), p)
+            # Each row's last span real inputs: a right-padded prompt ends before the batch.
             keep = n_real.view(B, 1, 1) + torch.arange(span, device=dev).view(1, -1, 1)
             new_past.append(padded.gather(1, keep.expand(-1, -1, self.d_model)))
             x = x + self.drop(h)
@@ -45,15 +52,21 @@ EDITS = [
 
 class LanguageModel(nn.Module):""",
     ),
+    # Its branch in build_backbone, before the recurrent ones.
     (
         "model.py",
         '    if cfg["model"] in ("rnn", "lstm"):\n        rnn = Recurrent(',
-        '    if cfg["model"] == "dgcnn":\n        return DilatedGCNN(V, cfg["block_size"], cfg["n_layer"], D, '
-        'cfg["kernel_size"], cfg["dropout"])\n    if cfg["model"] in ("rnn", "lstm"):\n        rnn = Recurrent(',
+        '    if cfg["model"] == "dgcnn":\n'
+        "        return DilatedGCNN(\n"
+        '            V, cfg["block_size"], cfg["n_layer"], D, cfg["kernel_size"], cfg["dropout"]\n'
+        "        )\n"
+        '    if cfg["model"] in ("rnn", "lstm"):\n        rnn = Recurrent(',
     ),
+    # train.py's recipes: the anchor is the shipped GCNN's entry, the new one goes before it.
     (
         "train.py",
         '    "gcnn": {**PLATEAU',
-        '    "dgcnn": {**PLATEAU, "n_layer": 6, "d_model": 512, "dropout": 0.1},\n    "gcnn": {**PLATEAU',
+        '    "dgcnn": {**PLATEAU, "n_layer": 6, "d_model": 512, "dropout": 0.1},\n'
+        '    "gcnn": {**PLATEAU',
     ),
 ]
