@@ -192,28 +192,17 @@ def bench_decode(args, device):
     )
     for name, beams in (("greedy", 1), ("beam-4", 4)):
         res = {}
+        decoder, beam_size = ("beam", beams) if beams > 1 else ("greedy", None)
+        # HF's generate() as nanogen decodes: N new tokens (greedy: all N), eos = pad = 50256.
+        hf_kw = dict(max_new_tokens=N, num_beams=beams, min_new_tokens=N if beams == 1 else 0)
+        hf_kw.update(do_sample=False, pad_token_id=50256, eos_token_id=50256)
 
         def ours():
-            res["ours"] = decode(
-                lm,
-                prompts,
-                N,
-                "beam" if beams > 1 else "greedy",
-                beam_size=beams if beams > 1 else None,
-            )
+            res["ours"] = decode(lm, prompts, N, decoder, beam_size=beam_size)
 
         def theirs():
-            res["hf"] = hf.generate(
-                prompts,
-                attention_mask=torch.ones_like(prompts),
-                max_new_tokens=N,
-                num_beams=beams,
-                min_new_tokens=N if beams == 1 else 0,
-                do_sample=False,
-                pad_token_id=50256,
-                eos_token_id=50256,
-                early_stopping=beams > 1,
-            )
+            mask = torch.ones_like(prompts)
+            res["hf"] = hf.generate(prompts, attention_mask=mask, early_stopping=beams > 1, **hf_kw)
 
         with torch.no_grad():
             t_ours, t_hf = timed(ours, 1, args.iters, device), timed(theirs, 1, args.iters, device)
@@ -452,15 +441,12 @@ def bench_padding(args, device):
     print(
         f"WikiText-2, rnn 2 x 256 + nmst, {device}, torch {torch.__version__}, threads "
         f"{torch.get_num_threads()}; a step: the mean of {args.steps}; an epoch: x its batches\n"
-        f"{'protocol':8s} {'batches':>7s} {'positions':>10s} {'real targets':>12s} "
-        f"{'step: dense':>11s} {'real':>6s} {'speed-up':>8s} {'epoch: dense h':>14s} {'real h':>6s}"
+        "protocol batches  positions real targets step: dense   real speed-up epoch: dense h real h"
     )
     for p, run in runs.items():
         dense, real = sec[p, "dense"], sec[p, "real"]
-        print(
-            f"{run['line']} {dense:11.2f} {real:6.2f} {dense / real:8.2f} "
-            f"{hours[p, 'dense']:14.2f} {hours[p, 'real']:6.2f}"
-        )
+        h = f"{hours[p, 'dense']:14.2f} {hours[p, 'real']:6.2f}"
+        print(f"{run['line']} {dense:11.2f} {real:6.2f} {dense / real:8.2f} {h}")
     ratio = [f"{k} {hours['authors', k] / hours['paper', k]:.2f}x" for k in ("dense", "real")]
     print(f"an authors' epoch / a paper's: {', '.join(ratio)}")
 
@@ -475,7 +461,7 @@ def padding_run(protocol, device, steps):
     run, lengths = train.build(args, None, data, None, device)[0], data["train"].lengths
     keys = sorted(epoch_batches(args, data, 0), key=lambda k: lengths[k].max())
     positions = sum(len(k) * (lengths[k].max() - 1) for k in keys)
-    line = f"{protocol:8s} {len(keys):7d} {positions:10,d} "
+    real = data["targets_per_batch"] * len(keys)
 
     # The dense way: a batch without its rows and input_lengths computes every position (the
     # output layer on each, an RNN unpacked), as before only the real tokens were computed.
@@ -483,7 +469,7 @@ def padding_run(protocol, device, steps):
         return run.raw({k: v for k, v in batch.items() if k not in ("rows", "input_lengths")})
 
     return dict(
-        line=line + f"{data['targets_per_batch'] * len(keys):12,.0f}",
+        line=f"{protocol:8s} {len(keys):7d} {positions:10,d} {real:12,.0f}",
         batches=len(keys),
         picked=[keys[(2 * i + 1) * len(keys) // (2 * steps)] for i in range(steps)],
         real=run,

@@ -371,8 +371,7 @@ class Head(nn.Module):
         """log p(targets) only: the training / evaluation path.  Tests check it equals
         forward(...).gather(targets).  h (B, T, D), targets (B, T), t (B, T), rows (N,) the flat
         positions whose targets count (None: all) -> (log_p (B, T), 0 off rows; head_state).
-        The V-sized work (U h and its normaliser) runs on the rows alone; ST's running product
-        and every other per-position eos term keep the (B, T) layout.
+        U h and its normaliser run on the rows alone; the eos terms keep the (B, T) layout.
 
         Softmax: log_softmax_at, with a constant temperature c as z / c = U (h / c) + b / c.
         ST / NMST: the eos row of U is projected on its own (z_eos, (B, T)) and log_softmax_at
@@ -415,10 +414,8 @@ class Head(nn.Module):
         return torch.where(is_eos, log_alpha, log_one_minus_alpha + log_rest), head_state
 
     def _floored_at(self, h_rows, targets, rows, alphas):
-        """The authors' ST (st_log_probs with authors) at the rows: the full rows of the targets
-        that count, floored and renormalised (authors_floor); their eos part, alphas =
-        st_log_alpha's (log_alpha, log_one_minus_alpha (B, T), log_keep), runs along the
-        sequence.  -> (log_p (B, T), 0 off rows; log_keep)."""
+        """The authors' ST (st_log_probs, authors) at the rows, alphas = st_log_alpha's output
+        along the sequence (B, T).  -> (log_p (B, T), 0 off rows; log_keep)."""
         logits = self.proj(h_rows)[..., : self.vocab_size]  # (N, V)
         log_alpha, log_one_minus_alpha = (rows_of(a, rows) for a in alphas[:2])
         log_probs = authors_floor(_assemble(logits, self.eos_id, log_alpha, log_one_minus_alpha))

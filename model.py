@@ -107,21 +107,14 @@ class Recurrent(nn.Module):
                 # The zero start state made here: nn.LSTM would read the batch size back from
                 # the packed batch sizes (a tensor read a call) to make it.
                 if state is None:
-                    state = self.zero_state(x)
+                    zeros = x.new_zeros(self.rnn.num_layers, x.size(0), self.d_model)
+                    state = (zeros, zeros) if self.cell == "lstm" else zeros  # LSTM: (h, c)
                 out, state = self.rnn(packed, state)
                 out, _ = pad_packed_sequence(out, batch_first=True, total_length=idx.size(1))
         dropped = self._dropout(out)
         # Kept for AR / TAR (CT paper eq. 8), which read the output before and after dropout.
         self.last_output = (out, dropped)
         return dropped, state
-
-    def zero_state(self, x):
-        """The state before the first token of a batch x (B, T, D): zeros (layers, B, D), for an
-        LSTM both h and c."""
-        h = x.new_zeros(self.rnn.num_layers, x.size(0), self.d_model)
-        if self.cell == "lstm":
-            return (h, h)
-        return h
 
     def activation_regularisation(self, ar, tar):
         """CT paper eq. 8 (from AWD-LSTM), on the last layer's output of the latest forward:
@@ -428,9 +421,8 @@ class LanguageModel(nn.Module):
         """The training and perplexity call, as nanoGPT's model(X, Y) returns its loss: a batch
         of data/loader.get_batch -> (log p of every target (B, T), the mask of the targets that
         count (B, T), the state to go on from).  The head gives log p of the targets alone,
-        never the (B, T, V) log-probabilities, and computes it only where the target counts
-        (0 elsewhere: the mask says which count).  A batch without rows and input_lengths is
-        computed at every position, as a stream is.  state: the backbone's, or None."""
+        never the (B, T, V) log-probabilities, and only at the batch's rows (0 elsewhere: the
+        mask says which count; no rows: every position).  state: the backbone's, or None."""
         # A batch of lines is right-padded (data/loader.pad_batch), and says where: a recurrent
         # backbone runs packed over each row's real inputs; attention and convolution are causal,
         # so the padding after the real positions cannot change them (they read all of (B, T)).
