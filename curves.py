@@ -44,9 +44,9 @@ PROBE = ("probe_r_nt", "probe_L", "probe_n", "eos_prob_at_end")
 UNITS = {"char": "character", "bpe": "BPE token"}
 
 
+# The records of a run's .jsonl log up to `step`; a line torn by a crash is skipped, a record
+# that is not as train.py writes it (a number missing or not a number) is an error.
 def read_log(path, step=math.inf):
-    """The records of a run's .jsonl log up to `step`; a line torn by a crash is skipped, a record
-    that is not as train.py writes it (a number missing or not a number) is an error."""
     records = []
     if not os.path.exists(path):
         return records
@@ -70,8 +70,8 @@ def read_log(path, step=math.inf):
     return records
 
 
+# A log record: a JSON object whose `need` keys (and the probe's, if any) are numbers.
 def check_record(record, need, where):
-    """A log record: a JSON object whose `need` keys (and the probe's, if any) are numbers."""
     if "probe_r_nt" in record:
         need = need + PROBE
     for key in need:
@@ -84,8 +84,8 @@ def check_record(record, need, where):
             )
 
 
+# A run's args.json: its flags (a JSON object), or {} where there is none.
 def read_args(folder):
-    """A run's args.json: its flags (a JSON object), or {} where there is none."""
     path = os.path.join(folder, "args.json")
     # (a run of an early version had none: it is labelled by its folder)
     if not os.path.exists(path):
@@ -103,9 +103,9 @@ def read_args(folder):
     return args
 
 
+# A run's folder, checked before anything is read (start_logs makes it): writable, and a
+# fresh run never writes over another's checkpoints; --tensorboard: the package there.
 def check_out_dir(out_dir, tensorboard=False, resume=False):
-    """A run's folder, checked before anything is read (start_logs makes it): writable, and a
-    fresh run never writes over another's checkpoints; --tensorboard: the package there."""
     if not resume and any(os.path.exists(f"{out_dir}/ckpt_{n}.pt") for n in ("last", "best")):
         raise UserError(
             f"{out_dir} already holds a run: continue it with --resume, or choose another --out_dir"
@@ -115,10 +115,10 @@ def check_out_dir(out_dir, tensorboard=False, resume=False):
     check_output(out_dir, "--out_dir", folder=True)  # (nothing written: start_logs makes it)
 
 
+# log.jsonl and steps.jsonl: a fresh run (step 0) starts them, a resumed one keeps their
+# records up to its checkpoint's step; args.json: what the run is labelled by.  An interrupted
+# write's temporary file is removed.
 def start_logs(out_dir, args, step=0):
-    """log.jsonl and steps.jsonl: a fresh run (step 0) starts them, a resumed one keeps their
-    records up to its checkpoint's step; args.json: what the run is labelled by.  An interrupted
-    write's temporary file is removed."""
     os.makedirs(out_dir, exist_ok=True)
     # (common.write_file's temporaries, of a write a kill -9 interrupted; a file of yours that
     # ends in .tmp is not one of them)
@@ -137,9 +137,9 @@ def append(path, *records):  # records added to a log, each a line (all, or none
     append_lines(path, [json.dumps(r) + "\n" for r in records])
 
 
+# An evaluation's record: a line of log.jsonl, TensorBoard's scalars (--tensorboard), and
+# curves.png drawn again.
 def log_evaluation(out_dir, record, tensorboard=False, draw=True):
-    """An evaluation's record: a line of log.jsonl, TensorBoard's scalars (--tensorboard), and
-    curves.png drawn again."""
     append(os.path.join(out_dir, "log.jsonl"), record)
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
@@ -153,9 +153,9 @@ def log_evaluation(out_dir, record, tensorboard=False, draw=True):
         draw_run(out_dir)
 
 
-# ----- what a run prints: its first line, each evaluation, how it ended --------------------
+# ----- what a run prints: its first line, how it ended --------------------
+# The run's first line: what trains on what, its size, where (resumed_at: a step, or None).
 def run_line(args, model, data, device, ctx, resumed_at):
-    """The run's first line: what trains on what, its size, where (resumed_at: a step, or None)."""
     what = args.head if args.model in MODELS else args.task
     line = (
         f"{args.model} + {what} on {args.dataset}: {model.num_params():,} parameters, "
@@ -170,8 +170,8 @@ def run_line(args, model, data, device, ctx, resumed_at):
     return line
 
 
+# The run's last line: stopped by a signal short of its end, or done, and why.
 def say_how_it_ended(args, st, stop, why):
-    """The run's last line: stopped by a signal short of its end, or done, and why."""
     if world()[0] != 0:
         return
     if stop and not why:
@@ -187,25 +187,12 @@ def say_how_it_ended(args, st, stop, why):
     )
 
 
-def evaluation_line(rec, improved):
-    line = (
-        f"step {rec['step']:7d} | epoch {rec['epoch']:3d} | train loss {rec['train_loss']:.4f} "
-        f"| val loss {rec['val_loss']:.4f} | val ppl {rec['val_ppl']:9.2f} | lr {rec['lr']:.2e} | "
-        f"{rec['tokens_per_s']:8.0f} tok/s"
-    )
-    if rec["mfu"]:
-        line += f" | mfu {100 * rec['mfu']:.1f}%"
-    if improved:
-        line += " | best"
-    return line
-
-
 def ppl(loss):
     return math.exp(min(loss, 50))  # (a diverged run's 1e300 would overflow the log axis)
 
 
+# OUT_DIR/curves.png from the run's log.jsonl and steps.jsonl.
 def draw_run(out_dir):
-    """OUT_DIR/curves.png from the run's log.jsonl and steps.jsonl."""
     plt, log = pyplot(), read_log(os.path.join(out_dir, "log.jsonl"))
     if not log:
         return
@@ -237,9 +224,9 @@ def draw_run(out_dir):
     save_figure(fig, os.path.join(out_dir, "curves.png"))
 
 
+# What tells each run apart: the flags whose values differ between the runs (a head by the
+# papers' name, as in every figure; eps only where a head has one), or its folder.
 def labels(runs):
-    """What tells each run apart: the flags whose values differ between the runs (a head by the
-    papers' name, as in every figure; eps only where a head has one), or its folder."""
     args = [a for a, _ in runs]
 
     # A softmax run's --epsilon is a default it never reads: no label of it.
@@ -261,9 +248,9 @@ def labels(runs):
     return names
 
 
+# The word of flag k in a run's label: a head by the papers' name, a value that stands alone,
+# or k=value.
 def label_word(a, k, what):
-    """The word of flag k in a run's label: a head by the papers' name, a value that stands alone,
-    or k=value."""
     # (str: a hand-edited args.json may hold any JSON value)
     if k == "head":
         return paper_name(str(a[k]))
@@ -272,10 +259,10 @@ def label_word(a, k, what):
     return f"{k}={a.get(k)}"
 
 
+# What a run's validation perplexity measures: its task's metric (completion: nanogen's, the
+# continuations of lines of > 10 tokens, or --protocol authors' over every line) per token of
+# its vocabulary, or per insertion event.
 def metric(a):
-    """What a run's validation perplexity measures: its task's metric (completion: nanogen's, the
-    continuations of lines of > 10 tokens, or --protocol authors' over every line) per token of
-    its vocabulary, or per insertion event."""
     task, unit = a.get("task", "completion"), UNITS.get(a.get("vocab"), "word")
     whose = {"completion": "nanogen's", "stream": "the stream's"}.get(task, f"the {task}'s")
     if a.get("protocol") == "authors":
@@ -287,9 +274,9 @@ def metric(a):
     return f"{whose} metric, per {unit}"
 
 
+# Runs side by side: validation perplexity and the probe's r_nt against steps, and a table
+# of their best values.  -> the table's lines (the figure goes to `path`).
 def overlay(folders, path):
-    """Runs side by side: validation perplexity and the probe's r_nt against steps, and a table
-    of their best values.  -> the table's lines (the figure goes to `path`)."""
     runs, logs = [], []
     for folder in folders:
         log = read_log(os.path.join(folder, "log.jsonl"))
@@ -332,8 +319,8 @@ def overlay(folders, path):
 
 
 # ----- the decoding studies of evaluate.py: their table and figures ---------------------------
+# A study's decoder in a few characters: greedy, topk-10, nucleus-0.9+c, beam-4/lp1, ...
 def decoder_name(d):
-    """A study's decoder in a few characters: greedy, topk-10, nucleus-0.9+c, beam-4/lp1, ..."""
     name = d["decoder"]
     # The value that makes the decoder what it is: k, p or the beam's size.
     extra = dict(topk=f"-{d.get('k')}", nucleus=f"-{d.get('p')}", beam=f"-{d.get('beam_size')}")
@@ -348,9 +335,9 @@ def decoder_name(d):
     return name
 
 
+# A row a study: r_nt(L) for every L, the mean length, unique non-terminated (eps only for
+# the heads that read it).
 def print_study_table(results):
-    """A row a study: r_nt(L) for every L, the mean length, unique non-terminated (eps only for
-    the heads that read it)."""
     # A column for every L of any study (a study without it shows nan).
     Ls = sorted({int(L) for r in results for L in r["decoding"]["r_nt"]})
     r_nt_columns = " ".join(f"{'r_nt(%d)' % L:>11s}" for L in Ls)
@@ -370,9 +357,9 @@ def print_study_table(results):
         )
 
 
+# r_nt(L) (log-log, Fig. 2 / 7), the length histograms (Fig. 8) and p(eos) traces (Fig. 3)
+# into out_dir, the runs labelled by what differs between them.
 def plot_study(results, out_dir, files=None):
-    """r_nt(L) (log-log, Fig. 2 / 7), the length histograms (Fig. 8) and p(eos) traces (Fig. 3)
-    into out_dir, the runs labelled by what differs between them."""
     names, title = study_labels(results, files)
     os.makedirs(out_dir, exist_ok=True)
     # One function a figure; p(eos) traces only where a study kept them.
@@ -386,9 +373,9 @@ def plot_study(results, out_dir, files=None):
     print(f"wrote {', '.join(paths)}")
 
 
+# -> (each study's label: what differs between them (head, eps, model, decoder, dataset),
+# the title: what they share).
 def study_labels(results, files):
-    """-> (each study's label: what differs between them (head, eps, model, decoder, dataset),
-    the title: what they share)."""
     parts = []
     for r in results:
         eps = ""
@@ -407,13 +394,13 @@ def study_labels(results, files):
     return names, title
 
 
+# The i-th study's colour and dash, the same in every figure (grey print tells them apart).
 def study_style(i):
-    """The i-th study's colour and dash, the same in every figure (grey print tells them apart)."""
     return dict(color=f"C{i}", linestyle=("-", "--", ":", "-.")[i % 4])
 
 
+# r_nt(L) against L, log-log (NMST Fig. 2, 7); 0 is drawn at 1e-4.
 def study_r_nt_figure(results, names, title):
-    """r_nt(L) against L, log-log (NMST Fig. 2, 7); 0 is drawn at 1e-4."""
     fig, ax = pyplot().subplots(figsize=(5.5, 4))
     for i, (r, name) in enumerate(zip(results, names)):
         curve = r["decoding"]["r_nt_curve"]
@@ -428,9 +415,9 @@ def study_r_nt_figure(results, names, title):
     return fig
 
 
+# The continuations' lengths against the true ones (NMST Fig. 8); a non-terminated one is
+# drawn at its study's L.
 def lengths_figure(results, names):
-    """The continuations' lengths against the true ones (NMST Fig. 8); a non-terminated one is
-    drawn at its study's L."""
     fig, ax = pyplot().subplots(figsize=(5.5, 4))
     # Each study's L: where its non-terminated continuations were cut.
     cut = [max(int(L) for L in r["decoding"]["r_nt"]) for r in results]
@@ -449,8 +436,8 @@ def lengths_figure(results, names):
     return fig
 
 
+# p(eos) along the first three traced true continuations (NMST Fig. 3), or None.
 def eos_figure(results, names):
-    """p(eos) along the first three traced true continuations (NMST Fig. 3), or None."""
     traced = [{t["index"]: t["p_eos"] for t in r.get("eos_traces") or []} for r in results]
     # The sequences the first study traced (a window model may skip long ones).
     shown = next((list(t)[:3] for t in traced if t), [])
@@ -467,8 +454,8 @@ def eos_figure(results, names):
     return fig
 
 
+# The contextual temperature of the next word by position in the sentence (CT Fig. 1).
 def tau_figure(rep, path):
-    """The contextual temperature of the next word by position in the sentence (CT Fig. 1)."""
     fig, ax = pyplot().subplots(figsize=(7, 3.5))
     ax.errorbar(range(15), rep["position_mean"], yerr=rep["position_ci95"], fmt="o-", capsize=3)
     ax.set_xticks(range(15), rep["positions"], rotation=60, fontsize=7)
@@ -480,11 +467,11 @@ def tau_figure(rep, path):
 
 
 # --- the figures of reproduce.py's tables and bench.py insnet's Fig. 12 -----------------------
+# NMST Fig. 2 / 7 (Table 4: the same per decoder): r_nt(L) against L (log-log), a panel per
+# model and decoder, a curve per head.  runs: {(model, head): [each seed's results]}; half:
+# t_1/2, drawn where the axis reaches it (Theorem 3: past it every ST / NMST greedy, top-k or
+# nucleus continuation has ended).
 def r_nt_figure(runs, heads, decoders, half, path):
-    """NMST Fig. 2 / 7 (Table 4: the same per decoder): r_nt(L) against L (log-log), a panel per
-    model and decoder, a curve per head.  runs: {(model, head): [each seed's results]}; half:
-    t_1/2, drawn where the axis reaches it (Theorem 3: past it every ST / NMST greedy, top-k or
-    nucleus continuation has ended)."""
     models = list(dict.fromkeys(m for m, _ in runs))
     rows, cols = len(models), len(decoders)
     fig, axes = pyplot().subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
@@ -505,9 +492,9 @@ def r_nt_figure(runs, heads, decoders, half, path):
     save_figure(fig, path)
 
 
+# The k-th head's r_nt(L): the seeds' mean, their std as a band.  r_nt = 0 cannot be drawn on
+# a log axis: it is drawn at the 1e-3 floor, and markers tell apart heads that share a curve.
 def r_nt_curve(ax, per_seed, k, label):
-    """The k-th head's r_nt(L): the seeds' mean, their std as a band.  r_nt = 0 cannot be drawn on
-    a log axis: it is drawn at the 1e-3 floor, and markers tell apart heads that share a curve."""
     Ls = sorted(int(L) for L in per_seed[0])
     ys = np.maximum([[c[str(L)] for c in per_seed] for L in Ls], 1e-3)  # (L, seeds)
     # One seed has no spread: its band has no width.
@@ -519,10 +506,10 @@ def r_nt_curve(ax, per_seed, k, label):
     ax.fill_between(Ls, np.maximum(mean - sd, 1e-3), mean + sd, color=f"C{k}", alpha=0.15)
 
 
+# Each model's heads over training (overlay: validation perplexity and the probe's r_nt
+# against steps, seed 0 of each head, from the folder runs into out/training-MODEL.png): the
+# table's lines.  seqs: the validation sequences the runs' own evaluations score.
 def over_training(models, heads, runs, out, seqs, eps):
-    """Each model's heads over training (overlay: validation perplexity and the probe's r_nt
-    against steps, seed 0 of each head, from the folder runs into out/training-MODEL.png): the
-    table's lines.  seqs: the validation sequences the runs' own evaluations score."""
     lines = []
     # Seed 0 of each head: a curve a head keeps the figure readable.
     for m in models:
@@ -539,9 +526,9 @@ def over_training(models, heads, runs, out, seqs, eps):
     return lines
 
 
+# InsNet Fig. 12: seconds per training epoch against the sequence length (log), InsNet /
+# IT-vanilla / L2R.  rows: (length, InsNet's, IT-vanilla's, L2R's seconds).
 def epoch_times(rows, title, path):
-    """InsNet Fig. 12: seconds per training epoch against the sequence length (log), InsNet /
-    IT-vanilla / L2R.  rows: (length, InsNet's, IT-vanilla's, L2R's seconds)."""
     fig, ax = pyplot().subplots(figsize=(5, 3.5))
     for col, label in ((1, "InsNet"), (2, "IT-vanilla"), (3, "L2R")):
         ax.plot([r[0] for r in rows], [r[col] for r in rows], marker="o", label=label)

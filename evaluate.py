@@ -200,6 +200,20 @@ def probe_line(rec, res, context, data):
     )
 
 
+# An evaluation's line in a training run: its losses, perplexity, rate, speed (and MFU).
+def evaluation_line(rec, improved):
+    line = (
+        f"step {rec['step']:7d} | epoch {rec['epoch']:3d} | train loss {rec['train_loss']:.4f} "
+        f"| val loss {rec['val_loss']:.4f} | val ppl {rec['val_ppl']:9.2f} | lr {rec['lr']:.2e} | "
+        f"{rec['tokens_per_s']:8.0f} tok/s"
+    )
+    if rec["mfu"]:
+        line += f" | mfu {100 * rec['mfu']:.1f}%"
+    if improved:
+        line += " | best"
+    return line
+
+
 # ----- the command: flags, the checkpoint's run, the report -----------------------------------
 # The flags that only a --decoder study reads.
 STUDY_FLAGS = "L k p beam_size temperature consistent length_penalty decode_batch examples".split()

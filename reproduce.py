@@ -133,9 +133,9 @@ GREEDY_CLAIMS = {("softmax", "st"): "greater", ("softmax", "nmst"): "greater"}
 TABLE4_CLAIMS = {("softmax", "nmst"): "greater"}
 
 
+# NMST Table 1 or 4 at a scale (its row of NMST1 / NMST4) as a dict, the models' flags and
+# the decoders as lists.
 def nmst_settings(scale, table):
-    """NMST Table 1 or 4 at a scale (its row of NMST1 / NMST4) as a dict, the models' flags and
-    the decoders as lists."""
     cfg = dict(zip(NMST_COLUMNS, {1: NMST1, 4: NMST4}[table][scale]))
     # Every model of a row trains with the row's flags: the scales differ in size, not by model.
     cfg["models"] = {m: cfg["flags"].split() for m in cfg["models"].split()}
@@ -144,9 +144,9 @@ def nmst_settings(scale, table):
 
 
 # --- running: train (or reuse), evaluate (or reuse) -------------------------------------------
+# Train, go on with or reuse every run of the plan [(name, flags)]: in turn in this process,
+# or --jobs at once as `python train.py` processes.  -> {name: its ckpt_best.pt}.
 def train_all(plan, args):
-    """Train, go on with or reuse every run of the plan [(name, flags)]: in turn in this process,
-    or --jobs at once as `python train.py` processes.  -> {name: its ckpt_best.pt}."""
     cap = run_cap(len(plan), args)
     runs = []
     for name, flags in plan:
@@ -166,9 +166,9 @@ def train_all(plan, args):
     return {name: os.path.join(args.runs, name, "ckpt_best.pt") for name, _ in plan}
 
 
+# train.py's cap on each of n runs, said before they start: --max_minutes as given (0: none,
+# which lifts a capped run's cap), or --budget_minutes shared by the waves of --jobs runs.
 def run_cap(n, args):
-    """train.py's cap on each of n runs, said before they start: --max_minutes as given (0: none,
-    which lifts a capped run's cap), or --budget_minutes shared by the waves of --jobs runs."""
     # The runs train in waves of --jobs at once: a budget is shared by the waves, not the runs.
     waves = math.ceil(n / args.jobs)
     if args.budget_minutes:
@@ -188,9 +188,9 @@ def run_cap(n, args):
     return cap
 
 
+# Each run by train.main in this process.  -> (no exit statuses, the signal that stopped a
+# run or None): a stopped run has written its checkpoint, and the command stops there too.
 def train_in_turn(runs):
-    """Each run by train.main in this process.  -> (no exit statuses, the signal that stopped a
-    run or None): a stopped run has written its checkpoint, and the command stops there too."""
     for _, argv in runs:
         train.main(argv)
         # A signal stopped the run (its checkpoint written): the command stops there too.
@@ -199,9 +199,9 @@ def train_in_turn(runs):
     return [], None
 
 
+# Each run's `python -u train.py` (its output, unbuffered, in RUNS/NAME.log), jobs at once.
+# -> (the exit statuses, None for a run not started; the first stop's name, or None).
 def train_processes(runs, jobs):
-    """Each run's `python -u train.py` (its output, unbuffered, in RUNS/NAME.log), jobs at once.
-    -> (the exit statuses, None for a run not started; the first stop's name, or None)."""
     running, stops = [], []
     # Each child has a session of its own, so a Ctrl-C at the terminal reaches it once, from here,
     # as the signal it was: Ctrl-C and SIGTERM stop a run cleanly (its checkpoint written), a
@@ -241,9 +241,9 @@ def train_processes(runs, jobs):
     return codes, (stops or [None])[0]
 
 
+# One line and no table when a run was stopped, failed or ended short; the runs that
+# --max_minutes stopped are noted (args.partial) for the table to say so.
 def check_trained(names, codes, stop, args):
-    """One line and no table when a run was stopped, failed or ended short; the runs that
-    --max_minutes stopped are noted (args.partial) for the table to say so."""
     again = "the same command goes on from there"
     if stop:
         raise UserError(f"stopped by {stop}; the runs' checkpoints are in {args.runs}: {again}")
@@ -261,10 +261,10 @@ def check_trained(names, codes, stop, args):
     args.partial += [name for name, why in status.items() if why == "partial"]
 
 
+# -> None for a run trained to its end, "partial" for one its --max_minutes stopped, else why
+# it stopped short: train.py's checkpoint says (its state's "stopped": the signal that stopped
+# it, the one convention for a run stopped by a signal).
 def run_status(out):
-    """-> None for a run trained to its end, "partial" for one its --max_minutes stopped, else why
-    it stopped short: train.py's checkpoint says (its state's "stopped": the signal that stopped
-    it, the one convention for a run stopped by a signal)."""
     path = os.path.join(out, "ckpt_last.pt")
     if not os.path.isfile(path):
         return "no checkpoint: it was killed before its first evaluation"
@@ -280,9 +280,9 @@ def run_status(out):
     return "stopped before its end"
 
 
+# evaluate.evaluate_once's result, evaluated again where a result written by an earlier
+# version lacks what this one reads (needs: the keys down to a value, outermost first).
 def evaluated(ckpt, flags, path, needs):
-    """evaluate.evaluate_once's result, evaluated again where a result written by an earlier
-    version lacks what this one reads (needs: the keys down to a value, outermost first)."""
     found = res = evaluate.evaluate_once(ckpt, flags, path)
     for key in needs:
         if not isinstance(found, dict) or key not in found:
@@ -296,9 +296,9 @@ def evaluated(ckpt, flags, path, needs):
 
 
 # --- the statistics every table says ----------------------------------------------------------
+# mean ± the sample standard deviation (ddof 1) over seeds; one seed: the value alone (one
+# run has no spread to show).  Every table says n in its first line.
 def mean_std(values, digits=1):
-    """mean ± the sample standard deviation (ddof 1) over seeds; one seed: the value alone (one
-    run has no spread to show).  Every table says n in its first line."""
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
         return "-"
@@ -307,9 +307,9 @@ def mean_std(values, digits=1):
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
+# Welch's t-test of two heads' per-seed values (unequal variances): its p-value; nan with
+# one seed on a side (no spread: nothing is called).  alternative "greater": a above b.
 def welch(a, b, alternative="two-sided"):
-    """Welch's t-test of two heads' per-seed values (unequal variances): its p-value; nan with
-    one seed on a side (no spread: nothing is called).  alternative "greater": a above b."""
     # Welch's test needs a spread on each side.
     if len(a) < 2 or len(b) < 2:
         return math.nan
@@ -321,8 +321,8 @@ def welch(a, b, alternative="two-sided"):
     return 1.0 if math.isnan(test.pvalue) else float(test.pvalue)
 
 
+# 'VA+ 0.120 vs ST+ 0.000: p = 0.031 (VA+ above): apart at 5 %', or '...: not resolved'.
 def compared(name_a, a, name_b, b, digits=3, alternative="two-sided"):
-    """'VA+ 0.120 vs ST+ 0.000: p = 0.031 (VA+ above): apart at 5 %', or '...: not resolved'."""
     means = f"{name_a} {statistics.mean(a):.{digits}f} vs {name_b} {statistics.mean(b):.{digits}f}"
     p = welch(a, b, alternative)
     if math.isnan(p):
@@ -333,9 +333,9 @@ def compared(name_a, a, name_b, b, digits=3, alternative="two-sided"):
     return f"{means}: p = {p:.2g}{side}: {verdict}"
 
 
+# Each pair (a, b) of heads compared by Welch's test, one-sided where claims names the
+# paper's direction.  values: {head: per-seed values}.  -> (the text, the pairs apart at 5 %).
 def calls(values, pairs, claims, digits=3):
-    """Each pair (a, b) of heads compared by Welch's test, one-sided where claims names the
-    paper's direction.  values: {head: per-seed values}.  -> (the text, the pairs apart at 5 %)."""
     texts, apart = [], []
     for a, b in pairs:
         side = claims.get((a, b), "two-sided")
@@ -345,9 +345,9 @@ def calls(values, pairs, claims, digits=3):
     return "; ".join(texts), apart
 
 
+# Four evaluations per run (and as many termination probes: the curves over training);
+# tiny: one.
 def base_flags(cfg, model, head, seed):
-    """Four evaluations per run (and as many termination probes: the curves over training);
-    tiny: one."""
     flags = f"--model {model} --head {head}".split()
     # Only the termination heads read eps (NMST eq. 9, 10).
     if head in EPSILON_HEADS:
@@ -387,9 +387,9 @@ def run_nmst(table, args):
     return lines, {f"{m}/{h}": res for (m, h), res in runs.items()}
 
 
+# Train every (model, head, seed), evaluate perplexity and decode every context with every
+# decoder (sampling decoders: the run's seed).  -> {(model, head): [per-seed results]}.
 def nmst_runs(cfg, args):
-    """Train every (model, head, seed), evaluate perplexity and decode every context with every
-    decoder (sampling decoders: the run's seed).  -> {(model, head): [per-seed results]}."""
     limit = ["--limit", str(cfg["contexts"])] if cfg["contexts"] else []
     grid = list(itertools.product(cfg["models"], args.heads, range(cfg["seeds"])))
     names = [f"{model}-{head}-s{seed}" for model, head, seed in grid]
@@ -413,9 +413,9 @@ def nmst_runs(cfg, args):
     return runs
 
 
+# evaluate.py's flags for one decoder's study: one decode to its largest L gives r_nt at
+# every L of the curve (greedy: to fig2_L, Fig. 2's; the others: to L).
 def study_flags(cfg, dec):
-    """evaluate.py's flags for one decoder's study: one decode to its largest L gives r_nt at
-    every L of the curve (greedy: to fig2_L, Fig. 2's; the others: to L)."""
     top = cfg["fig2_L"] if dec == "greedy" else cfg["L"]
     points = {1, 3, 10, 30, 100, 300, 1000, 3000, 10_000, 30_000, 100_000, cfg["L"], top}
     curve = [str(x) for x in sorted(points) if x <= top]
@@ -429,21 +429,21 @@ def r_nt(results, dec, L):
     return [res[dec]["decoding"]["r_nt"][str(L)] for res in results]
 
 
+# A table's r_nt(L): mean ± std over the seeds, marked * where Theorem 3 decides it.
 def cell(cfg, results, head, dec, L):
-    """A table's r_nt(L): mean ± std over the seeds, marked * where Theorem 3 decides it."""
     mark = " *" if forced(cfg, head, dec, L) else ""
     return mean_std(r_nt(results, dec, L), 3) + mark
 
 
+# Whether Theorem 3 decides r_nt(L) of this cell: ST / NMST past t_1/2 under greedy (it must
+# end there), top-k or nucleus (eos is the top token: a step ends with p > 1/2).
 def forced(cfg, head, dec, L):
-    """Whether Theorem 3 decides r_nt(L) of this cell: ST / NMST past t_1/2 under greedy (it must
-    end there), top-k or nucleus (eos is the top token: a step ends with p > 1/2)."""
     incomplete = dec.split("-")[0] in ("greedy", "topk", "nucleus")
     return head in EPSILON_HEADS and incomplete and L >= t_half(cfg["eps"])
 
 
+# A table's first lines: what it shows, n, and which of its cells the setting decides.
 def table_head(cfg, args, what):
-    """A table's first lines: what it shows, n, and which of its cells the setting decides."""
     half = t_half(cfg["eps"])
     lines = [
         f"NMST {what} (scale {args.scale}, {cfg['dataset']}): mean ± sample std (ddof 1) over "
@@ -457,9 +457,9 @@ def table_head(cfg, args, what):
     return lines
 
 
+# Perplexity by head (a row, by the papers' names: VA+, ST+, NMST+, MoS, ...) and model (a
+# column), both metrics, the paper's value beside; eps only for the heads that read it.
 def report_table1(cfg, runs, args):
-    """Perplexity by head (a row, by the papers' names: VA+, ST+, NMST+, MoS, ...) and model (a
-    column), both metrics, the paper's value beside; eps only for the heads that read it."""
     models = list(cfg["models"])
     lines = [
         *table_head(cfg, args, "Table 1: validation perplexity"),
@@ -484,10 +484,10 @@ def report_table1(cfg, runs, args):
     return lines + rnt_rows(cfg, runs, args) + verdict_table1(cfg, runs, args)
 
 
+# Table 1's first lines on the paper's termination finding (greedy: VA+ loops, ST+ / NMST+
+# end), where training decides it: VA+'s r_nt against each ST+ / NMST+'s at the largest L
+# below t_1/2, one-sided; the finding shows where VA+'s lies above at 5 %.
 def termination_shown(cfg, runs, args):
-    """Table 1's first lines on the paper's termination finding (greedy: VA+ loops, ST+ / NMST+
-    end), where training decides it: VA+'s r_nt against each ST+ / NMST+'s at the largest L
-    below t_1/2, one-sided; the finding shows where VA+'s lies above at 5 %."""
     others = [h for h in args.heads if h in EPSILON_HEADS]
     if args.scale == "tiny":
         return []
@@ -512,8 +512,8 @@ def termination_shown(cfg, runs, args):
     return [summary, *lines]
 
 
+# r_nt(L) at L = 10, 100 and the largest L, by model, head and decoder.
 def rnt_rows(cfg, runs, args):
-    """r_nt(L) at L = 10, 100 and the largest L, by model, head and decoder."""
     # L = 10 and 100 show how soon the continuations end; the largest L, whether they end at all.
     Ls = [L for L in (10, 100, cfg["L"]) if L <= cfg["L"]]
     lines = [
@@ -531,9 +531,9 @@ def rnt_rows(cfg, runs, args):
     return lines
 
 
+# The perplexities, head against head (nanogen's metric); at the tiny scale (a smoke test: a
+# few steps, one seed) no conclusion is drawn.
 def verdict_table1(cfg, runs, args):
-    """The perplexities, head against head (nanogen's metric); at the tiny scale (a smoke test: a
-    few steps, one seed) no conclusion is drawn."""
     if args.scale == "tiny":
         return SMOKE
     out = [""]
@@ -544,9 +544,9 @@ def verdict_table1(cfg, runs, args):
     return out
 
 
+# r_nt(L) by head (a row) and decoder (a column), the paper's beside; then each decoder's
+# learned ST+ / NMST+ cells against VA+'s.
 def report_table4(cfg, runs, args):
-    """r_nt(L) by head (a row) and decoder (a column), the paper's beside; then each decoder's
-    learned ST+ / NMST+ cells against VA+'s."""
     # Table 4 compares the heads on one model, the scale's first (GPT-2 in the paper).
     decs, model, L = cfg["decoders"], next(iter(cfg["models"])), cfg["L"]
     lines = [
@@ -573,9 +573,9 @@ def report_table4(cfg, runs, args):
     return lines + table + out
 
 
+# Each decoder's learned ST+ / NMST+ cells against VA+'s (NMST+ one-sided: the paper's
+# NMST+ below VA+).  -> (the lines, how many differ at 5 %).
 def table4_calls(cfg, runs, args):
-    """Each decoder's learned ST+ / NMST+ cells against VA+'s (NMST+ one-sided: the paper's
-    NMST+ below VA+).  -> (the lines, how many differ at 5 %)."""
     model, out, apart = next(iter(cfg["models"])), [""], 0
     for d in cfg["decoders"]:
         free = [h for h in args.heads if h != "softmax" and not forced(cfg, h, d, cfg["L"])]
@@ -622,9 +622,9 @@ def run_ct(args):
     return lines, runs
 
 
+# The paper's claim (CT-MoS beats every constant-temperature MoS), one-sided: it holds where
+# CT-MoS lies below every MoS at 5 %, and does not where a MoS lies below CT-MoS at 5 %.
 def ct_verdict(runs, args):
-    """The paper's claim (CT-MoS beats every constant-temperature MoS), one-sided: it holds where
-    CT-MoS lies below every MoS at 5 %, and does not where a MoS lies below CT-MoS at 5 %."""
     if args.scale == "tiny":
         return SMOKE[1:]
     valid = {label: [r["valid"] for r in runs[label]] for label in runs}
@@ -678,10 +678,10 @@ def run_insnet(args):
     return lines + fig12(args), runs
 
 
+# The InsNet table's first lines from each seed's share of looping stories (%) and BLEU-4 of
+# both models ({"insnet": [...], "gpt": [...]}): what was measured, and whether the paper's
+# comparison (InsNet above L2R: one-sided) can show in it.
 def insnet_findings(looping, bleu4):
-    """The InsNet table's first lines from each seed's share of looping stories (%) and BLEU-4 of
-    both models ({"insnet": [...], "gpt": [...]}): what was measured, and whether the paper's
-    comparison (InsNet above L2R: one-sided) can show in it."""
     bleu = compared("InsNet", bleu4["insnet"], "L2R", bleu4["gpt"], 2, "greater")
     lines = [
         f"- Stories that repeat a 4-gram (a decoder in a loop): InsNet "
@@ -699,8 +699,8 @@ def insnet_findings(looping, bleu4):
     return lines
 
 
+# Fig. 12: bench.py insnet's seconds per epoch by length, InsNet / IT-vanilla / L2R.
 def fig12(args):
-    """Fig. 12: bench.py insnet's seconds per epoch by length, InsNet / IT-vanilla / L2R."""
     dim, seqs, batch, it_batch, iters, lengths = FIG12[args.scale]
     flags = f"--gpt_layers 2 --gpt_dim {dim} --gpt_heads 4 --seqs {seqs} --batch {batch} "
     flags += f"--it_batch {it_batch} --iters {iters} --lengths {lengths}"
@@ -734,8 +734,8 @@ def parser():
     return p
 
 
+# The flags' one-line errors, before any folder is made or any run trained.
 def check_flags(args):
-    """The flags' one-line errors, before any folder is made or any run trained."""
     # A GPU trains one run a 24 GiB of its memory at once by default, a CPU one.
     gib = torch.cuda.is_available() and torch.cuda.mem_get_info()[1] >> 30
     args.jobs = args.jobs or max(1, gib // 24)
@@ -754,9 +754,9 @@ def check_flags(args):
         raise UserError("give --budget_minutes (the table's) or --max_minutes (each run's)")
 
 
+# One result: its folders checked and made (one line if they cannot be), its runs, its table
+# and raw numbers written into args.out.
 def reproduce_one(name, args):
-    """One result: its folders checked and made (one line if they cannot be), its runs, its table
-    and raw numbers written into args.out."""
     # The folders are checked and made before any training: a wrong --out costs nothing.
     check_output(args.out, "--out", folder=True)
     check_output(args.runs, "--runs", folder=True)
@@ -778,9 +778,9 @@ def reproduce_one(name, args):
     print("\n".join(lines) + f"\nwrote {os.path.join(args.out, 'table.md')} and results.json")
 
 
+# The table's word on a cap: the runs it stopped before their end, named (partial until the
+# same command, without the cap, trains them on).
 def cap_note(args):
-    """The table's word on a cap: the runs it stopped before their end, named (partial until the
-    same command, without the cap, trains them on)."""
     if args.partial:
         return (
             f"; PARTIAL: {', '.join(args.partial)} stopped at the --max_minutes cap before their "
@@ -791,9 +791,9 @@ def cap_note(args):
     return ""
 
 
+# results.json, then table.md, each whole or not at all (common.write_file: a full disk is
+# one line, and no temporary file is left).
 def write_results(out, lines, raw):
-    """results.json, then table.md, each whole or not at all (common.write_file: a full disk is
-    one line, and no temporary file is left)."""
     # The raw numbers first: a table is never left without them.
     evaluate.write_json(os.path.join(out, "results.json"), raw)
     text = "\n".join(lines) + "\n"

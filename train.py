@@ -47,7 +47,7 @@ from common import (
 from config import get_args, model_config
 from data import gpt2_weights
 from data.loader import check_fits, epoch_batches, get_batch, load_data, targets_per_batch
-from evaluate import perplexity, probe
+from evaluate import evaluation_line, perplexity, probe
 from heads import TERMINATION_HEADS, loss_scale
 from insnet import INSERTION
 from model import LanguageModel, gpt_state_from_hf
@@ -458,7 +458,7 @@ def validate(run, st, hidden, pending, since):
         **{k: v for k, v in val.items() if k in ("eos_prob_at_end", "nll_per_story")},
     )
     if world()[0] == 0:
-        print(curves.evaluation_line(rec, improved), flush=True)
+        print(evaluation_line(rec, improved), flush=True)
         if args.probe and args.task == "completion":
             rec.update(probe_unless_stopped(args, raw, data))
         curves.log_evaluation(args.out_dir, rec, args.tensorboard, not args.no_curves)
