@@ -422,7 +422,8 @@ def bench_padding(args, device):
     # NMST Table 1's RNN (2 x 256, NMST head) on WikiText-2, one train.py step a batch: the
     # authors' protocol (random batches of 32 lines, each padded to its longest, context targets
     # counted) against the paper's (batches of like lengths), computing the real tokens alone
-    # ("real") or every padded position ("dense": the output layer on all, the RNN unpacked).
+    # ("real": on a GPU the RNN packed too) or every padded position ("dense": the output
+    # layer on all, the RNN unpacked).
     # An epoch's seconds: the mean step of --steps batches (the middle one of each of --steps
     # equal slices of the epoch's batches sorted by width), times the epoch's batches.
     runs = {p: padding_run(p, device, args.steps) for p in ("paper", "authors")}

@@ -28,7 +28,8 @@ Feeding a sequence token by token through `state` gives the same h as one full p
 needs no `lengths` when only the real positions' outputs are read and no state is kept (training
 and perplexity): the padding comes after them and cannot change them.  That path runs
 attention with is_causal and no mask (FlashAttention on a GPU).  The RNN / LSTM are given the
-lengths there all the same and run packed: their cost is that of the real tokens.
+lengths there all the same and run packed (the LSTM on a GPU only: PACKED_ON), at the cost of
+the real tokens.
 """
 
 import collections
@@ -45,7 +46,11 @@ from heads import Head, padded
 
 MODELS = ("rnn", "lstm", "gcnn", "gpt")
 WINDOWED = ("gcnn", "gpt")  # learned positions: a context window of block_size tokens
-RECURRENT = ("rnn", "lstm")  # packed over right-padded lines (LanguageModel.forward)
+# Where a batch of lines runs its recurrent backbone packed (LanguageModel.forward): on a GPU, and
+# the tanh RNN on a CPU too.  On a CPU torch's packed LSTM is 1.4-5x slower than its fused dense
+# kernel even with 3/4 of a batch padding, while the packed RNN gains where padding is heavy
+# (RESULTS.md); padding after a row's real inputs cannot change them, so dense gives the same.
+PACKED_ON = {"rnn": ("cpu", "cuda"), "lstm": ("cuda",)}
 
 
 @contextlib.contextmanager
@@ -424,10 +429,10 @@ class LanguageModel(nn.Module):
         never the (B, T, V) log-probabilities, and only at the batch's rows (0 elsewhere: the
         mask says which count; no rows: every position).  state: the backbone's, or None."""
         # A batch of lines is right-padded (data/loader.pad_batch), and says where: a recurrent
-        # backbone runs packed over each row's real inputs; attention and convolution are causal,
-        # so the padding after the real positions cannot change them (they read all of (B, T)).
+        # backbone runs packed over each row's real inputs (PACKED_ON); every backbone is causal,
+        # so the padding after the real positions cannot change them (the others read (B, T)).
         lengths = None
-        if self.cfg["model"] in RECURRENT:
+        if batch["inputs"].device.type in PACKED_ON.get(self.cfg["model"], ()):
             lengths = batch.get("input_lengths")  # (B,) on the host, or None: unpacked
         h, state = self.backbone(batch["inputs"], state, lengths)
         # The output layer (U: V x D) dominates a step: it runs on the batch's rows alone, the

@@ -9,12 +9,22 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import model
 from data.loader import pad_batch
 from heads import HEADS
 from model import LanguageModel
 
 V, EOS = 100, 7  # U has padded(V) = 128 rows: the only matmul output 128 wide
 LENGTHS, CONTEXTS = (3, 41, 14, 26), (1, 10, 10, 4)  # lines of very different lengths
+
+
+MODEL_PACKED_ON = model.PACKED_ON
+
+
+@pytest.fixture(autouse=True)
+def packed_on_the_cpu(monkeypatch):
+    # A GPU runs both recurrent backbones packed (model.PACKED_ON); here the CPU does too.
+    monkeypatch.setattr(model, "PACKED_ON", {"rnn": ("cpu",), "lstm": ("cpu",)})
 
 
 def make(arch, head, protocol="paper"):
@@ -110,3 +120,15 @@ def test_a_recurrent_backbone_reads_the_real_inputs_alone(arch):
     lm(batch)
     assert isinstance(seen[0], PackedSequence)
     assert seen[0].data.size(0) == sum(n - 1 for n in LENGTHS)
+
+
+def test_a_cpu_runs_the_lstm_dense_and_the_rnn_packed(monkeypatch):
+    # (model.py's own choice: the packed LSTM is the slower one on a CPU)
+    monkeypatch.setattr(model, "PACKED_ON", MODEL_PACKED_ON)
+    seen = []
+    for arch in ("rnn", "lstm"):
+        lm = make(arch, "nmst")
+        lm.backbone.rnn.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        lm(lines(True))
+    assert isinstance(seen[0], PackedSequence)
+    assert not isinstance(seen[1], PackedSequence)
