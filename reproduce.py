@@ -377,9 +377,10 @@ def run_nmst(table, args):
     # A copy of args: the finished heads join this table's rows, not the next result's.
     args = argparse.Namespace(**{**vars(args), "heads": args.heads + done})
     runs = nmst_runs(cfg, args)
-    lines = report_table1(cfg, runs, args)
     if table == 4:
         lines = report_table4(cfg, runs, args)
+    else:
+        lines = report_table1(cfg, runs, args)
     half, path = t_half(cfg["eps"]), os.path.join(args.out, "r_nt.png")
     curves.r_nt_figure(runs, args.heads, cfg["decoders"], half, path)
     seqs = f"the first {EVAL_SEQS}" if cfg["steps"] else "all"

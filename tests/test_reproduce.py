@@ -81,6 +81,21 @@ def test_table_4s_verdict_lines_come_and_go_with_the_test():
     assert "VA+ 0.000 vs ST+ 0.750: one seed, not tested" in "\n".join(one)
 
 
+def test_table_4_is_reported_without_table_1s_decoders(tmp_path, monkeypatch):
+    """Table 4 decodes no greedy: its report is Table 4's alone (Table 1's asked for greedy)."""
+    cfg = reproduce.nmst_settings("cpu", 4)
+    heads = ["softmax", "st", "nmst"]
+    monkeypatch.setattr(reproduce, "nmst_runs", lambda c, a: table4_runs(cfg, heads, [0.7, 0.8]))
+    monkeypatch.setattr(reproduce.curves, "r_nt_figure", lambda *a: None)
+    monkeypatch.setattr(reproduce.curves, "over_training", lambda *a: [])
+    args = argparse.Namespace(scale="cpu", heads=heads, models=None, seeds=2)
+    args.out = args.runs = str(tmp_path)
+    lines, raw = reproduce.run_nmst(4, args)
+    assert lines[0].startswith("NMST Table 4: r_nt(1000)") and set(raw) == {
+        "gpt/" + h for h in heads
+    }
+
+
 def test_table_1s_perplexity_calls_are_one_sided_for_st_against_nmst():
     """The paper claims NMST+ below ST+ (one-sided); VA+ against either is two-sided."""
     cfg = dict(reproduce.nmst_settings("cpu", 1), models={"rnn": []})
