@@ -233,6 +233,7 @@ def test_the_authors_model_and_optimizer(tmp_path):
     )
 
 
+@pytest.mark.slow  # (a training run, end to end)
 def test_whole_epochs_stops_a_capped_run_at_an_epochs_end(tmp_path):
     """--max_minutes past its time: after the step that passes it, or with --whole_epochs at the
     end of that epoch (3 batches of 32 here), so no evaluation falls mid-epoch."""
