@@ -56,6 +56,15 @@ TINY_LSTM = (
 ).split()
 
 
+def small_cfg(arch, head, **over):
+    """A small model's config for the float64 equality tests: V = 100 (U padded to 128 rows),
+    eos 7, one layer of 16; `over` changes any of it."""
+    cfg = dict(model=arch, head=head, epsilon=1e-2, vocab_size=100, eos_id=7, n_layer=1)
+    cfg.update(d_model=16, dropout=0.0, tie=True, n_head=2, block_size=32, bias=True)
+    cfg.update(kernel_size=3, n_experts=2, ct_alpha=1.0, ct_beta=0.5)
+    return dict(cfg, **over)
+
+
 def steps(first, shape):
     """The continuation step t of every position, (..., T) for `shape` (..., T): first, first+1,
     ... along the last dimension (what data/loader.collate and decode.py build)."""

@@ -9,7 +9,7 @@ import common
 import heads
 import insnet
 import model
-from conftest import steps, target_log_p
+from conftest import small_cfg, steps, target_log_p
 from heads import HEADS
 from model import LanguageModel
 
@@ -20,26 +20,8 @@ def make(arch, head, pad=True, monkeypatch=None, **kw):
     if not pad:  # the same model without padding rows
         monkeypatch.setattr(heads, "padded", lambda v: v)
         monkeypatch.setattr(model, "padded", lambda v: v)
-    cfg = dict(
-        model=arch,
-        head=head,
-        epsilon=1e-2,
-        vocab_size=V,
-        eos_id=EOS,
-        n_layer=1,
-        d_model=16,
-        dropout=0.0,
-        tie=True,
-        n_head=2,
-        block_size=32,
-        bias=True,
-        kernel_size=3,
-        n_experts=2,
-        ct_alpha=1.0,
-        ct_beta=0.5,
-    )
     torch.manual_seed(0)
-    lm = LanguageModel(dict(cfg, **kw)).double().eval()
+    lm = LanguageModel(small_cfg(arch, head, **kw)).double().eval()
     monkeypatch and monkeypatch.undo()
     return lm
 

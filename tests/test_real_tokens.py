@@ -10,6 +10,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model
+from conftest import small_cfg
 from data.loader import pad_batch
 from heads import HEADS
 from model import LanguageModel
@@ -28,24 +29,7 @@ def packed_on_the_cpu(monkeypatch):
 
 
 def make(arch, head, protocol="paper"):
-    cfg = dict(
-        model=arch,
-        head=head,
-        epsilon=1e-2,
-        vocab_size=V,
-        eos_id=EOS,
-        n_layer=2,
-        d_model=16,
-        dropout=0.0,
-        tie=True,
-        n_head=2,
-        block_size=64,
-        bias=True,
-        n_experts=2,
-        ct_alpha=1.0,
-        ct_beta=0.5,
-        protocol=protocol,
-    )
+    cfg = small_cfg(arch, head, n_layer=2, block_size=64, protocol=protocol)
     torch.manual_seed(0)
     return LanguageModel(cfg).double().train()
 
