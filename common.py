@@ -192,6 +192,11 @@ def autocast(device, dtype):
     return torch.autocast("cuda", dtype=dt) if device.startswith("cuda") and dt else nullcontext()
 
 
+def precision(device, dtype):
+    """The precision --dtype gives a run on device: float32, or autocast's bfloat16 / float16."""
+    return str(getattr(autocast(device, dtype), "fast_dtype", torch.float32)).removeprefix("torch.")
+
+
 def world():  # (this process's rank, the number of processes): torchrun's, or (0, 1)
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 

@@ -446,8 +446,14 @@ def forced(cfg, head, dec, L):
 # A table's first lines: what it shows, n, and which of its cells the setting decides.
 def table_head(cfg, args, what):
     half = t_half(cfg["eps"])
+    # The runs' precision on this machine: train.py's --dtype auto, or float32 under --protocol
+    # authors (config.AUTHORS: the authors trained in float32).
+    device, dtype = common.get_device("auto"), "auto"
+    if "--protocol authors" in cfg["flags"]:
+        dtype = "float32"
     lines = [
-        f"NMST {what} (scale {args.scale}, {cfg['dataset']}): mean ± sample std (ddof 1) over "
+        f"NMST {what} (scale {args.scale}, {cfg['dataset']}, every run in "
+        f"{common.precision(device, dtype)}: --dtype {dtype}): mean ± sample std (ddof 1) over "
         f"n = {cfg['seeds']} seed(s); differences are called by Welch's t-test at 5 % (p "
         f"one-sided where the paper claims a direction).",
         f"- Theorem 3 decides, not training, every r_nt(L) of ST+ / NMST+ under greedy, top-k and "

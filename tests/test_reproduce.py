@@ -9,6 +9,7 @@ import os
 import pytest
 import scipy.stats
 
+import common
 import evaluate
 import reproduce
 from conftest import assert_one_line_error, run_in_process
@@ -79,6 +80,18 @@ def test_table_4s_verdict_lines_come_and_go_with_the_test():
     assert any("is NOT shown here" in line for line in one[:5])
     assert "- One seed: no spread, so no difference is called." in one
     assert "VA+ 0.000 vs ST+ 0.750: one seed, not tested" in "\n".join(one)
+
+
+def test_a_table_says_the_precision_its_runs_train_in():
+    """Table 1's paper scale: the authors' float32, on any machine; the cpu scale: --dtype auto,
+    which is float32 on a CPU (autocast only on CUDA)."""
+    args = argparse.Namespace(scale="paper")
+    paper = reproduce.table_head(reproduce.nmst_settings("paper", 1), args, "Table 1")
+    assert "every run in float32: --dtype float32)" in paper[0]
+    args.scale = "cpu"
+    cpu = reproduce.table_head(reproduce.nmst_settings("cpu", 1), args, "Table 1")
+    assert "(scale cpu, ptb, every run in " in cpu[0]
+    assert common.precision("cpu", "bfloat16") == "float32"
 
 
 def test_table_4_is_reported_without_table_1s_decoders(tmp_path, monkeypatch):
