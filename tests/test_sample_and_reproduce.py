@@ -706,7 +706,7 @@ def test_table1_puts_every_value_under_its_model():
     fell under RNN NMST+), and eps is shown only for the heads that read it."""
     import argparse
 
-    cfg = dict(models={"rnn": [], "lstm": []}, seeds=1, dataset="ptb", eps=1e-3)
+    cfg = dict(models={"rnn": [], "lstm": []}, seeds=1, dataset="ptb", eps=1e-3, flags="")
     runs = {
         (m, h): [dict(ppl_nanogen=float(100 * i + j), ppl_authors=None)]
         for i, m in enumerate(cfg["models"], 1)
