@@ -199,6 +199,7 @@ def test_batches_cover_everything_once_and_respect_limits():
     )
 
 
+@pytest.mark.slow  # (every batch of a WikiText-2 epoch)
 def test_max_tokens_batches_come_in_few_shapes_with_little_padding():
     """The GPT recipe's 1024-token batches on WikiText-103 (a compiled step keeps one graph a
     shape): an epoch's batches come in <= 32 (B, T) shapes, T rounded up to its bucket, and the

@@ -22,12 +22,17 @@ def run_args(protocol="paper", **over):
     return argparse.Namespace(**a)
 
 
+# The authors' prepared WikiText-2 takes a second and a half to read: its tests are slow ones.
+slow_data = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def authors():
     args = run_args("authors")
     return args, load_data(args, verbose=False)
 
 
+@slow_data
 def test_the_authors_counts_on_wikitext2(authors):
     """The counts of the authors' src/wiki2 pipeline, worked out from their code (data.py: every
     line kept, <bos>, <cpad> to 10 words, "" as <unk>; train.py: the loss and its divisor;
@@ -49,6 +54,7 @@ def test_the_authors_counts_on_wikitext2(authors):
     assert set(valid.contexts.tolist()) == {CONTEXT_LEN + 1}
 
 
+@slow_data
 def test_an_empty_and_a_short_line_as_the_authors_form_them(authors):
     """WikiText-2's first train line is empty: <bos> <cpad> x9 <unk> <eos>."""
     _, data = authors
@@ -57,6 +63,7 @@ def test_an_empty_and_a_short_line_as_the_authors_form_them(authors):
     assert first == ["<bos>", *["<cpad>"] * 9, "<unk>", "<eos>"]
 
 
+@slow_data
 def test_the_authors_batches_are_random_not_sorted(authors):
     args, data = authors
     keys = epoch_batches(args, data, 0)
@@ -67,6 +74,7 @@ def test_the_authors_batches_are_random_not_sorted(authors):
     assert all((a == b).all() for a, b in zip(keys, again))
 
 
+@slow_data
 def test_the_authors_divisor_over_an_epoch(authors):
     """Each training batch carries the authors' count (no padding, no <cpad>): over the epoch they
     add up to 2,101,579, the corpus count; the first line (empty: <bos> <cpad> x9 <unk> <eos>)
@@ -81,6 +89,7 @@ def test_the_authors_divisor_over_an_epoch(authors):
     assert (first["n"], first["n_authors"]) == (11, 2)
 
 
+@slow_data
 def test_the_authors_loss_counts_the_context_targets_and_evaluation_does_not(authors):
     from data.loader import get_batch
 
