@@ -446,11 +446,11 @@ def forced(cfg, head, dec, L):
 # A table's first lines: what it shows, n, and which of its cells the setting decides.
 def table_head(cfg, args, what):
     half = t_half(cfg["eps"])
-    # The runs' precision on this machine: train.py's --dtype auto, or float32 under --protocol
-    # authors (config.AUTHORS: the authors trained in float32).
+    # The runs' precision on this machine: train.py's --dtype auto, or under --protocol authors
+    # the authors' own (train.AUTHORS: float32).
     device, dtype = common.get_device("auto"), "auto"
     if "--protocol authors" in cfg["flags"]:
-        dtype = "float32"
+        dtype = train.AUTHORS["dtype"]
     lines = [
         f"NMST {what} (scale {args.scale}, {cfg['dataset']}, every run in "
         f"{common.precision(device, dtype)}: --dtype {dtype}): mean ± sample std (ddof 1) over "

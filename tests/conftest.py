@@ -56,6 +56,16 @@ TINY_LSTM = (
 ).split()
 
 
+@pytest.fixture(scope="module")
+def lstm_run(tmp_path_factory, request):
+    """A finished run of the test module's TINY flags, trained once a module: its folder."""
+    import train
+
+    out = tmp_path_factory.mktemp("lstm") / "run"
+    train.main(request.module.TINY + ["--out_dir", str(out)])
+    return out
+
+
 def small_cfg(arch, head, **over):
     """A small model's config for the float64 equality tests: V = 100 (U padded to 128 rows),
     eos 7, one layer of 16; `over` changes any of it."""

@@ -48,13 +48,6 @@ STORY = [
 
 
 @pytest.fixture(scope="module")
-def lstm_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lstm") / "run"
-    train.main(TINY + ["--out_dir", str(out)])
-    return out
-
-
-@pytest.fixture(scope="module")
 def story_ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("story") / "run"
     train.main(STORY + ["--out_dir", str(out)])

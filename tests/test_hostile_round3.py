@@ -24,13 +24,6 @@ pytestmark = pytest.mark.slow  # end to end: python -m pytest -m "" runs them
 TINY = TINY_LSTM + ["--max_iters", "4", "--eval_interval", "2", "--probe", "0"]
 
 
-@pytest.fixture(scope="module")
-def lstm_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lstm") / "run"
-    train.main(TINY + ["--out_dir", str(out)])
-    return out
-
-
 @pytest.fixture
 def read_only(tmp_path):
     """A real read-only folder: its mode bits for a user, a read-only tmpfs for root (who ignores

@@ -32,13 +32,6 @@ TINY = TINY_LSTM + ["--max_iters", "2", "--eval_interval", "2", "--probe", "0", 
 slow = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def lstm_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lstm") / "run"
-    train.main(TINY + ["--out_dir", str(out)])
-    return out
-
-
 @pytest.fixture
 def tmpfs(tmp_path):
     """A real small disk, to fill up: mount(size) -> a fresh tmpfs of that size (root only; the
